@@ -1,0 +1,30 @@
+# genq: `make run` starts the local stack, `make test` runs the whole suite.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: install test lint run services bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The CPU wheel first, so the open `torch>=2.4` range installs nothing more.
+	$(PIP) install -q "torch==$(TORCH_VERSION)" || $(PIP) install -q "torch>=2.4"
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+services:
+	bash scripts/services.sh
+
+test: install services
+	$(VENV)/bin/pytest -q tests
+
+lint: install
+	$(VENV)/bin/ruff check batching jobstore webapi workers tests bench
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,132 @@
+"""Paged attention, registered with transformers' AttentionInterface.
+
+The model's own attention modules compute q/k/v (and RoPE) and call `paged_attention`. It writes the
+step's new K/V into cache slots, then attends each sequence's queries over its cached context.
+Per-step metadata arrives explicitly through the forward's kwargs (`genq_attn=`), never as a global.
+Decode tokens (one query per sequence) are attended in one batched call; prefill chunks one by one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from batching.kv_cache import KVCache
+
+ATTENTION_NAME = "genq_paged"
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    start: int                      # the chunk's rows in the packed batch: [start, end)
+    end: int
+    context_len: int                # cached + new tokens this chunk attends over
+    slots: torch.Tensor | None      # [context_len] cache slots; None when the chunk is the whole context
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor              # [T] cache slot of every packed token
+    num_decodes: int                        # the first num_decodes tokens are single-query sequences
+    decode_slots: torch.Tensor | None       # [Nd, Lmax] context slots, padded
+    decode_context_lens: torch.Tensor | None  # [Nd]
+    prefills: list[PrefillChunk]
+    _masks: dict = field(default_factory=dict)   # decode masks by sliding window, built once per step
+
+    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[Nd, 1, 1, Lmax] bool, True where the query may attend."""
+        mask = self._masks.get(sliding_window)
+        if mask is None:
+            lens = self.decode_context_lens[:, None]
+            pos = torch.arange(self.decode_slots.shape[1], device=lens.device)[None, :]
+            mask = pos < lens
+            if sliding_window is not None:
+                mask &= pos > lens - 1 - sliding_window
+            mask = mask[:, None, None, :]
+            self._masks[sliding_window] = mask
+        return mask
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                    sliding_window=None, softcap=None, s_aux=None, genq_attn: AttentionMetadata = None,
+                    **kwargs):
+    """query: [1, H, T, D]; key, value: [1, Hkv, T, D]. Returns ([1, T, H, D], None)."""
+    meta = genq_attn
+    if meta is None:
+        raise RuntimeError("genq_paged attention needs the engine's step metadata (genq_attn=...)")
+    layer = module.layer_idx
+    k_cache, v_cache = meta.kv_cache.k[layer], meta.kv_cache.v[layer]   # [S, Hkv, D]
+    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
+    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q = query[0].transpose(0, 1)                                       # [T, H, D]
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        kd = k_cache[meta.decode_slots]                                # [Nd, Lmax, Hkv, D]
+        vd = v_cache[meta.decode_slots]
+        out[:nd] = _decode_attention(q[:nd], kd, vd, meta.decode_mask(sliding_window), scale, softcap, s_aux)
+    for chunk in meta.prefills:
+        qp = query[:, :, chunk.start:chunk.end]                        # [1, H, q, D]
+        if chunk.slots is None:
+            kp, vp = key[:, :, chunk.start:chunk.end], value[:, :, chunk.start:chunk.end]
+        else:
+            kp = k_cache[chunk.slots].transpose(0, 1).unsqueeze(0)     # [1, Hkv, L, D]
+            vp = v_cache[chunk.slots].transpose(0, 1).unsqueeze(0)
+        mask = _causal_mask(chunk.end - chunk.start, chunk.context_len, sliding_window, q.device)
+        out[chunk.start:chunk.end] = _prefill_attention(qp, kp, vp, mask, scale, softcap, s_aux)[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def _causal_mask(q_len: int, kv_len: int, sliding_window: int | None, device) -> torch.Tensor:
+    """[q, L] bool: query j (at position kv_len - q_len + j) sees keys up to its own position."""
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    k_pos = torch.arange(kv_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def _decode_attention(q, k, v, mask, scale, softcap, sinks):
+    """One query per sequence. q: [Nd, H, D]; k, v: [Nd, L, Hkv, D]; mask: [Nd, 1, 1, L]. → [Nd, H, D].
+
+    Queries are grouped by their KV head ([Nd, Hkv, rep, D]) so K/V are never repeated per head.
+    """
+    nd, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    qg = q.view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)      # [Nd, Hkv, rep, D]
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale                # [Nd, Hkv, rep, L]
+    probs = _softmax(scores, mask, softcap, None if sinks is None else sinks.view(num_kv_heads, -1, 1))
+    return torch.matmul(probs, v.transpose(1, 2)).reshape(nd, num_heads, head_dim)
+
+
+def _prefill_attention(q, k, v, mask, scale, softcap, sinks):
+    """q: [1, H, q, D]; k, v: [1, Hkv, L, D]; mask: [q, L] bool. → [1, H, q, D]."""
+    k, v = _repeat_kv(k, q), _repeat_kv(v, q)
+    if softcap is None and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale                   # [1, H, q, L]
+    return torch.matmul(_softmax(scores, mask, softcap, None if sinks is None else sinks.view(-1, 1, 1)), v)
+
+
+def _softmax(scores, mask, softcap, sinks):
+    """Masked softmax over the last dim, with Gemma-2 soft-capping and gpt-oss attention sinks."""
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    # a sink is one extra logit per head that takes probability mass but has no value
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)   # sinks come shaped per head, [..., 1]
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)
+    return probs[..., :-1]
+
+
+def _repeat_kv(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    rep = q.shape[1] // kv.shape[1]
+    return kv if rep == 1 else kv.repeat_interleave(rep, dim=1)

@@ -1,0 +1,54 @@
+"""Engine configuration: one validated dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+PREEMPTION_MODES = ("swap", "recompute")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = "tiny-llama"        # HF id, local path, or the built-in "tiny-llama"
+    dtype: str = "auto"              # "auto": the checkpoint's dtype on CUDA, float32 on the CPU
+    device: str = "auto"             # "auto": CUDA when present
+    block_size: int = 16             # tokens per KV block
+    num_device_blocks: int | None = None  # None: sized from free memory
+    num_host_blocks: int | None = None    # 0 disables swap; None: as many as device blocks (capped by memory)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None      # None: the model's max_position_embeddings
+    preemption_mode: str = "swap"
+    enable_chunked_prefill: bool = True
+    memory_utilization: float = 0.9      # share of free device memory the KV cache may take when sizing
+    seed: int = 0                        # base of the random seeds of unseeded sampled requests
+    revision: str | None = None          # model revision for HF ids
+    trust_remote_code: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a non-empty string (an HF id, a local path or 'tiny-llama')")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be one of {DEVICES} (or 'cuda:N'), got {self.device!r}")
+        _check_int("block_size", self.block_size, 1)
+        if self.num_device_blocks is not None:
+            _check_int("num_device_blocks", self.num_device_blocks, 1)
+        if self.num_host_blocks is not None:
+            _check_int("num_host_blocks", self.num_host_blocks, 0)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 2)
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if not 0.0 < self.memory_utilization <= 1.0:
+            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

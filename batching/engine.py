@@ -1,0 +1,324 @@
+"""The engine: add requests, step them in a continuous batch, report outputs.
+
+    step() = schedule() → run() → postprocess()
+
+Not thread-safe: one thread owns an Engine (see workers.engine_host for the service's use).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from collections.abc import Sequence as Seq
+
+
+from batching.block_manager import BlockManager, blocks_for
+from batching.config import EngineConfig
+from batching.kv_cache import KVCache
+from batching.model_runner import ModelRunner
+from batching.models import load_model, load_model_config, load_tokenizer_for, resolve_device, resolve_dtype
+from batching.outputs import RequestOutput
+from batching.sampler import Sampler
+from batching.sampling_params import SamplingParams
+from batching.scheduler import Scheduler, SchedulerOutput
+from batching.sequence import FINISH_REASONS, Sequence, SequenceStatus
+from batching.sizing import size_pools
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.device = resolve_device(config.device)
+        model_config = load_model_config(config)
+        self.dtype = resolve_dtype(config.dtype, model_config, self.device)
+        self.tokenizer = load_tokenizer_for(config)
+        self.model = load_model(config, self.device, self.dtype, model_config)
+        mc = self.model.config
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids = _eos_ids(mc, self.tokenizer)
+        self.max_model_len = _max_model_len(config, mc)
+
+        num_layers = mc.num_hidden_layers
+        num_kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        block_bytes = KVCache.bytes_per_block(num_layers, num_kv_heads, head_dim, config.block_size, self.dtype)
+        num_device_blocks, num_host_blocks = size_pools(config, self.device, block_bytes, self.max_model_len)
+        self.kv_cache = KVCache(num_layers, num_kv_heads, head_dim, config.block_size, num_device_blocks,
+                                num_host_blocks, self.dtype, self.device)
+        self.block_manager = BlockManager(num_device_blocks, num_host_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device)
+        self.sampler = Sampler()
+
+        self.requests: dict[str, Sequence] = {}
+        self._pending_outputs: list[RequestOutput] = []   # aborted between steps, reported by the next
+        self._ids = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+        self._counters = dict(num_steps=0, num_prompt_tokens_computed=0, num_generated_tokens=0,
+                              num_aborted=0, step_time_s=0.0, last_step_num_tokens=0,
+                              last_step_num_seqs=0, last_step_time_s=0.0)
+        self._warm_up()
+        log.info("engine ready: %s on %s/%s, %d device + %d host KV blocks of %d tokens, max_model_len %d",
+                 config.model, self.device, str(self.dtype).removeprefix("torch."), num_device_blocks,
+                 num_host_blocks, config.block_size, self.max_model_len)
+
+    # --- requests ---------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 5, resume_token_ids: list[int] | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request. Raises ValueError naming the field and the limit; nothing is queued then.
+
+        resume_token_ids: tokens this request already generated (e.g. persisted before a crash); they
+        are prefilled with the prompt, count toward max_tokens, and sampling continues at their index.
+        """
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 9:
+            raise ValueError(f"priority must be an integer from 0 (most urgent) to 9, got {priority!r}")
+        prompt_ids = self._encode_prompt(prompt)
+        resumed = self._check_token_ids("resume_token_ids", resume_token_ids or [])
+        if len(resumed) >= params.max_tokens:
+            raise ValueError(f"resume_token_ids: {len(resumed)} tokens already reach max_tokens "
+                             f"({params.max_tokens}); the request is complete")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds max_model_len ({self.max_model_len})")
+        if blocks_for(total, self.config.block_size) > self.block_manager.num_device_blocks:
+            raise ValueError(f"prompt + max_tokens ({total} tokens) needs more KV blocks than the device pool "
+                             f"holds ({self.block_manager.num_device_blocks} blocks of {self.config.block_size})")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        seq = Sequence(request_id, prompt_ids, params, priority, seed, resumed, arrival_time)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request wherever it is; its blocks are free at once. False if it is unknown/finished."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        seq.finish_time = time.time()
+        self._counters["num_aborted"] += 1
+        self._pending_outputs.append(self._output(seq))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending_outputs)
+
+    # --- the step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns the outputs of requests that changed (new tokens, finished, aborted)."""
+        started = time.perf_counter()
+        sched = self.scheduler.schedule()
+        logits, sample_seqs = self.runner.execute(sched)
+        tokens = self.sampler(logits, sample_seqs) if sample_seqs else []
+        outputs = self._postprocess(sched, sample_seqs, tokens)
+        self._record_step(sched, time.perf_counter() - started)
+        return outputs
+
+    def _postprocess(self, sched: SchedulerOutput, sample_seqs: list[Sequence], tokens: list[int]):
+        outputs, self._pending_outputs = self._pending_outputs, []
+        for seq, n in zip(sched.seqs, sched.num_scheduled_tokens):
+            if seq.num_output_tokens == 0 or seq.num_computed_tokens < seq.num_tokens - 1:
+                self._counters["num_prompt_tokens_computed"] += n
+            seq.num_computed_tokens += n
+        now = time.time()
+        for seq, token in zip(sample_seqs, tokens):
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self._counters["num_generated_tokens"] += 1
+            status = self._check_stop(seq, token)
+            if status is not None:
+                self.scheduler.finish(seq, status)
+                seq.finish_time = now
+                del self.requests[seq.req_id]
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        p = seq.params
+        self._detokenize(seq)
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if p.stop and self._cut_at_stop_string(seq):
+            return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    # --- text ---------------------------------------------------------------------------------------
+
+    def _detokenize(self, seq: Sequence) -> None:
+        """Append the text of new tokens; a token that ends mid-character waits for the next one."""
+        if self.tokenizer is None:
+            return
+        ids = seq.token_ids
+        prefix = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
+        full = self.tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            seq.text += full[len(prefix):]
+            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+
+    def _cut_at_stop_string(self, seq: Sequence) -> bool:
+        text = seq.text
+        for stop in seq.params.stop:
+            at = text.find(stop, max(0, len(text) - len(stop) - 64))
+            if at == -1 and len(text) > 64:
+                at = text.find(stop)
+            if at != -1:
+                seq.text = text[:at]
+                return True
+        return False
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.req_id, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+            token_ids=seq.output_token_ids, text=seq.text, finished=seq.finished,
+            finish_reason=FINISH_REASONS.get(seq.status), num_preemptions=seq.num_preemptions,
+            arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
+            finish_time=seq.finish_time, priority=seq.priority,
+        )
+
+    # --- offline use ------------------------------------------------------------------------------
+
+    def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 priorities: Seq[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in the order of `prompts`."""
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        priorities = list(priorities) if priorities is not None else [5] * len(prompts)
+        if not len(prompts) == len(params) == len(priorities):
+            raise ValueError("prompts, params and priorities must have the same length")
+        batch = next(self._ids)
+        ids = [f"generate-{batch}-{i}" for i in range(len(prompts))]
+        added = []
+        try:
+            for rid, prompt, p, prio in zip(ids, prompts, params, priorities):
+                self.add_request(rid, prompt, p, prio)
+                added.append(rid)
+        except ValueError:
+            for rid in added:
+                self.abort(rid)
+            self._pending_outputs = [o for o in self._pending_outputs if o.request_id not in added]
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids), use_tqdm)
+        while len(results) < len(ids):
+            for out in self.step():
+                if out.finished and out.request_id in ids:
+                    results[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [results[rid] for rid in ids]
+
+    # --- introspection ----------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        bm, sch = self.block_manager, self.scheduler
+        return {
+            "num_running": len(sch.running), "num_waiting": len(sch.waiting), "num_swapped": len(sch.swapped),
+            "num_device_blocks": bm.num_device_blocks, "num_free_device_blocks": bm.num_free_device_blocks,
+            "num_host_blocks": bm.num_host_blocks, "num_free_host_blocks": bm.num_free_host_blocks,
+            "device_kv_usage": bm.device_usage(), "host_kv_usage": bm.host_usage(),
+            "num_preemptions": sch.num_preemptions, "num_blocks_swapped_out": sch.num_blocks_swapped_out,
+            "num_blocks_swapped_in": sch.num_blocks_swapped_in,
+            "num_recomputed_tokens": sch.num_recomputed_tokens, **self._counters,
+        }
+
+    def check_invariants(self) -> None:
+        """Assert the block manager's invariants (for tests)."""
+        self.block_manager.check_invariants(self.scheduler.live_sequences())
+
+    # --- helpers ----------------------------------------------------------------------------------
+
+    def _encode_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt: {self.config.model!r} has no tokenizer; pass token ids")
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = self._check_token_ids("prompt", prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        return ids
+
+    def _check_token_ids(self, field: str, ids) -> list[int]:
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"{field} must be a string or a list of token ids")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"{field}: token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+        return list(ids)
+
+    def _record_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        c = self._counters
+        c["num_steps"] += 1
+        c["step_time_s"] += seconds
+        c["last_step_num_tokens"] = sched.total_num_scheduled_tokens
+        c["last_step_num_seqs"] = len(sched.seqs)
+        c["last_step_time_s"] = seconds
+
+    def _warm_up(self) -> None:
+        """One tiny request through the real path: proves the model works with paged attention."""
+        try:
+            self.add_request("__warmup__", [0, 0, 0], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+            while self.has_unfinished_requests():
+                self.step()
+        except (TypeError, RuntimeError, AttributeError, NotImplementedError) as exc:
+            raise ValueError(f"model: {self.config.model!r} cannot run on genq's paged attention: {exc}") from exc
+        for key in self._counters:
+            self._counters[key] = 0 if isinstance(self._counters[key], int) else 0.0
+
+
+def _eos_ids(model_config, tokenizer) -> set[int]:
+    eos = getattr(model_config, "eos_token_id", None)
+    ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def _max_model_len(config: EngineConfig, model_config) -> int:
+    limit = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
+    if config.max_model_len is None:
+        if limit is None:
+            raise ValueError("max_model_len: the model config has no max_position_embeddings; set it")
+        return int(limit)
+    if limit is not None and config.max_model_len > limit:
+        raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
+                         f"max_position_embeddings ({limit})")
+    return config.max_model_len
+
+
+def _progress(total: int, enabled: bool):
+    if enabled:
+        from tqdm.auto import tqdm
+        return tqdm(total=total, desc="generate", unit="req")
+    return _NoBar()
+
+
+class _NoBar:
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+__all__ = ["Engine"]

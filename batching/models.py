@@ -1,0 +1,115 @@
+"""Loading a decoder model by HF id or local path, or building the built-in tiny-llama."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+
+import torch
+
+from batching.attention import ATTENTION_NAME, paged_attention
+from batching.config import EngineConfig
+from batching.tokenizer import BOS_ID, BUILTIN_MODEL, EOS_ID, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64,
+                "bfloat16": torch.bfloat16, "float16": torch.float16}
+SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+def tiny_llama_config():
+    """A small Llama (4 layers, hidden 128, GQA 4:2) over the byte-level tokenizer's 259 ids."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=259, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=0, tie_word_embeddings=False,
+        # wider than the usual 0.02 so logits have clear winners and greedy text is stable across batches
+        initializer_range=0.25,
+    )
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device: {name!r} was asked for but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model_config, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return TORCH_DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    checkpoint = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+    if isinstance(checkpoint, str):
+        checkpoint = TORCH_DTYPES.get(checkpoint)
+    return checkpoint if checkpoint in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
+
+
+def load_model_config(config: EngineConfig):
+    """The model's HF config (its own copy), refusing architectures the engine cannot run."""
+    if config.model == BUILTIN_MODEL:
+        model_config = tiny_llama_config()
+    else:
+        from transformers import AutoConfig
+
+        try:
+            model_config = AutoConfig.from_pretrained(config.model, revision=config.revision,
+                                                      trust_remote_code=config.trust_remote_code)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"model: cannot load {config.model!r} (not the built-in {BUILTIN_MODEL!r}, "
+                             f"a local checkpoint directory or a reachable Hugging Face id): {exc}") from exc
+        model_config = copy.deepcopy(model_config)
+    _check_supported(model_config)
+    return model_config
+
+
+def _check_supported(model_config) -> None:
+    if getattr(model_config, "is_encoder_decoder", False):
+        raise ValueError(f"model: {model_config.model_type} is an encoder-decoder; genq runs decoder-only models")
+    layer_types = set(getattr(model_config, "layer_types", None) or ())
+    unsupported = layer_types - SUPPORTED_LAYER_TYPES
+    if unsupported:
+        raise ValueError(f"model: layer types {sorted(unsupported)} are not supported "
+                         f"(only {sorted(SUPPORTED_LAYER_TYPES)})")
+
+
+def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, model_config):
+    """The causal LM on `device` in `dtype`, in eval mode, with genq's paged attention plugged in."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention)
+    # No AttentionMaskInterface entry on purpose: transformers then builds no dense mask at all.
+    model_config._attn_implementation = ATTENTION_NAME
+    if config.model == BUILTIN_MODEL:
+        model = build_tiny_llama(model_config)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                config.model, config=model_config, dtype=dtype, revision=config.revision,
+                trust_remote_code=config.trust_remote_code, attn_implementation=ATTENTION_NAME)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"model: cannot load weights of {config.model!r}: {exc}") from exc
+    model.set_attn_implementation(ATTENTION_NAME)
+    model = model.to(device=device, dtype=dtype).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def build_tiny_llama(model_config):
+    """Deterministic random weights: the same model on every machine, no download."""
+    from transformers import LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(20261121)
+        model = LlamaForCausalLM(model_config)
+    return model
+
+
+def load_tokenizer_for(config: EngineConfig):
+    return load_tokenizer(config.model, config.revision, config.trust_remote_code)

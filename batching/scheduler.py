@@ -1,0 +1,247 @@
+"""Decides what each engine step runs: token budget, priorities, preemption. No torch here.
+
+A step is filled in stall-free order (Sarathi-Serve): one decode token for every running sequence,
+then the next chunks of prefills in progress, then sequences that are not running (swapped out or
+waiting), most urgent first. Before filling, `_make_room_for_urgent` preempts running sequences that
+are strictly less urgent than a swapped or waiting one that cannot otherwise start.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from batching.block_manager import BlockManager, blocks_for
+from batching.config import EngineConfig
+from batching.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What the model runner executes this step. Plain data: sequences, token counts, block copies."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host block, device block)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_scheduled_tokens.append(num_tokens)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.swap_out and not self.swap_in
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.chunked_prefill = config.enable_chunked_prefill
+        self.swap_enabled = config.preemption_mode == "swap"
+        self.block_manager = block_manager
+        # keep free a few blocks when admitting without preemption, so running decodes can grow
+        self.watermark_blocks = max(1, block_manager.num_device_blocks // 100)
+        self.waiting: list[Sequence] = []   # sorted by urgency
+        self.swapped: list[Sequence] = []   # sorted by urgency
+        self.running: list[Sequence] = []
+        # counters
+        self.num_preemptions = 0
+        self.num_blocks_swapped_out = 0
+        self.num_blocks_swapped_in = 0
+        self.num_recomputed_tokens = 0
+
+    # --- queue management -------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=_urgency)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.swapped or self.running)
+
+    def live_sequences(self) -> list[Sequence]:
+        return self.running + self.swapped + self.waiting
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Take `seq` out of whichever queue holds it and free its blocks."""
+        queue = {SequenceStatus.RUNNING: self.running, SequenceStatus.SWAPPED: self.swapped,
+                 SequenceStatus.WAITING: self.waiting}.get(seq.status)
+        if queue is not None:
+            queue.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+
+    # --- one step ---------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        self._make_room_for_urgent(out)
+        budget = self._schedule_decodes(out, budget)
+        budget = self._schedule_prefill_chunks(out, budget)
+        self._schedule_admissions(out, budget)
+        return out
+
+    def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
+        bm = self.block_manager
+        for seq in sorted((s for s in self.running if s.is_decoding), key=_urgency):
+            if budget == 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:   # preempted earlier in this loop
+                continue
+            while not bm.can_allocate(seq, 1):
+                victim = self._least_urgent_running(exclude=out.seqs)
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status == SequenceStatus.RUNNING:
+                bm.allocate(seq, 1)
+                out.add(seq, 1)
+                budget -= 1
+        return budget
+
+    def _schedule_prefill_chunks(self, out: SchedulerOutput, budget: int) -> int:
+        bm = self.block_manager
+        for seq in sorted((s for s in self.running if not s.is_decoding), key=_urgency):
+            if budget == 0:
+                break
+            if seq.status != SequenceStatus.RUNNING or seq in out.seqs:
+                continue
+            n = min(seq.num_uncomputed_tokens, budget, bm.max_tokens_allocatable(seq))
+            if n == 0:
+                # pool exhausted: a prefill that cannot move while others hold all blocks would
+                # deadlock, so the least urgent unscheduled running sequence (maybe this one) yields
+                victim = self._least_urgent_running(exclude=out.seqs)
+                self._preempt(victim, out)
+                if victim is seq:
+                    continue
+                n = min(seq.num_uncomputed_tokens, budget, bm.max_tokens_allocatable(seq))
+                if n == 0:
+                    continue
+            bm.allocate(seq, n)
+            out.add(seq, n)
+            budget -= n
+        return budget
+
+    def _schedule_admissions(self, out: SchedulerOutput, budget: int) -> None:
+        """Swap in or start not-running sequences in urgency order; stop at the first that cannot start."""
+        bm = self.block_manager
+        for seq in _merge_by_urgency(self.swapped, self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                return
+            if seq in out.preempted:       # no ping-pong within one step
+                continue
+            n = self._first_chunk(seq, budget, first_prefill=all(k == 1 for k in out.num_scheduled_tokens))
+            if n == 0:
+                return
+            if seq.status == SequenceStatus.SWAPPED:
+                extra = blocks_for(seq.num_computed_tokens + n, bm.block_size) - len(seq.host_block_table)
+                if not bm.can_swap_in(seq, extra):
+                    return
+                mapping = bm.swap_in(seq)
+                out.swap_in.extend(mapping)
+                self.num_blocks_swapped_in += len(mapping)
+                self.swapped.remove(seq)
+            else:
+                if self.chunked_prefill:
+                    # keep a few blocks for growing decodes, unless this admission was paid for by
+                    # preemption or nothing else runs
+                    reserve = self.watermark_blocks if self.running and not out.preempted else 0
+                    n = min(n, bm.max_tokens_allocatable(seq) - reserve * bm.block_size)
+                    if n <= 0:
+                        return
+                elif not bm.can_allocate(seq, n):
+                    return
+                self.waiting.remove(seq)
+            bm.allocate(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.add(seq, n)
+            budget -= n
+
+    def _first_chunk(self, seq: Sequence, budget: int, first_prefill: bool) -> int:
+        """Tokens to run for a sequence that starts (or resumes) this step."""
+        if self.chunked_prefill:
+            return min(seq.num_uncomputed_tokens, budget)
+        if seq.num_uncomputed_tokens <= budget:
+            return seq.num_uncomputed_tokens
+        # without chunking a prompt runs whole: one longer than what is left of the budget runs
+        # as the step's first prefill (overrunning the budget, stalling decodes) so it cannot starve
+        return seq.num_uncomputed_tokens if first_prefill else 0
+
+    # --- preemption -------------------------------------------------------------------------------
+
+    def _make_room_for_urgent(self, out: SchedulerOutput) -> None:
+        """Preempt running sequences strictly less urgent than a not-running one that cannot start."""
+        bm = self.block_manager
+        # blocks that running decodes will take this step stay reserved for them
+        free = bm.num_free_device_blocks - sum(1 for s in self.running if s.is_decoding and bm.num_new_blocks(s, 1))
+        slots = self.max_num_seqs - len(self.running)
+        budget = self.max_num_batched_tokens - sum(1 for s in self.running if s.is_decoding)
+        for cand in _merge_by_urgency(self.swapped, self.waiting):
+            if budget <= 0:
+                return
+            n = min(cand.num_uncomputed_tokens, budget) if self.chunked_prefill else cand.num_uncomputed_tokens
+            if cand.status == SequenceStatus.SWAPPED:
+                need = blocks_for(cand.num_computed_tokens + n, bm.block_size)
+            else:
+                need = bm.num_new_blocks(cand, n) if self.chunked_prefill else bm.num_new_blocks(cand, cand.num_uncomputed_tokens)
+            while slots < 1 or free < need:
+                victim = self._least_urgent_running(exclude=out.seqs, less_urgent_than=cand)
+                if victim is None:
+                    return   # strict priority: nobody behind `cand` may preempt for it
+                free += len(victim.block_table)
+                slots += 1
+                self._preempt(victim, out)
+            free -= need
+            slots -= 1
+            budget -= n
+
+    def _least_urgent_running(self, exclude: list[Sequence], less_urgent_than: Sequence | None = None):
+        """The victim rule: highest priority number, latest arrival among equals."""
+        victim = None
+        for seq in self.running:
+            if seq in exclude:
+                continue
+            if less_urgent_than is not None and seq.priority <= less_urgent_than.priority:
+                continue
+            if victim is None or _urgency(seq) > _urgency(victim):
+                victim = seq
+        return victim
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Checkpoint `seq`'s KV to host memory when possible, else drop it for recomputation."""
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        mapping = None
+        if self.swap_enabled and seq.num_computed_tokens > 0:
+            mapping = self.block_manager.swap_out(seq)
+        if mapping is not None:
+            out.swap_out.extend(mapping)
+            self.num_blocks_swapped_out += len(mapping)
+            seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, seq, key=_urgency)
+        else:
+            self.block_manager.free(seq)
+            self.num_recomputed_tokens += seq.num_computed_tokens
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            bisect.insort(self.waiting, seq, key=_urgency)
+
+
+def _urgency(seq: Sequence) -> tuple[int, float]:
+    return (seq.priority, seq.arrival_time)
+
+
+def _merge_by_urgency(a: list[Sequence], b: list[Sequence]) -> list[Sequence]:
+    """Both lists are sorted by urgency; a snapshot, so callers may move items between queues."""
+    return sorted(a + b, key=_urgency)

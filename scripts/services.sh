@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Start local Postgres and Redis if they are not answering (CI and fresh machines).
+set -euo pipefail
+if ! pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then
+    echo "starting postgres"
+    pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql)" main start
+    for _ in $(seq 30); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 1; done
+fi
+if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
+    echo "starting redis"
+    mkdir -p /var/lib/redis /var/log/redis
+    redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
+        --dir /var/lib/redis --logfile /var/log/redis/ci.log
+    for _ in $(seq 30); do redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 && break; sleep 1; done
+fi
