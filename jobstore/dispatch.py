@@ -1,0 +1,50 @@
+"""The broker side of a job: how "job X is ready to run" goes to Redis.
+
+The API (sending) and the workers (consuming) must agree on the Redis priority emulation: kombu
+keeps one Redis list per priority step, `generate` for 0 and `generate:N` for N, and a worker's BRPOP
+lists them in `priority_steps` order, so priority 0 is taken first. A sender with other
+`priority_steps` would file messages under the wrong list, hence one configuration for both.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from celery import Celery
+
+from jobstore.settings import Settings
+
+QUEUE = "generate"
+TASK = "generate"
+DEFAULT_PRIORITY = 5  # 0 is the most urgent, 9 the least
+
+
+def celery_config(settings: Settings) -> dict:
+    """Celery settings shared by every process that sends or consumes jobs."""
+    transport = {
+        "queue_order_strategy": "priority",
+        "priority_steps": list(range(10)),
+        "sep": ":",
+    }
+    if settings.redis_key_prefix:
+        transport["global_keyprefix"] = settings.redis_key_prefix
+    return dict(
+        broker_url=settings.redis_url,
+        broker_transport_options=transport,
+        broker_connection_retry_on_startup=True,
+        task_default_queue=QUEUE,
+        task_default_priority=DEFAULT_PRIORITY,
+        task_ignore_result=True,  # results live in Postgres
+    )
+
+
+def make_celery(settings: Settings, name: str = "genq") -> Celery:
+    """A Celery app that can send jobs (the API uses this; workers/celery.py extends it)."""
+    app = Celery(name, set_as_current=False)
+    app.conf.update(celery_config(settings))
+    return app
+
+
+def send_job(app: Celery, job_id: uuid.UUID, priority: int) -> None:
+    """Put "run job `job_id`" on the `generate` queue with the job's priority."""
+    app.send_task(TASK, args=[str(job_id)], queue=QUEUE, priority=priority)

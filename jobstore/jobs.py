@@ -1,0 +1,174 @@
+"""Job state transitions, each one atomic SQL statement on the job row.
+
+    create ─▶ queued ──claim──▶ running ──finish──▶ succeeded
+                ▲                │  │ └───fail────▶ failed
+                │                │  └─(lease expired: requeue_expired)─▶ queued
+                └─────cancel─────┴──────cancel────▶ cancelled
+
+A worker changes a running job only while it holds the lease (`worker_id` matches); every write it
+makes renews the lease. When a call returns False the job is no longer the worker's (cancelled, or
+its lease expired and the job went back to the queue), and the worker must stop working on it.
+The caller owns the transaction: these functions never commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timedelta
+
+from sqlalchemy import func, select, text, tuple_, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from jobstore.models import Job, JobStatus
+
+ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING)
+RECONCILER_LOCK = 0x67656E71  # pg advisory lock id ("genq") taken by the reconciler
+
+
+class IdempotencyConflict(Exception):
+    """The Idempotency-Key was used before by the same tenant with a different request."""
+
+
+def request_fingerprint(request: Mapping) -> str:
+    """A stable hash of a validated request body, to compare requests sharing an Idempotency-Key."""
+    return hashlib.sha256(json.dumps(request, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def create_job(session: Session, tenant_id: uuid.UUID, request: Mapping, *, prompt_tokens: int | None = None,
+               idempotency_key: str | None = None) -> tuple[Job, bool]:
+    """Insert a queued job from a validated request; returns (job, created).
+
+    With an `idempotency_key` already used by this tenant, returns that job (created=False), or raises
+    IdempotencyConflict when its request differed.
+    """
+    fingerprint = request_fingerprint(request) if idempotency_key else None
+    values = {("metadata_" if k == "metadata" else k): v for k, v in request.items()}
+    stmt = insert(Job).values(tenant_id=tenant_id, status=JobStatus.QUEUED, prompt_tokens=prompt_tokens,
+                              idempotency_key=idempotency_key, request_hash=fingerprint, **values)
+    if idempotency_key:
+        stmt = stmt.on_conflict_do_nothing(index_elements=["tenant_id", "idempotency_key"],
+                                           index_where=text("idempotency_key IS NOT NULL"))
+    job = session.scalars(stmt.returning(Job)).one_or_none()
+    if job is not None:
+        return job, True
+    existing = session.scalars(
+        select(Job).where(Job.tenant_id == tenant_id, Job.idempotency_key == idempotency_key)).one()
+    if existing.request_hash != fingerprint:
+        raise IdempotencyConflict(idempotency_key)
+    return existing, False
+
+
+def get_job(session: Session, job_id: uuid.UUID, tenant_id: uuid.UUID | None = None) -> Job | None:
+    """The job, or None when it does not exist or belongs to another tenant."""
+    stmt = select(Job).where(Job.id == job_id)
+    if tenant_id is not None:
+        stmt = stmt.where(Job.tenant_id == tenant_id)
+    return session.scalars(stmt.execution_options(populate_existing=True)).one_or_none()
+
+
+def list_jobs(session: Session, tenant_id: uuid.UUID, *, status: JobStatus | None = None, limit: int = 20,
+              before: tuple[datetime, uuid.UUID] | None = None) -> list[Job]:
+    """A tenant's jobs, newest first, starting after the (created_at, id) position `before`."""
+    stmt = select(Job).where(Job.tenant_id == tenant_id)
+    if status is not None:
+        stmt = stmt.where(Job.status == status)
+    if before is not None:
+        stmt = stmt.where(tuple_(Job.created_at, Job.id) < tuple_(*before))
+    return list(session.scalars(stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)))
+
+
+def mark_enqueued(session: Session, job_ids: Sequence[uuid.UUID]) -> None:
+    """Record that a message for these queued jobs went to Redis."""
+    session.execute(update(Job).where(Job.id.in_(job_ids), Job.status == JobStatus.QUEUED)
+                    .values(enqueued_at=func.now()))
+
+
+def claim_job(session: Session, job_id: uuid.UUID, worker_id: str, lease_seconds: float) -> Job | None:
+    """queued → running for `worker_id` with a fresh lease; None if the job is not queued."""
+    return session.scalars(
+        update(Job).where(Job.id == job_id, Job.status == JobStatus.QUEUED)
+        .values(status=JobStatus.RUNNING, worker_id=worker_id, lease_expires_at=_lease(lease_seconds),
+                started_at=func.coalesce(Job.started_at, func.now()), attempts=Job.attempts + 1)
+        .returning(Job).execution_options(populate_existing=True)
+    ).one_or_none()
+
+
+def renew_lease(session: Session, job_id: uuid.UUID, worker_id: str, lease_seconds: float) -> bool:
+    """Extend the worker's lease; False if the job is no longer the worker's."""
+    return _update_leased(session, job_id, worker_id, lease_expires_at=_lease(lease_seconds))
+
+
+def save_progress(session: Session, job_id: uuid.UUID, worker_id: str, lease_seconds: float, *,
+                  token_ids: Sequence[int], text: str, first_token_at: datetime | None = None) -> bool:
+    """Store the tokens generated so far and renew the lease; False if the job is no longer the worker's."""
+    return _update_leased(session, job_id, worker_id, lease_expires_at=_lease(lease_seconds),
+                          output_token_ids=list(token_ids), output_text=text,
+                          first_token_at=func.coalesce(Job.first_token_at, first_token_at))
+
+
+def finish_job(session: Session, job_id: uuid.UUID, worker_id: str, *, token_ids: Sequence[int], text: str,
+               finish_reason: str, prompt_tokens: int, first_token_at: datetime | None = None) -> bool:
+    """running → succeeded with the full output; False if the job is no longer the worker's."""
+    return _update_leased(session, job_id, worker_id, status=JobStatus.SUCCEEDED, finished_at=func.now(),
+                          lease_expires_at=None, output_token_ids=list(token_ids), output_text=text,
+                          finish_reason=finish_reason, prompt_tokens=prompt_tokens,
+                          first_token_at=func.coalesce(Job.first_token_at, first_token_at))
+
+
+def fail_job(session: Session, job_id: uuid.UUID, worker_id: str, *, code: str, message: str) -> bool:
+    """running → failed with an error; False if the job is no longer the worker's."""
+    return _update_leased(session, job_id, worker_id, status=JobStatus.FAILED, finished_at=func.now(),
+                          lease_expires_at=None, error_code=code, error_message=message)
+
+
+def cancel_job(session: Session, job_id: uuid.UUID, tenant_id: uuid.UUID) -> Job | None:
+    """queued/running → cancelled; returns the job as it now is (any status), None if not the tenant's."""
+    job = session.scalars(
+        update(Job).where(Job.id == job_id, Job.tenant_id == tenant_id, Job.status.in_(ACTIVE))
+        .values(status=JobStatus.CANCELLED, finished_at=func.now(), lease_expires_at=None,
+                finish_reason=func.coalesce(Job.finish_reason, "abort"))
+        .returning(Job).execution_options(populate_existing=True)
+    ).one_or_none()
+    return job or get_job(session, job_id, tenant_id)
+
+
+def requeue_expired(session: Session) -> list[uuid.UUID]:
+    """running → queued for jobs whose lease expired (their worker died); they keep their tokens."""
+    return list(session.scalars(
+        update(Job).where(Job.status == JobStatus.RUNNING, Job.lease_expires_at < func.now())
+        .values(status=JobStatus.QUEUED, worker_id=None, lease_expires_at=None, enqueued_at=None)
+        .returning(Job.id)
+    ))
+
+
+def unsent_jobs(session: Session, grace_seconds: float, limit: int = 1000) -> list[tuple[uuid.UUID, int]]:
+    """(id, priority) of queued jobs never sent to Redis, committed more than `grace_seconds` ago."""
+    rows = session.execute(
+        select(Job.id, Job.priority)
+        .where(Job.status == JobStatus.QUEUED, Job.enqueued_at.is_(None),
+               Job.created_at < func.now() - timedelta(seconds=grace_seconds))
+        .order_by(Job.priority, Job.created_at).limit(limit)
+    )
+    return [(row.id, row.priority) for row in rows]
+
+
+def try_reconciler_lock(session: Session) -> bool:
+    """Take the reconciler's transaction-scoped lock; False if another reconciler holds it."""
+    return session.scalar(select(func.pg_try_advisory_xact_lock(RECONCILER_LOCK)))
+
+
+def _lease(lease_seconds: float):
+    return func.now() + timedelta(seconds=lease_seconds)
+
+
+def _update_leased(session: Session, job_id: uuid.UUID, worker_id: str, **values) -> bool:
+    """Apply `values` to a running job leased by `worker_id`; True if it was."""
+    result = session.execute(
+        update(Job).where(Job.id == job_id, Job.status == JobStatus.RUNNING, Job.worker_id == worker_id)
+        .values(**values).execution_options(synchronize_session=False)
+    )
+    return result.rowcount == 1

@@ -1,0 +1,76 @@
+"""Settings shared by the API, the workers and the migrations, read from the environment.
+
+Every value has a default that works on a developer machine with local Postgres and Redis.
+`.env.example` documents each variable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    # --- where things live
+    database_url: str = "postgresql+psycopg://postgres@127.0.0.1:5432/genq"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_key_prefix: str = ""  # prefixes every broker key (isolates test runs sharing one Redis)
+
+    # --- the model (read by the API for its limits and by the worker for its engine)
+    model: str = "tiny-llama"
+    max_model_len: int = 2048  # prompt tokens + max_tokens must fit (also the engine's limit); tiny-llama's own
+
+    # --- engine sizes (None: the engine's own default)
+    dtype: str = "auto"
+    device: str = "auto"
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int | None = None
+    block_size: int | None = None
+    num_device_blocks: int | None = None
+    num_host_blocks: int | None = None
+
+    # --- the job lifecycle
+    lease_seconds: float = 30.0  # a running job whose worker stops renewing is re-dispatched after this
+    progress_interval: float = 0.5  # seconds between progress writes (and cancel checks) of a running job
+    reconcile_interval: float = 5.0  # seconds between reconciler runs (celery beat)
+    enqueue_grace_seconds: float = 10.0  # a queued job not sent to Redis after this is sent by the reconciler
+
+    # --- the API
+    max_body_bytes: int = 1 << 20  # larger request bodies answer 413
+    log_level: str = "INFO"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> Settings:
+        """Settings from `environ` (default os.environ): each field's upper-case name, e.g. DATABASE_URL."""
+        environ = os.environ if environ is None else environ
+        values = {}
+        for f in fields(cls):
+            raw = environ.get(f.name.upper())
+            if raw is None or raw == "":
+                continue
+            values[f.name] = _parse(f.name, raw, f.type)
+        values.update(overrides)
+        return cls(**values)
+
+    def engine_options(self) -> dict:
+        """Keyword arguments for batching.EngineConfig; unset sizes are left to the engine."""
+        options = dict(model=self.model, dtype=self.dtype, device=self.device, max_num_seqs=self.max_num_seqs,
+                       max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
+                       block_size=self.block_size, num_device_blocks=self.num_device_blocks,
+                       num_host_blocks=self.num_host_blocks)
+        return {k: v for k, v in options.items() if v is not None}
+
+
+def _parse(name: str, raw: str, annotation: str):
+    """Convert an environment string to the field's type, naming the variable when it is not valid."""
+    kind = annotation.split("|")[0].strip()
+    try:
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"{name.upper()} must be a {kind}, got {raw!r}") from None
+    return raw
