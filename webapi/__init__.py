@@ -1,0 +1,36 @@
+"""The HTTP API: `gunicorn "webapi:create_app()"` (dev: `flask --app webapi run`)."""
+
+from __future__ import annotations
+
+import logging
+
+from flask import Flask
+
+from jobstore.settings import Settings
+from webapi import jobs, ops
+from webapi.cli import keys
+from webapi.errors import init_errors
+from webapi.extensions import init_extensions
+from webapi.metrics import init_metrics
+
+
+def create_app(settings: Settings | None = None) -> Flask:
+    """Build the app; settings default to the environment (see .env.example)."""
+    settings = settings or Settings.from_env()
+    app = Flask(__name__)
+    app.config.update(MAX_CONTENT_LENGTH=settings.max_body_bytes)
+    _init_logging(settings.log_level)
+    init_extensions(app, settings)
+    init_errors(app)
+    init_metrics(app)
+    app.register_blueprint(jobs.bp)
+    app.register_blueprint(ops.bp)
+    app.cli.add_command(keys)
+    return app
+
+
+def _init_logging(level: str) -> None:
+    """Log our own messages at `level` to stderr, next to gunicorn's, unless logging is set up already."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("webapi").setLevel(level.upper())

@@ -1,0 +1,62 @@
+"""The one error shape, `{"error": {"code", "message"}}`, for every failure the API answers."""
+
+from __future__ import annotations
+
+import logging
+
+from flask import Flask, jsonify
+from pydantic import ValidationError
+from sqlalchemy.exc import OperationalError
+from werkzeug.exceptions import HTTPException
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """A failure to report to the client with `status`, a stable `code` and a readable `message`."""
+
+    def __init__(self, status: int, code: str, message: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.headers = status, code, message, headers or {}
+
+
+def error_response(status: int, code: str, message: str, headers: dict | None = None):
+    return jsonify(error={"code": code, "message": message}), status, headers or {}
+
+
+def from_validation_error(exc: ValidationError, where: str = "body") -> APIError:
+    """400 for a body that is not JSON, else 422 naming each offending field."""
+    errors = exc.errors(include_url=False)
+    if any(e["type"] == "json_invalid" for e in errors):
+        return APIError(400, "malformed_json", f"{where} is not valid JSON: {errors[0]['msg']}")
+    parts = []
+    for e in errors:
+        field = ".".join(str(p) for p in e["loc"]) or where
+        message = e["msg"].removeprefix("Value error, ")
+        parts.append(f"{field}: {message}")
+    return APIError(422, "invalid_request", "; ".join(parts))
+
+
+def init_errors(app: Flask) -> None:
+    """Answer every error in the one JSON shape; a 5xx is logged with its traceback."""
+
+    @app.errorhandler(APIError)
+    def api_error(exc: APIError):
+        return error_response(exc.status, exc.code, exc.message, exc.headers)
+
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException):
+        code = (exc.name or "error").lower().replace(" ", "_")
+        headers = dict(exc.get_headers())
+        headers.pop("Content-Type", None)
+        return error_response(exc.code or 500, code, exc.description or exc.name, headers)
+
+    @app.errorhandler(OperationalError)
+    def database_down(exc: OperationalError):
+        log.error("database unavailable: %s", exc.orig or exc)
+        return error_response(503, "unavailable", "the database is unavailable; retry later", {"Retry-After": "5"})
+
+    @app.errorhandler(Exception)
+    def internal_error(exc: Exception):
+        log.exception("unhandled error")
+        return error_response(500, "internal_error", "internal error (a bug); it has been logged")

@@ -1,0 +1,143 @@
+"""/jobs: submit, read, list and cancel the caller's jobs."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+import uuid
+from datetime import datetime
+
+from flask import Blueprint, request, url_for
+from kombu.exceptions import KombuError
+from redis.exceptions import RedisError
+
+from jobstore import jobs
+from jobstore.dispatch import send_job
+from jobstore.models import Job, JobStatus
+from webapi.auth import current_tenant, require_api_key
+from webapi.errors import APIError
+from webapi.extensions import db, services
+from webapi.metrics import JOBS_SUBMITTED
+from webapi.schemas import JobCreate, JobOut, JobPage, ListQuery
+from webapi.spec import endpoint
+
+log = logging.getLogger(__name__)
+bp = Blueprint("jobs", __name__, url_prefix="/jobs")
+bp.before_request(require_api_key)
+
+IDEMPOTENCY_HELP = "Retrying with the same key returns the same job (a different body is a 422)."
+
+
+@bp.post("")
+@endpoint(body=JobCreate, responses={202: JobOut}, headers={"Idempotency-Key": IDEMPOTENCY_HELP})
+def create_job(body: JobCreate):
+    """Submit a job; it is queued at once and runs in priority order (0 first)."""
+    prompt_tokens = check_model_limits(body)
+    try:
+        job, created = jobs.create_job(db(), current_tenant().id, body.model_dump(), prompt_tokens=prompt_tokens,
+                                       idempotency_key=idempotency_key())
+        db().commit()
+    except jobs.IdempotencyConflict:
+        raise APIError(422, "idempotency_key_reused", "Idempotency-Key: already used with a different body") from None
+    if created:
+        enqueue(job)
+    return JobOut.from_job(job).model_dump(mode="json"), 202, {"Location": url_for("jobs.get_job", job_id=job.id)}
+
+
+@bp.get("/<uuid:job_id>")
+@endpoint(responses={200: JobOut})
+def get_job(job_id: uuid.UUID):
+    """Read a job: its status, and its output so far."""
+    return JobOut.from_job(owned_job(jobs.get_job(db(), job_id, current_tenant().id))).model_dump(mode="json")
+
+
+@bp.get("")
+@endpoint(query=ListQuery, responses={200: JobPage})
+def list_jobs(query: ListQuery):
+    """List the caller's jobs, newest first, a page at a time."""
+    page = jobs.list_jobs(db(), current_tenant().id, status=query.status and JobStatus(query.status),
+                          limit=query.limit + 1, before=decode_cursor(query.cursor))
+    more = len(page) > query.limit
+    page = page[:query.limit]
+    cursor = encode_cursor(page[-1]) if more else None
+    return JobPage(jobs=[JobOut.from_job(j) for j in page], next_cursor=cursor).model_dump(mode="json")
+
+
+@bp.post("/<uuid:job_id>/cancel")
+@endpoint(responses={200: JobOut}, errors=(409,))
+def cancel_job(job_id: uuid.UUID):
+    """Cancel a queued or running job; a running one leaves the batch within a second."""
+    job = owned_job(jobs.cancel_job(db(), job_id, current_tenant().id))
+    db().commit()
+    if job.status != JobStatus.CANCELLED:
+        raise APIError(409, "conflict", f"job already {JobStatus(job.status).value}; it cannot be cancelled")
+    log.info("job %s cancelled by tenant %s", job.id, current_tenant().name)
+    return JobOut.from_job(job).model_dump(mode="json")
+
+
+def owned_job(job: Job | None) -> Job:
+    """404 for a job that does not exist or belongs to another tenant (indistinguishable on purpose)."""
+    if job is None:
+        raise APIError(404, "not_found", "no such job")
+    return job
+
+
+def check_model_limits(body: JobCreate) -> int:
+    """The prompt's token count; 422 when prompt tokens + max_tokens do not fit the model."""
+    from batching.tokenizer import load_tokenizer  # imports no model code; loaded once per model
+
+    settings = services().settings
+    tokenizer = load_tokenizer(settings.model)
+    if body.input_ids is not None:
+        prompt_tokens = len(body.input_ids)
+        if tokenizer is not None and max(body.input_ids) >= len(tokenizer):
+            raise APIError(422, "invalid_request", f"input_ids: token ids must be below {len(tokenizer)}, "
+                                                   f"the vocabulary size of {settings.model}")
+    elif tokenizer is None:
+        raise APIError(422, "invalid_request", f"prompt: {settings.model} has no tokenizer; send input_ids")
+    else:
+        prompt_tokens = len(tokenizer.encode(body.prompt))
+    if prompt_tokens + body.max_tokens > settings.max_model_len:
+        field = "max_tokens" if body.max_tokens >= settings.max_model_len else "prompt"
+        raise APIError(422, "invalid_request", f"{field}: prompt too long for the model: {prompt_tokens} prompt "
+                       f"tokens + max_tokens {body.max_tokens} > max_model_len {settings.max_model_len}")
+    return prompt_tokens
+
+
+def enqueue(job: Job) -> None:
+    """Send the job to Redis; if Redis is down the reconciler sends it later (the job is in Postgres)."""
+    try:
+        send_job(services().celery, job.id, job.priority)
+    except (KombuError, RedisError, OSError) as exc:
+        log.warning("job %s stays queued unsent (the reconciler will send it): %s", job.id, exc)
+        return
+    jobs.mark_enqueued(db(), [job.id])
+    db().commit()
+    JOBS_SUBMITTED.labels(priority=str(job.priority)).inc()
+    log.info("job %s queued for tenant %s with priority %d", job.id, current_tenant().name, job.priority)
+
+
+def idempotency_key() -> str | None:
+    """The Idempotency-Key header, if any."""
+    key = request.headers.get("Idempotency-Key")
+    if key is not None and not 1 <= len(key) <= 255:
+        raise APIError(422, "invalid_request", "Idempotency-Key: must be 1 to 255 characters")
+    return key
+
+
+def encode_cursor(job: Job) -> str:
+    """An opaque position after `job` in newest-first order."""
+    raw = json.dumps([job.created_at.isoformat(), str(job.id)]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str | None) -> tuple[datetime, uuid.UUID] | None:
+    if cursor is None:
+        return None
+    try:
+        created_at, job_id = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        return datetime.fromisoformat(created_at), uuid.UUID(job_id)
+    except (ValueError, TypeError, binascii.Error):
+        raise APIError(422, "invalid_request", "cursor: not a cursor this API gave out") from None

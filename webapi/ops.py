@@ -1,0 +1,57 @@
+"""Operations endpoints: /healthz, /metrics and /openapi.json. No API key needed."""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+from flask import Blueprint, Response, current_app
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import text
+
+from webapi.errors import APIError
+from webapi.extensions import db, services
+from webapi.metrics import refresh_job_gauges
+from webapi.schemas import Health
+from webapi.spec import endpoint, openapi
+
+log = logging.getLogger(__name__)
+bp = Blueprint("ops", __name__)
+
+
+@bp.get("/healthz")
+@endpoint(responses={200: Health}, errors=(503,), auth=False)
+def healthz():
+    """Liveness and readiness: 200 when Postgres and Redis answer, else 503."""
+    for name, check in (("database", check_database), ("broker", check_broker)):
+        try:
+            check()
+        except Exception as exc:  # any failure of a dependency means "not ready", never a 500
+            log.warning("healthz: %s unavailable: %s", name, exc)
+            raise APIError(503, "unavailable", f"{name} unavailable", {"Retry-After": "5"}) from None
+    return Health(status="ok", database="ok", broker="ok").model_dump()
+
+
+@bp.get("/metrics")
+def metrics():
+    """Prometheus metrics."""
+    refresh_job_gauges(db())
+    return Response(generate_latest(), mimetype=CONTENT_TYPE_LATEST)
+
+
+@bp.get("/openapi.json")
+def openapi_json():
+    """The OpenAPI document, generated from the request and response schemas."""
+    return openapi(current_app, title="genq", version="1")
+
+
+def check_database() -> None:
+    db().execute(text("SELECT 1"))
+
+
+def check_broker() -> None:
+    client = redis.Redis.from_url(services().settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        client.ping()
+    finally:
+        client.close()

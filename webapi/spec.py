@@ -1,0 +1,139 @@
+"""Request validation and the OpenAPI document, both from the schemas in webapi/schemas.py.
+
+`@endpoint(body=..., query=..., responses=...)` validates the request into the view's `body` / `query`
+arguments and records the same models on the view; `openapi(app)` walks the URL map and turns those
+records into the document served at /openapi.json. Nothing about an endpoint is written twice.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass, field
+
+from flask import Flask, request
+from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
+
+from webapi.errors import APIError, from_validation_error
+from webapi.schemas import ErrorResponse
+
+REF = "#/components/schemas/{model}"
+PATH_ARG = re.compile(r"<(?:([^:<>]+):)?([^<>]+)>")  # werkzeug's <converter:name>
+ERROR_STATUSES = {
+    400: "Malformed JSON", 401: "Missing or unknown API key", 404: "No such job for this key", 409: "Conflict",
+    413: "Body too large", 415: "Body is not JSON", 422: "Invalid field or limit", 503: "Unavailable",
+}
+
+
+@dataclass
+class Operation:
+    summary: str
+    responses: dict[int, type[BaseModel]]
+    body: type[BaseModel] | None = None
+    query: type[BaseModel] | None = None
+    errors: list[int] = field(default_factory=list)
+    auth: bool = True
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def endpoint(*, responses: dict[int, type[BaseModel]], body: type[BaseModel] | None = None,
+             query: type[BaseModel] | None = None, errors: tuple[int, ...] = (), auth: bool = True,
+             headers: dict[str, str] | None = None):
+    """Validate the JSON body / query string into `body=` / `query=` and document the view."""
+
+    def decorate(view):
+        @functools.wraps(view)
+        def validated(*args, **kwargs):
+            if body is not None:
+                kwargs["body"] = parse_body(body)
+            if query is not None:
+                kwargs["query"] = parse_query(query)
+            return view(*args, **kwargs)
+
+        validated.operation = Operation(
+            summary=(view.__doc__ or "").strip().splitlines()[0], responses=responses, body=body, query=query,
+            errors=sorted({*errors, *([401] if auth else []), *([400, 413, 415, 422] if body else []),
+                           *([422] if query else [])}),
+            auth=auth, headers=headers or {})
+        return validated
+
+    return decorate
+
+
+def parse_body(model: type[BaseModel]) -> BaseModel:
+    """The request body as `model`: 415 if not JSON, 413 if too large, 400 if malformed, 422 if invalid."""
+    if not request.is_json:
+        raise APIError(415, "unsupported_media_type", "send the body as JSON with Content-Type: application/json")
+    try:
+        return model.model_validate_json(request.get_data(cache=False))
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def parse_query(model: type[BaseModel]) -> BaseModel:
+    """The query string as `model` (repeated parameters are refused); 422 names the parameter."""
+    args = request.args.to_dict(flat=False)
+    repeated = [name for name, values in args.items() if len(values) > 1]
+    if repeated:
+        raise APIError(422, "invalid_request", f"{repeated[0]}: give this parameter once")
+    try:
+        return model.model_validate({name: values[0] for name, values in args.items()})
+    except ValidationError as exc:
+        raise from_validation_error(exc, where="query") from None
+
+
+def openapi(app: Flask, title: str, version: str) -> dict:
+    """The OpenAPI 3.1 document of every @endpoint view registered on `app`."""
+    paths: dict[str, dict] = {}
+    models = {ErrorResponse: "serialization"}  # request models validate, response models serialize
+    for rule in sorted(app.url_map.iter_rules(), key=lambda r: r.rule):
+        op: Operation | None = getattr(app.view_functions[rule.endpoint], "operation", None)
+        if op is None:
+            continue
+        models.update({m: "serialization" for m in op.responses.values()})
+        models.update({m: "validation" for m in (op.body, op.query) if m is not None})
+        for method in sorted(rule.methods - {"HEAD", "OPTIONS"}):
+            paths.setdefault(_path(rule.rule), {})[method.lower()] = _operation(rule, op)
+    _, schemas = models_json_schema(sorted(models.items(), key=lambda item: item[0].__name__), ref_template=REF)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": version},
+        "paths": paths,
+        "components": {
+            "schemas": schemas.get("$defs", {}),
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer", "description": "An API key."}},
+        },
+    }
+
+
+def _path(rule: str) -> str:
+    return PATH_ARG.sub(r"{\2}", rule)
+
+
+def _operation(rule, op: Operation) -> dict:
+    doc: dict = {"summary": op.summary, "operationId": rule.endpoint.replace(".", "_"), "responses": {}}
+    params = [{"name": name, "in": "path", "required": True,
+               "schema": {"type": "string", "format": "uuid"} if converter == "uuid" else {"type": "string"}}
+              for converter, name in PATH_ARG.findall(rule.rule)]
+    if op.query is not None:
+        for name, prop in op.query.model_json_schema()["properties"].items():
+            params.append({"name": name, "in": "query", "required": False, "schema": prop,
+                           "description": prop.get("description", "")})
+    params += [{"name": name, "in": "header", "required": False, "schema": {"type": "string"}, "description": text}
+               for name, text in op.headers.items()]
+    if params:
+        doc["parameters"] = params
+    if op.body is not None:
+        doc["requestBody"] = {"required": True, "content": {
+            "application/json": {"schema": {"$ref": REF.format(model=op.body.__name__)}}}}
+    for status, model in op.responses.items():
+        doc["responses"][str(status)] = {"description": (model.__doc__ or model.__name__).strip().splitlines()[0],
+                                         "content": {"application/json": {"schema": {"$ref": REF.format(
+                                             model=model.__name__)}}}}
+    for status in (*op.errors, *([404] if rule.arguments else [])):
+        doc["responses"][str(status)] = {"description": ERROR_STATUSES[status], "content": {
+            "application/json": {"schema": {"$ref": REF.format(model="ErrorResponse")}}}}
+    if op.auth:
+        doc["security"] = [{"bearer": []}]
+    return doc

@@ -1,0 +1,38 @@
+"""The reconciler (run every RECONCILE_INTERVAL seconds by `celery -A workers beat`).
+
+Postgres is the source of truth; Redis only says "job X is ready". Two ways they disagree are
+mended here: a job committed but never sent to Redis (the API died, or Redis was down), and a job
+whose worker died (its lease expired): it goes back to `queued`, keeping its tokens, and is sent
+again; the next worker resumes from those tokens. Extra messages are harmless: a claim only
+succeeds on a queued job.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from celery import Celery
+from sqlalchemy.orm import Session, sessionmaker
+
+from jobstore import jobs
+from jobstore.dispatch import send_job
+from jobstore.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def reconcile(sessions: sessionmaker[Session], celery: Celery, settings: Settings) -> dict[str, int]:
+    """Requeue jobs with expired leases and send every queued job Redis never got; returns the counts."""
+    with sessions.begin() as session:
+        if not jobs.try_reconciler_lock(session):
+            log.info("reconciler: another run holds the lock; skipping")
+            return {"requeued": 0, "sent": 0}
+        requeued = jobs.requeue_expired(session)
+        unsent = jobs.unsent_jobs(session, settings.enqueue_grace_seconds)
+        for job_id, priority in unsent:
+            send_job(celery, job_id, priority)
+        jobs.mark_enqueued(session, [job_id for job_id, _ in unsent])
+    if requeued or unsent:
+        log.info("reconciler: %d jobs requeued after their lease expired (%s); %d jobs sent to Redis",
+                 len(requeued), ", ".join(map(str, requeued[:10])), len(unsent))
+    return {"requeued": len(requeued), "sent": len(unsent)}

@@ -1,0 +1,77 @@
+"""Thin tasks taking ids; the work is in workers/runner.py and workers/reconciler.py.
+
+Each worker process has one engine (built when the worker starts, before it takes jobs), one
+database pool and one worker id, which names its leases.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from functools import cache
+
+from celery.signals import worker_init, worker_shutdown
+from celery.worker.control import inspect_command
+from sqlalchemy.orm import Session, sessionmaker
+
+from jobstore.db import make_engine, make_session_factory
+from workers.celery import app, settings
+from workers.engine_host import EngineHost
+from workers.reconciler import reconcile
+from workers.runner import run_job
+
+log = logging.getLogger(__name__)
+WORKER_ID = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+_host_lock = threading.Lock()
+_host: EngineHost | None = None
+
+
+@app.task(name="generate")
+def generate(job_id: str) -> str:
+    """Run job `job_id` on this process's engine; a job that is not queued is left alone."""
+    return run_job(uuid.UUID(job_id), worker_id=WORKER_ID, host=engine_host(), sessions=sessions(),
+                   settings=settings)
+
+
+@app.task(name="reconcile")
+def reconcile_jobs() -> dict[str, int]:
+    """Requeue jobs of dead workers and send jobs that never reached Redis."""
+    return reconcile(sessions(), app, settings)
+
+
+@cache
+def sessions() -> sessionmaker[Session]:
+    return make_session_factory(make_engine(settings.database_url))
+
+
+def engine_host() -> EngineHost:
+    """This process's EngineHost, built on first use."""
+    global _host
+    with _host_lock:
+        if _host is None:
+            from batching import Engine, EngineConfig  # torch is imported by workers only
+
+            config = EngineConfig(**settings.engine_options())
+            log.info("building the engine (worker %s): %s", WORKER_ID, config)
+            _host = EngineHost(lambda: Engine(config)).start()
+        return _host
+
+
+@worker_init.connect
+def _build_engine_before_taking_jobs(**_) -> None:
+    engine_host()
+
+
+@worker_shutdown.connect
+def _stop_engine(**_) -> None:
+    if _host is not None:
+        _host.stop()
+
+
+@inspect_command()
+def engine_stats(state) -> dict:
+    """`celery -A workers inspect engine_stats`: the engine's running / waiting / swapped counts and more."""
+    return engine_host().stats() if _host is not None else {}
