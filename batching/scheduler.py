@@ -1,9 +1,10 @@
 """Decides what each engine step runs: token budget, priorities, preemption. No torch here.
 
 A step is filled in stall-free order (Sarathi-Serve): one decode token for every running sequence,
-then the next chunks of prefills in progress, then sequences that are not running (swapped out or
-waiting), most urgent first. Before filling, `_make_room_for_urgent` preempts running sequences that
-are strictly less urgent than a swapped or waiting one that cannot otherwise start.
+then, priority class by priority class (0 first), the next chunks of that class's prefills in
+progress, then its sequences that are not running (swapped out or waiting) by arrival. Before
+filling, `_make_room_for_urgent` preempts running sequences that are strictly less urgent than a
+swapped or waiting one that cannot otherwise start.
 """
 
 from __future__ import annotations
@@ -82,11 +83,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
         self._make_room_for_urgent(out)
-        budget = self._schedule_decodes(out, budget)
-        budget = self._schedule_prefill_chunks(out, budget)
-        self._schedule_admissions(out, budget)
+        budget = self._schedule_decodes(out, self.max_num_batched_tokens)
+        self._schedule_prefills(out, budget)
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
@@ -107,64 +106,80 @@ class Scheduler:
                 budget -= 1
         return budget
 
-    def _schedule_prefill_chunks(self, out: SchedulerOutput, budget: int) -> int:
-        bm = self.block_manager
-        for seq in sorted((s for s in self.running if not s.is_decoding), key=_urgency):
-            if budget == 0:
-                break
-            if seq.status != SequenceStatus.RUNNING or seq in out.seqs:
+    def _prefill_order(self) -> list[Sequence]:
+        """Who gets the budget left after decodes: by priority; within a priority, prefills in progress
+        first (stall-free), then swapped and waiting sequences by arrival. A less urgent prefill in
+        progress therefore never holds back a more urgent request (its blocks stay; it only waits)."""
+        prefilling = [s for s in self.running if not s.is_decoding]
+        return sorted(prefilling + self.swapped + self.waiting, key=_prefill_key)
+
+    def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:
+        admitting = True
+        for seq in self._prefill_order():
+            if budget <= 0:
+                return
+            if seq in out.preempted:        # no ping-pong within one step
                 continue
+            if seq.status == SequenceStatus.RUNNING:
+                budget -= self._schedule_chunk(seq, out, budget)
+            elif admitting:
+                n = self._admit(seq, out, budget)
+                # strict order: nobody starts ahead of the most urgent sequence that cannot start
+                admitting = n > 0
+                budget -= n
+
+    def _schedule_chunk(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int:
+        """The next chunk of a prefill in progress; returns its token count."""
+        bm = self.block_manager
+        n = min(seq.num_uncomputed_tokens, budget, bm.max_tokens_allocatable(seq))
+        if n == 0:
+            # pool exhausted: a prefill that cannot move while others hold all blocks would
+            # deadlock, so the least urgent unscheduled running sequence (maybe this one) yields
+            victim = self._least_urgent_running(exclude=out.seqs)
+            self._preempt(victim, out)
+            if victim is seq:
+                return 0
             n = min(seq.num_uncomputed_tokens, budget, bm.max_tokens_allocatable(seq))
             if n == 0:
-                # pool exhausted: a prefill that cannot move while others hold all blocks would
-                # deadlock, so the least urgent unscheduled running sequence (maybe this one) yields
-                victim = self._least_urgent_running(exclude=out.seqs)
-                self._preempt(victim, out)
-                if victim is seq:
-                    continue
-                n = min(seq.num_uncomputed_tokens, budget, bm.max_tokens_allocatable(seq))
-                if n == 0:
-                    continue
-            bm.allocate(seq, n)
-            out.add(seq, n)
-            budget -= n
-        return budget
+                return 0
+        bm.allocate(seq, n)
+        out.add(seq, n)
+        return n
 
-    def _schedule_admissions(self, out: SchedulerOutput, budget: int) -> None:
-        """Swap in or start not-running sequences in urgency order; stop at the first that cannot start."""
+    def _admit(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int:
+        """Swap in or start a not-running sequence with its first chunk; returns its tokens (0: cannot)."""
         bm = self.block_manager
-        for seq in _merge_by_urgency(self.swapped, self.waiting):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
-                return
-            if seq in out.preempted:       # no ping-pong within one step
-                continue
-            n = self._first_chunk(seq, budget, first_prefill=all(k == 1 for k in out.num_scheduled_tokens))
-            if n == 0:
-                return
-            if seq.status == SequenceStatus.SWAPPED:
-                extra = blocks_for(seq.num_computed_tokens + n, bm.block_size) - len(seq.host_block_table)
-                if not bm.can_swap_in(seq, extra):
-                    return
-                mapping = bm.swap_in(seq)
-                out.swap_in.extend(mapping)
-                self.num_blocks_swapped_in += len(mapping)
-                self.swapped.remove(seq)
-            else:
-                if self.chunked_prefill:
-                    # keep a few blocks for growing decodes, unless this admission was paid for by
-                    # preemption or nothing else runs
-                    reserve = self.watermark_blocks if self.running and not out.preempted else 0
-                    n = min(n, bm.max_tokens_allocatable(seq) - reserve * bm.block_size)
-                    if n <= 0:
-                        return
-                elif not bm.can_allocate(seq, n):
-                    return
-                self.waiting.remove(seq)
-            bm.allocate(seq, n)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.add(seq, n)
-            budget -= n
+        if len(self.running) >= self.max_num_seqs:
+            return 0
+        n = self._first_chunk(seq, budget, first_prefill=all(k == 1 for k in out.num_scheduled_tokens))
+        if n == 0:
+            return 0
+        if seq.status == SequenceStatus.SWAPPED:
+            extra = blocks_for(seq.num_computed_tokens + n, bm.block_size) - len(seq.host_block_table)
+            if not bm.can_swap_in(seq, extra):
+                return 0
+            mapping = bm.swap_in(seq)
+            out.swap_in.extend(mapping)
+            self.num_blocks_swapped_in += len(mapping)
+            self.swapped.remove(seq)
+        else:
+            if self.chunked_prefill:
+                n = min(n, bm.max_tokens_allocatable(seq) - self._reserve(out) * bm.block_size)
+                if n <= 0:
+                    return 0
+            elif not bm.can_allocate(seq, n):
+                return 0
+            self.waiting.remove(seq)
+        bm.allocate(seq, n)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.add(seq, n)
+        return n
+
+    def _reserve(self, out: SchedulerOutput) -> int:
+        """Blocks a new prefill leaves free for growing decodes, unless this step's admissions were
+        paid for by preemption or nothing else runs."""
+        return self.watermark_blocks if self.running and not out.preempted else 0
 
     def _first_chunk(self, seq: Sequence, budget: int, first_prefill: bool) -> int:
         """Tokens to run for a sequence that starts (or resumes) this step."""
@@ -179,26 +194,45 @@ class Scheduler:
     # --- preemption -------------------------------------------------------------------------------
 
     def _make_room_for_urgent(self, out: SchedulerOutput) -> None:
-        """Preempt running sequences strictly less urgent than a not-running one that cannot start."""
+        """Preempt running sequences strictly less urgent than a not-running one that cannot start.
+
+        Walks the fill's own order (decodes, then `_prefill_order`) with what each would take, so it
+        preempts only for a sequence that the fill then starts in this step.
+        """
         bm = self.block_manager
+        decodes = [s for s in self.running if s.is_decoding]
         # blocks that running decodes will take this step stay reserved for them
-        free = bm.num_free_device_blocks - sum(1 for s in self.running if s.is_decoding and bm.num_new_blocks(s, 1))
+        free = bm.num_free_device_blocks - sum(1 for s in decodes if bm.num_new_blocks(s, 1))
         slots = self.max_num_seqs - len(self.running)
-        budget = self.max_num_batched_tokens - sum(1 for s in self.running if s.is_decoding)
-        for cand in _merge_by_urgency(self.swapped, self.waiting):
+        budget = self.max_num_batched_tokens - len(decodes)
+        for cand in self._prefill_order():
             if budget <= 0:
                 return
+            if cand in out.preempted:
+                continue
+            if cand.status == SequenceStatus.RUNNING:   # a prefill in progress takes what it can
+                capacity = (len(cand.block_table) + max(free, 0)) * bm.block_size - cand.num_computed_tokens
+                n = min(cand.num_uncomputed_tokens, budget, capacity)
+                free -= bm.num_new_blocks(cand, n)
+                budget -= n
+                continue
             n = min(cand.num_uncomputed_tokens, budget) if self.chunked_prefill else cand.num_uncomputed_tokens
+            reserve = 0
             if cand.status == SequenceStatus.SWAPPED:
                 need = blocks_for(cand.num_computed_tokens + n, bm.block_size)
             else:
-                need = bm.num_new_blocks(cand, n) if self.chunked_prefill else bm.num_new_blocks(cand, cand.num_uncomputed_tokens)
-            while slots < 1 or free < need:
+                need = bm.num_new_blocks(cand, n)
+                reserve = self._reserve(out) if self.chunked_prefill else 0
+            while slots < 1 or free < need + reserve:
                 victim = self._least_urgent_running(exclude=out.seqs, less_urgent_than=cand)
                 if victim is None:
                     return   # strict priority: nobody behind `cand` may preempt for it
+                if victim in decodes:   # its decode token and its reserved block come back too
+                    budget += 1
+                    free += 1 if bm.num_new_blocks(victim, 1) else 0
                 free += len(victim.block_table)
                 slots += 1
+                reserve = 0   # an admission paid for by preemption keeps no reserve (see _reserve)
                 self._preempt(victim, out)
             free -= need
             slots -= 1
@@ -242,6 +276,5 @@ def _urgency(seq: Sequence) -> tuple[int, float]:
     return (seq.priority, seq.arrival_time)
 
 
-def _merge_by_urgency(a: list[Sequence], b: list[Sequence]) -> list[Sequence]:
-    """Both lists are sorted by urgency; a snapshot, so callers may move items between queues."""
-    return sorted(a + b, key=_urgency)
+def _prefill_key(seq: Sequence) -> tuple[int, bool, float]:
+    return (seq.priority, seq.status != SequenceStatus.RUNNING, seq.arrival_time)

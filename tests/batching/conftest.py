@@ -84,3 +84,33 @@ def run_to_completion(engine: Engine, check_invariants: bool = True) -> dict:
     assert engine.block_manager.num_free_device_blocks == engine.block_manager.num_device_blocks
     assert engine.block_manager.num_free_host_blocks == engine.block_manager.num_host_blocks
     return finished
+
+
+def random_prompts(seed: int, lengths) -> list[list[int]]:
+    """Prompts of random byte tokens (ids 3.. so no special token), one per length."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
+
+
+def greedy(max_tokens: int, **kwargs):
+    from batching import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def llama_path(checkpoint) -> str:
+    return checkpoint("llama")
+
+
+@pytest.fixture(scope="session")
+def make_engine(llama_path):
+    """make_engine(**config) -> an Engine over the tiny llama checkpoint in float64 on the CPU."""
+    def make(**kwargs) -> Engine:
+        kwargs.setdefault("model", llama_path)
+        kwargs.setdefault("dtype", "float64")
+        kwargs.setdefault("device", "cpu")
+        return Engine(EngineConfig(**kwargs))
+    return make
