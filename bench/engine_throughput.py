@@ -1,0 +1,511 @@
+"""Offline throughput of genq's engine against transformers, on one seeded workload and one model.
+
+Workload: N requests (default 64), random token-id prompts of length uniform in [16, 256], output
+lengths uniform in [16, 128], greedy, EOS ignored. Model: a Llama config (hidden 512, 8 layers,
+8 heads, 4 KV heads, intermediate 1408, vocab 8192) with seeded random float32 weights, saved once
+to a temporary directory so every system loads the very same checkpoint. Systems, each warmed up
+on a few short requests before it is timed, each timed from its first request to its last token
+(model loading, cache allocation and warm-up are outside the timer):
+
+1. genq: `Engine(EngineConfig(model=dir, max_num_seqs=64, max_num_batched_tokens=512, ...))` and
+   `engine.generate(prompts, [SamplingParams(max_tokens=n_i, temperature=0, ignore_eos=True)])`
+   (one SamplingParams per prompt; when `generate` does not take a list, add_request/step loop).
+2. transformers `model.generate()` in static batches of 16 in workload order: left padding and an
+   attention mask, greedy, every batch runs to its longest `max_tokens` (EOS disabled on that model
+   instance), but only the tokens each request asked for count as useful.
+3. transformers' own continuous batching. `generate_batch()` takes one global `max_new_tokens`
+   only, so we use the manager it wraps (`continuous_batching_context_manager`, the same code path)
+   and `manager.add_request(input_ids, max_new_tokens=n_i)`, which takes it per request: no wasted
+   tokens, like genq. Configuration: its defaults on the CPU (attention `sdpa`: no flash kernel on
+   the CPU; FIFO scheduler; page size 256) with `max_batch_tokens=512` (genq's budget; faster here
+   than its default 8192) and `num_blocks` sized to hold the whole workload (its default would
+   take 60% of host RAM). EOS is disabled (`eos_token_id=-1`).
+4. Forward-only limit: the packed token batches genq ran, replayed through the same model with no
+   scheduling and no attention context. The per-step token counts and logit rows are recorded
+   from genq's own forwards (a forward pre-hook on the engine's model; read-only). If no forward
+   could be observed, the schedule is simulated instead: each step gives one decode token to every
+   running sequence, then continues the prefill in progress, then admits waiting requests in
+   order (up to 64 running) with chunks that fill a budget of 512 tokens. Each step is one
+   `model(input_ids=[1, T], position_ids=[1, T], logits_to_keep=<rows>)` with an attention
+   function registered as "bench_no_context" that returns each token's own value (repeated for
+   GQA), so only the model's matmuls (projections, MLP, norms, RoPE, LM head rows) are timed.
+
+Throughput is useful generated tokens / wall time (with `--repeat N`, the fastest of N timed passes
+of each system: the machine is shared, and the fastest pass is the least disturbed one). Correctness is checked cheaply: the greedy
+tokens of the first few requests from genq (and from transformers CB) are compared with an
+unpadded single-request `model.generate()`; float32 on random weights may flip a near-tie after
+many steps, so the fraction of matching prefix tokens is reported instead of failing.
+
+    python bench/engine_throughput.py                  # full run (64 requests)
+    python bench/engine_throughput.py --quick          # smoke run
+    python bench/engine_throughput.py --repeat 2 --json bench/out/engine_throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import (
+    AttentionInterface,
+    AttentionMaskInterface,
+    AutoConfig,
+    ContinuousBatchingConfig,
+    GenerationConfig,
+    LlamaForCausalLM,
+)
+from transformers.utils import logging as hf_logging
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from anywhere without installing
+
+MODEL_KWARGS = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                    intermediate_size=1408, vocab_size=8192, max_position_embeddings=2048)
+BUDGET = 512            # max_num_batched_tokens for genq, max_batch_tokens for transformers CB
+MAX_NUM_SEQS = 64
+STATIC_BATCH = 16
+NO_CONTEXT = "bench_no_context"
+
+
+# --- workload and model ---------------------------------------------------------------------------
+
+def make_workload(n: int, seed: int, prompt_range=(16, 256), output_range=(16, 128), vocab=8192):
+    """[(prompt_token_ids, max_tokens)], seeded. Ids avoid 0-2 (pad/bos/eos of the Llama config)."""
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(n):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_range))]
+        reqs.append((prompt, rng.randint(*output_range)))
+    return reqs
+
+
+def build_model_dir(path: str, seed: int, **overrides) -> str:
+    """Save a seeded random-weight Llama to `path` (config, safetensors, generation config)."""
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model("llama", **{**MODEL_KWARGS, **overrides}, dtype="float32")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def load_hf_model(path: str, device: str) -> LlamaForCausalLM:
+    """A fresh transformers instance of the checkpoint with EOS disabled, so nothing stops early."""
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    model.config.eos_token_id = None
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def useful_tokens(reqs) -> int:
+    return sum(n for _, n in reqs)
+
+
+# --- 1. genq ----------------------------------------------------------------------------------------
+
+def find_torch_model(engine):
+    """The transformers model inside the engine (looked up read-only, two attribute levels deep)."""
+    seen = set()
+    frontier = [engine]
+    for _ in range(3):
+        nxt = []
+        for obj in frontier:
+            for value in list(vars(obj).values()) if hasattr(obj, "__dict__") else []:
+                if isinstance(value, torch.nn.Module) and hasattr(value, "config"):
+                    return value
+                if id(value) not in seen and hasattr(value, "__dict__") and not isinstance(value, type):
+                    seen.add(id(value))
+                    nxt.append(value)
+        frontier = nxt
+    return None
+
+
+class StepRecorder:
+    """Forward pre-hook on genq's model: records each step's packed token count and logit rows."""
+
+    def __init__(self, model, pbar=None):
+        self.steps: list[tuple[int, int]] = []
+        self.pbar = pbar
+        self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True) if model is not None else None
+
+    def _hook(self, module, args, kwargs):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is None:
+            return
+        keep = kwargs.get("logits_to_keep", 0)
+        if isinstance(keep, torch.Tensor):
+            rows = keep.numel()
+        elif isinstance(keep, int) and keep > 0:
+            rows = keep
+        else:
+            rows = input_ids.shape[-1]
+        self.steps.append((int(input_ids.shape[-1]), int(rows)))
+        if self.pbar is not None:
+            self.pbar.update(rows)
+
+    def close(self):
+        if self.handle is not None:
+            self.handle.remove()
+
+
+def genq_run(engine, reqs, list_params: bool, pbar=None):
+    """Greedy generation of every request; returns the generated token lists in request order."""
+    from batching import SamplingParams
+
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in reqs]
+    prompts = [list(p) for p, _ in reqs]
+    if list_params:
+        outs = engine.generate(prompts, params)
+        return [list(o.token_ids) for o in outs]
+    ids = [f"bench-{time.monotonic_ns()}-{i}" for i in range(len(reqs))]
+    for rid, prompt, sp in zip(ids, prompts, params, strict=True):
+        engine.add_request(rid, prompt, sp)
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = list(out.token_ids)
+    return [tokens[rid] for rid in ids]
+
+
+def generate_takes_param_list(engine) -> bool:
+    """Probe `engine.generate` with two prompts and two different max_tokens (doubles as warm-up)."""
+    from batching import SamplingParams
+
+    probe = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 5)]
+    try:
+        outs = engine.generate([[5, 6, 7, 8], [9, 10, 11]], probe)
+    except (TypeError, AttributeError, ValueError) as exc:
+        print(f"  engine.generate does not take a list of SamplingParams ({type(exc).__name__}: {exc}); "
+              "using add_request/step")
+        return False
+    ok = [len(o.token_ids) for o in outs] == [3, 5]
+    if not ok:
+        print("  engine.generate ignored the per-prompt SamplingParams list; using add_request/step")
+    return ok
+
+
+def bench_genq(model_dir, reqs, device, warm_reqs, repeat=1):
+    from batching import Engine, EngineConfig
+
+    max_len = max(len(p) + n for p, n in reqs)
+    num_blocks = sum(-(-(len(p) + n) // 16) for p, n in reqs) + 64   # the whole workload fits: no preemption
+    config = EngineConfig(model=model_dir, dtype="float32", device=device, block_size=16,
+                          num_device_blocks=num_blocks, num_host_blocks=0, max_num_seqs=MAX_NUM_SEQS,
+                          max_num_batched_tokens=BUDGET, max_model_len=max(max_len, 1024))
+    engine = Engine(config)
+    list_params = generate_takes_param_list(engine)
+    genq_run(engine, warm_reqs, list_params)
+    model = find_torch_model(engine)
+    times, steps, tokens, stats = [], None, None, {}
+    for k in range(repeat):
+        with tqdm(total=useful_tokens(reqs), desc=f"genq engine {k + 1}/{repeat}", unit="tok") as pbar:
+            recorder = StepRecorder(model, pbar)
+            t0 = time.perf_counter()
+            out = genq_run(engine, reqs, list_params)
+            times.append(time.perf_counter() - t0)
+            recorder.close()
+        if tokens is None:
+            tokens, steps, stats = out, recorder.steps, engine.stats()
+    elapsed = min(times)
+    return dict(elapsed=elapsed, times=times, tokens=tokens, steps=steps, stats=stats, model_found=model is not None,
+                api="generate(list of SamplingParams)" if list_params else "add_request/step")
+
+
+# --- 2. transformers generate() in static batches --------------------------------------------------
+
+def hf_generate_batch(model, batch, device, max_new_tokens=None):
+    """Left-padded greedy generate() of `batch`; returns each request's first n_i new tokens."""
+    width = max(len(p) for p, _ in batch)
+    new = max_new_tokens or max(n for _, n in batch)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
+    config = GenerationConfig(max_new_tokens=new, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    return [out[i, width:width + n].tolist() for i, (_, n) in enumerate(batch)]
+
+
+def bench_static(model, reqs, device, warm_reqs, repeat=1):
+    hf_generate_batch(model, warm_reqs, device)
+    batches = [reqs[i:i + STATIC_BATCH] for i in range(0, len(reqs), STATIC_BATCH)]
+    computed = sum(len(b) * max(n for _, n in b) for b in batches)
+    times = []
+    for k in range(repeat):
+        tokens = []
+        t0 = time.perf_counter()
+        for batch in tqdm(batches, desc=f"HF generate() x{STATIC_BATCH} {k + 1}/{repeat}", unit="batch"):
+            tokens += hf_generate_batch(model, batch, device)
+        times.append(time.perf_counter() - t0)
+    return dict(elapsed=min(times), times=times, tokens=tokens, computed_tokens=computed)
+
+
+# --- 3. transformers continuous batching -------------------------------------------------------------
+
+def hf_cb_run(model, reqs, num_blocks, pbar=None):
+    gen_config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(n for _, n in reqs))
+    cb_config = ContinuousBatchingConfig(max_batch_tokens=BUDGET, num_blocks=num_blocks)
+    results = {}
+    with torch.no_grad(), model.continuous_batching_context_manager(
+            generation_config=gen_config, continuous_batching_config=cb_config, block=True, timeout=60) as manager:
+        attn = model.config._attn_implementation
+        t0 = time.perf_counter()
+        ids = [manager.add_request(list(p), max_new_tokens=n, eos_token_id=-1) for p, n in reqs]
+        while len(results) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers CB generation thread stopped")
+                continue
+            if result.error is not None:
+                raise RuntimeError(f"transformers CB request {result.request_id} failed: {result.error}")
+            if result.is_finished():
+                results[result.request_id] = result
+                if pbar is not None:
+                    pbar.update(len(result.generated_tokens))
+        elapsed = time.perf_counter() - t0
+        resolved = manager.continuous_batching_config
+    tokens = [list(results[i].generated_tokens) for i in ids]
+    return elapsed, tokens, attn, resolved
+
+
+def bench_hf_cb(model, reqs, warm_reqs, repeat=1):
+    num_blocks = sum(-(-(len(p) + n) // 256) for p, n in reqs) + 8    # page_size 256: all fits, no eviction
+    hf_cb_run(model, warm_reqs, num_blocks)
+    times = []
+    for k in range(repeat):
+        with tqdm(total=useful_tokens(reqs), desc=f"HF continuous batching {k + 1}/{repeat}", unit="tok") as pbar:
+            elapsed, tokens, attn, resolved = hf_cb_run(model, reqs, num_blocks, pbar)
+        times.append(elapsed)
+    elapsed = min(times)
+    config = {k: getattr(resolved, k) for k in ("page_size", "num_blocks", "max_batch_tokens",
+                                                  "max_requests_per_batch", "scheduler_type", "use_cuda_graph",
+                                                  "default_compile_level")}
+    return dict(elapsed=elapsed, times=times, tokens=tokens, attn_implementation=attn, config=config)
+
+
+# --- 4. forward-only limit ------------------------------------------------------------------------
+
+def no_context_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Each token attends to itself only: the output is its own value. value: [1, Hkv, T, D]."""
+    n_rep = query.shape[1] // value.shape[1]
+    out = value.repeat_interleave(n_rep, dim=1) if n_rep > 1 else value    # [1, H, T, D]
+    return out.transpose(1, 2), None                                        # [1, T, H, D]
+
+
+def no_mask(*args, **kwargs):
+    return None
+
+
+def simulate_schedule(reqs, budget=BUDGET, max_num_seqs=MAX_NUM_SEQS):
+    """[(T, rows)] per step of a stall-free chunked-prefill schedule with ample KV blocks."""
+    waiting = [[len(p), n] for p, n in reqs]     # [uncomputed prompt tokens, tokens still to emit]
+    running: list[list[int]] = []
+    steps = []
+    while waiting or running:
+        left, rows = budget, 0
+        for seq in running:                      # decodes first (prefill done)
+            if seq[0] == 0 and left > 0:
+                left -= 1
+                rows += 1
+                seq[1] -= 1
+        for seq in running:                      # prefill chunks in progress
+            if seq[0] > 0 and left > 0:
+                k = min(seq[0], left)
+                seq[0] -= k
+                left -= k
+                if seq[0] == 0:
+                    rows += 1
+                    seq[1] -= 1
+        while waiting and left > 0 and len(running) < max_num_seqs:
+            seq = waiting.pop(0)
+            k = min(seq[0], left)
+            seq[0] -= k
+            left -= k
+            if seq[0] == 0:
+                rows += 1
+                seq[1] -= 1
+            running.append(seq)
+        steps.append((budget - left, rows))
+        running = [s for s in running if s[1] > 0]
+    return steps
+
+
+def forward_only(model, steps, device, pbar=None) -> float:
+    """Seconds spent in the model forwards of `steps`, attention replaced by no context."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    total = 0.0
+    with torch.inference_mode():
+        for T, rows in steps:
+            input_ids = torch.randint(3, vocab, (1, T), generator=gen).to(device)
+            position_ids = torch.arange(T, device=device)[None, :]          # [1, T]; values do not change the cost
+            keep = torch.arange(T - rows, T, device=device)                  # [rows] logit rows
+            t0 = time.perf_counter()
+            model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            total += time.perf_counter() - t0
+            if pbar is not None:
+                pbar.update(rows)
+    return total
+
+
+def bench_forward_only(model_dir, steps, device, repeat=1):
+    AttentionInterface.register(NO_CONTEXT, no_context_attention)
+    AttentionMaskInterface.register(NO_CONTEXT, no_mask)
+    model = load_hf_model(model_dir, device)
+    model.set_attn_implementation(NO_CONTEXT)
+    forward_only(model, steps[:8], device)                                   # warm-up
+    times = []
+    for k in range(repeat):
+        with tqdm(total=sum(r for _, r in steps), desc=f"forward-only limit {k + 1}/{repeat}", unit="tok") as pbar:
+            times.append(forward_only(model, steps, device, pbar))
+    return dict(elapsed=min(times), times=times, num_steps=len(steps), packed_tokens=sum(t for t, _ in steps))
+
+
+# --- correctness ------------------------------------------------------------------------------------
+
+def reference_tokens(model, reqs, device):
+    """Unpadded single-request greedy generate() of each request."""
+    return [hf_generate_batch(model, [r], device)[0] for r in reqs]
+
+
+def prefix_match(candidates, references):
+    """(matching prefix tokens / reference tokens, number of requests fully equal)."""
+    matched = total = equal = 0
+    for cand, ref in zip(candidates, references, strict=False):
+        k = 0
+        while k < min(len(cand), len(ref)) and cand[k] == ref[k]:
+            k += 1
+        matched += k
+        total += len(ref)
+        equal += cand == ref
+    return (matched / total if total else 1.0), equal
+
+
+# --- main -------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=None, help="number of requests (default 64; 12 with --quick)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--quick", action="store_true", help="small workload for a smoke run")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=1, help="timed passes per system; the fastest counts")
+    ap.add_argument("--check", type=int, default=4, help="requests compared with single-request generate()")
+    ap.add_argument("--skip", default="", help="comma-separated systems to skip: genq,static,cb,forward")
+    ap.add_argument("--json", help="write the figures to this file")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    hf_logging.set_verbosity_error()
+    skip = set(filter(None, args.skip.split(",")))
+    n = args.requests or (12 if args.quick else 64)
+    ranges = dict(prompt_range=(16, 128), output_range=(8, 32)) if args.quick else {}
+    reqs = make_workload(n, args.seed, **ranges)
+    warm = make_workload(4, args.seed + 1, prompt_range=(8, 32), output_range=(4, 8))
+    useful = useful_tokens(reqs)
+    print(f"workload: {n} requests, prompt tokens {sum(len(p) for p, _ in reqs)}, useful output tokens {useful}")
+    print(f"torch {torch.__version__} threads={torch.get_num_threads()} device={args.device} "
+          f"({platform.processor() or platform.machine()}, {os.cpu_count()} CPUs)")
+
+    fig = dict(requests=n, useful_tokens=useful, threads=torch.get_num_threads(), device=args.device,
+               load_avg_start=os.getloadavg(), repeat=args.repeat,
+               quick=args.quick, model=MODEL_KWARGS, budget=BUDGET, max_num_seqs=MAX_NUM_SEQS)
+    with tempfile.TemporaryDirectory(prefix="genq-bench-") as model_dir:
+        build_model_dir(model_dir, args.seed)
+        hf_model = load_hf_model(model_dir, args.device)
+        refs = reference_tokens(hf_model, reqs[:args.check], args.device)
+
+        genq = None
+        if "genq" not in skip:
+            try:
+                genq = bench_genq(model_dir, reqs, args.device, warm, args.repeat)
+            except ImportError as exc:
+                print(f"genq engine not available: {exc}")
+            if genq is not None:
+                match, equal = prefix_match(genq["tokens"][:args.check], refs)
+                got = sum(len(t) for t in genq["tokens"])
+                fig["genq"] = dict(tok_s=useful / genq["elapsed"], seconds=genq["elapsed"], passes=genq["times"],
+                                   api=genq["api"],
+                                   steps=len(genq["steps"]), generated=got, prefix_match=match,
+                                   exact_requests=f"{equal}/{len(refs)}", stats=_jsonable(genq["stats"]))
+                if got != useful:
+                    print(f"  WARNING: genq generated {got} tokens, the workload asked for {useful}")
+
+        if "static" not in skip:
+            static = bench_static(hf_model, reqs, args.device, warm, args.repeat)
+            fig["hf_generate_static"] = dict(tok_s=useful / static["elapsed"], seconds=static["elapsed"],
+                                             passes=static["times"],
+                                             computed_tokens=static["computed_tokens"], batch=STATIC_BATCH)
+
+        if "cb" not in skip:
+            cb = bench_hf_cb(hf_model, reqs, warm, args.repeat)
+            match, equal = prefix_match(cb["tokens"][:args.check], refs)
+            fig["hf_generate_batch"] = dict(tok_s=useful / cb["elapsed"], seconds=cb["elapsed"], passes=cb["times"],
+                                            attn_implementation=cb["attn_implementation"], config=cb["config"],
+                                            prefix_match=match, exact_requests=f"{equal}/{len(refs)}")
+        del hf_model
+
+        if "forward" not in skip:
+            if genq is not None and genq["steps"] and sum(r for _, r in genq["steps"]) == useful:
+                steps, source = genq["steps"], "recorded from genq's forwards"
+            else:
+                steps, source = simulate_schedule(reqs), "simulated (genq forwards not observed)"
+            fwd = bench_forward_only(model_dir, steps, args.device, args.repeat)
+            fig["forward_only"] = dict(tok_s=useful / fwd["elapsed"], seconds=fwd["elapsed"], passes=fwd["times"],
+                                       schedule=source,
+                                       steps=fwd["num_steps"], packed_tokens=fwd["packed_tokens"])
+
+    fig["load_avg_end"] = os.getloadavg()
+    report(fig)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(fig, indent=2, default=str) + "\n")
+        print(f"wrote {args.json}")
+    return fig
+
+
+def report(fig):
+    names = [("genq", "genq engine"), ("hf_generate_static", f"HF generate() static x{STATIC_BATCH}"),
+             ("hf_generate_batch", "HF generate_batch (CB)"), ("forward_only", "forward-only limit")]
+    print(f"\n{'system':<30}{'tok/s':>10}{'seconds':>10}")
+    for key, label in names:
+        if key in fig:
+            print(f"{label:<30}{fig[key]['tok_s']:>10.1f}{fig[key]['seconds']:>10.2f}")
+    ratios = {}
+    if "genq" in fig:
+        for key, label in (("hf_generate_batch", "genq / generate_batch"), ("forward_only", "genq / forward-only"),
+                           ("hf_generate_static", "genq / static generate()")):
+            if key in fig:
+                ratios[label] = fig["genq"]["tok_s"] / fig[key]["tok_s"]
+                print(f"{label:<30}{ratios[label]:>10.2f}x")
+        print(f"genq API: {fig['genq']['api']}; {fig['genq']['steps']} steps; greedy prefix match vs "
+              f"generate(): {fig['genq']['prefix_match']:.1%} ({fig['genq']['exact_requests']} requests exact)")
+    if "hf_generate_batch" in fig:
+        cb = fig["hf_generate_batch"]
+        print(f"HF CB: attn={cb['attn_implementation']} {cb['config']}; prefix match {cb['prefix_match']:.1%}")
+    print("load average (1/5/15 min) at start {:.1f}/{:.1f}/{:.1f}, at end {:.1f}/{:.1f}/{:.1f}".format(
+        *fig["load_avg_start"], *fig["load_avg_end"]))
+    if "forward_only" in fig:
+        print(f"forward-only schedule: {fig['forward_only']['schedule']}, {fig['forward_only']['steps']} steps")
+    fig["ratios"] = ratios
+
+
+def _jsonable(obj):
+    with contextlib.suppress(TypeError, ValueError):
+        return json.loads(json.dumps(obj, default=str))
+    return str(obj)
+
+
+if __name__ == "__main__":
+    main()
