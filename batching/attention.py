@@ -23,7 +23,7 @@ class PrefillChunk:
     start: int                      # the chunk's rows in the packed batch: [start, end)
     end: int
     context_len: int                # cached + new tokens this chunk attends over
-    slots: torch.Tensor | None      # [context_len] cache slots; None when the chunk is the whole context
+    block_ids: torch.Tensor | None  # [ceil(context_len / block_size)]; None when the chunk is the whole context
 
 
 @dataclass(slots=True)
@@ -31,7 +31,7 @@ class AttentionMetadata:
     kv_cache: KVCache
     slot_mapping: torch.Tensor              # [T] cache slot of every packed token
     num_decodes: int                        # the first num_decodes tokens are single-query sequences
-    decode_slots: torch.Tensor | None       # [Nd, Lmax] context slots, padded
+    decode_block_ids: torch.Tensor | None   # [Nd * max_blocks] block tables, padded, flattened
     decode_context_lens: torch.Tensor | None  # [Nd]
     prefills: list[PrefillChunk]
     _masks: dict = field(default_factory=dict)   # decode masks by sliding window, built once per step
@@ -41,7 +41,8 @@ class AttentionMetadata:
         mask = self._masks.get(sliding_window)
         if mask is None:
             lens = self.decode_context_lens[:, None]
-            pos = torch.arange(self.decode_slots.shape[1], device=lens.device)[None, :]
+            width = self.decode_block_ids.numel() // self.num_decodes * self.kv_cache.block_size
+            pos = torch.arange(width, device=lens.device)[None, :]
             mask = pos < lens
             if sliding_window is not None:
                 mask &= pos > lens - 1 - sliding_window
@@ -58,25 +59,25 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if meta is None:
         raise RuntimeError("genq_paged attention needs the engine's step metadata (genq_attn=...)")
     layer = module.layer_idx
-    k_cache, v_cache = meta.kv_cache.k[layer], meta.kv_cache.v[layer]   # [S, Hkv, D]
-    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
-    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+    k_cache, v_cache = meta.kv_cache.k[layer], meta.kv_cache.v[layer]   # [Hkv, S, D]
+    k_cache.index_copy_(1, meta.slot_mapping, key[0])
+    v_cache.index_copy_(1, meta.slot_mapping, value[0])
 
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1)                                       # [T, H, D]
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        kd = k_cache[meta.decode_slots]                                # [Nd, Lmax, Hkv, D]
-        vd = v_cache[meta.decode_slots]
+        kd, vd = meta.kv_cache.gather(layer, meta.decode_block_ids)    # [Hkv, Nd * Lmax, D]
+        kd, vd = kd.view(kd.shape[0], nd, -1, kd.shape[-1]), vd.view(vd.shape[0], nd, -1, vd.shape[-1])
         out[:nd] = _decode_attention(q[:nd], kd, vd, meta.decode_mask(sliding_window), scale, softcap, s_aux)
     for chunk in meta.prefills:
         qp = query[:, :, chunk.start:chunk.end]                        # [1, H, q, D]
-        if chunk.slots is None:
+        if chunk.block_ids is None:
             kp, vp = key[:, :, chunk.start:chunk.end], value[:, :, chunk.start:chunk.end]
         else:
-            kp = k_cache[chunk.slots].transpose(0, 1).unsqueeze(0)     # [1, Hkv, L, D]
-            vp = v_cache[chunk.slots].transpose(0, 1).unsqueeze(0)
+            kp, vp = meta.kv_cache.gather(layer, chunk.block_ids)      # [Hkv, >= L, D]
+            kp, vp = kp[None, :, :chunk.context_len], vp[None, :, :chunk.context_len]   # [1, Hkv, L, D]
         mask = _causal_mask(chunk.end - chunk.start, chunk.context_len, sliding_window, q.device)
         out[chunk.start:chunk.end] = _prefill_attention(qp, kp, vp, mask, scale, softcap, s_aux)[0].transpose(0, 1)
     return out.unsqueeze(0), None
@@ -93,16 +94,18 @@ def _causal_mask(q_len: int, kv_len: int, sliding_window: int | None, device) ->
 
 
 def _decode_attention(q, k, v, mask, scale, softcap, sinks):
-    """One query per sequence. q: [Nd, H, D]; k, v: [Nd, L, Hkv, D]; mask: [Nd, 1, 1, L]. → [Nd, H, D].
+    """One query per sequence. q: [Nd, H, D]; k, v: [Hkv, Nd, L, D]; mask: [Nd, 1, 1, L]. → [Nd, H, D].
 
-    Queries are grouped by their KV head ([Nd, Hkv, rep, D]) so K/V are never repeated per head.
+    Queries are grouped by their KV head ([Hkv, Nd, rep, D]) so K/V are never repeated per head.
     """
     nd, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
-    qg = q.view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)      # [Nd, Hkv, rep, D]
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale                # [Nd, Hkv, rep, L]
-    probs = _softmax(scores, mask, softcap, None if sinks is None else sinks.view(num_kv_heads, -1, 1))
-    return torch.matmul(probs, v.transpose(1, 2)).reshape(nd, num_heads, head_dim)
+    num_kv_heads = k.shape[0]
+    rep = num_heads // num_kv_heads
+    qg = q.view(nd, num_kv_heads, rep, head_dim).transpose(0, 1)           # [Hkv, Nd, rep, D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale                  # [Hkv, Nd, rep, L]
+    mask = mask.view(1, nd, 1, -1)
+    probs = _softmax(scores, mask, softcap, None if sinks is None else sinks.view(num_kv_heads, 1, rep, 1))
+    return torch.matmul(probs, v).transpose(0, 1).reshape(nd, num_heads, head_dim)
 
 
 def _prefill_attention(q, k, v, mask, scale, softcap, sinks):

@@ -4,34 +4,65 @@ from __future__ import annotations
 
 import torch
 
+BLOCK_DIM = 3   # the block axis of the pools
+
 
 class KVCache:
     """K and V of every layer in one tensor per pool, so a swap is one gather and one scatter.
 
-    device: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-    host:   [num_layers, 2, num_host_blocks, block_size, num_kv_heads, head_dim] (pinned on CUDA)
+    device: [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]
+    host:   [num_layers, 2, num_kv_heads, num_host_blocks, block_size, head_dim] (pinned on CUDA)
+
+    Head-major (unlike the usual [blocks, block_size, heads, dim]) because a layer's new keys arrive
+    as [Hkv, T, D], and gathering a batch's context then yields [Hkv, B, L, D], contiguous for one
+    batched matmul with no transposed copies.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                  num_device_blocks: int, num_host_blocks: int, dtype: torch.dtype, device: torch.device):
         self.block_size = block_size
         self.device = device
-        shape = (num_layers, 2, num_device_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, 2, num_kv_heads, num_device_blocks, block_size, head_dim)
         self.device_cache = torch.zeros(shape, dtype=dtype, device=device)
-        host_shape = (num_layers, 2, num_host_blocks, block_size, num_kv_heads, head_dim)
+        host_shape = (num_layers, 2, num_kv_heads, num_host_blocks, block_size, head_dim)
         pin = device.type == "cuda"
         self.host_cache = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._in_flight: list[torch.Tensor] = []   # staging tensors alive until their copy is waited on
-        # flat per-layer views: [num_blocks * block_size, num_kv_heads, head_dim]
+        # per-layer views: by slot [Hkv, num_blocks * block_size, D] for writes, by block
+        # [Hkv, num_blocks, block_size * D] for gathers (a block of one head is contiguous)
         slots = num_device_blocks * block_size
-        self.k = [self.device_cache[i, 0].view(slots, num_kv_heads, head_dim) for i in range(num_layers)]
-        self.v = [self.device_cache[i, 1].view(slots, num_kv_heads, head_dim) for i in range(num_layers)]
+        self.k = [self.device_cache[i, 0].view(num_kv_heads, slots, head_dim) for i in range(num_layers)]
+        self.v = [self.device_cache[i, 1].view(num_kv_heads, slots, head_dim) for i in range(num_layers)]
+        self.k_blocks = [self.device_cache[i, 0].flatten(2) for i in range(num_layers)]
+        self.v_blocks = [self.device_cache[i, 1].flatten(2) for i in range(num_layers)]
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        # gather buffers reused by every layer and step: fresh large tensors would page-fault each time
+        self._workspace = {"k": torch.empty(0, dtype=dtype, device=device),
+                           "v": torch.empty(0, dtype=dtype, device=device)}
 
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                         dtype: torch.dtype) -> int:
         return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    def gather(self, layer: int, block_ids: torch.Tensor, workspace_offset: int = 0):
+        """K and V of `block_ids` (flat [n]) as [Hkv, n * block_size, D] each, in reused buffers.
+
+        Views stay valid until the next gather that overlaps [workspace_offset, + its size).
+        """
+        n = block_ids.numel()
+        size = self.num_kv_heads * n * self.block_size * self.head_dim
+        out = []
+        for name, pool in (("k", self.k_blocks[layer]), ("v", self.v_blocks[layer])):
+            buf = self._workspace[name]
+            if buf.numel() < workspace_offset + size:
+                buf = self._workspace[name] = torch.empty(2 * (workspace_offset + size), dtype=buf.dtype,
+                                                          device=buf.device)
+            view = buf[workspace_offset:workspace_offset + size].view(self.num_kv_heads, n, -1)
+            torch.index_select(pool, 1, block_ids, out=view)
+            out.append(view.view(self.num_kv_heads, n * self.block_size, self.head_dim))
+        return out
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks: mapping = [(device block, host block), ...]."""
@@ -40,8 +71,8 @@ class KVCache:
         src = torch.tensor([d for d, _ in mapping], device=self.device)
         dst = torch.tensor([h for _, h in mapping])
         with self._on_copy_stream():
-            staged = self.device_cache.index_select(2, src)                    # [L, 2, n, bs, Hkv, D]
-            self.host_cache.index_copy_(2, dst, staged.to("cpu"))
+            staged = self.device_cache.index_select(BLOCK_DIM, src)            # [L, 2, Hkv, n, bs, D]
+            self.host_cache.index_copy_(BLOCK_DIM, dst, staged.to("cpu"))
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
         """Copy host blocks to device blocks: mapping = [(host block, device block), ...]."""
@@ -50,11 +81,11 @@ class KVCache:
         src = torch.tensor([h for h, _ in mapping])
         dst = torch.tensor([d for _, d in mapping], device=self.device)
         with self._on_copy_stream():
-            staged = self.host_cache.index_select(2, src)                      # [L, 2, n, bs, Hkv, D]
+            staged = self.host_cache.index_select(BLOCK_DIM, src)              # [L, 2, Hkv, n, bs, D]
             if self.copy_stream is not None:
                 staged = staged.pin_memory()
                 self._in_flight.append(staged)
-            self.device_cache.index_copy_(2, dst, staged.to(self.device, non_blocking=True))
+            self.device_cache.index_copy_(BLOCK_DIM, dst, staged.to(self.device, non_blocking=True))
 
     def wait_for_copies(self) -> None:
         """Make the compute stream wait for swaps issued so far (the next forward reads those blocks)."""

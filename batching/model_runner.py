@@ -62,10 +62,16 @@ class ModelRunner:
             if pos + 1 == seq.num_tokens:
                 logits_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
-        decode_slots = decode_lens = None
+        decode_blocks = decode_lens = None
         if singles:
             lens = [s.num_computed_tokens + 1 for s, _ in singles]
-            decode_slots = self._context_slots([s.block_table for s, _ in singles], max(lens))  # [Nd, Lmax]
+            width = -(-max(lens) // bs)
+            padded: list[int] = []
+            for seq, _ in singles:
+                table = seq.block_table[:width]
+                padded.extend(table)
+                padded.extend([0] * (width - len(table)))
+            decode_blocks = torch.tensor(padded, dtype=torch.long, device=self.device)   # [Nd * width]
             decode_lens = torch.tensor(lens, device=self.device)
 
         # prefill chunks: rows [start, end) each
@@ -74,9 +80,10 @@ class ModelRunner:
             start, c = len(input_ids), seq.num_computed_tokens
             input_ids.extend(seq.token_ids[c:c + n])
             positions.extend(range(c, c + n))
-            chunk_slots = self._context_slots([seq.block_table], c + n)[0]      # [c + n]
-            slot_mapping.extend(chunk_slots[c:].tolist())
-            prefills.append(PrefillChunk(start, start + n, c + n, chunk_slots if c else None))
+            table = seq.block_table
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
+            block_ids = torch.tensor(table[:-(-(c + n) // bs)], dtype=torch.long, device=self.device) if c else None
+            prefills.append(PrefillChunk(start, start + n, c + n, block_ids))
             if c + n == seq.num_tokens:
                 logits_rows.append(start + n - 1)
                 sample_seqs.append(seq)
@@ -84,7 +91,7 @@ class ModelRunner:
         attn = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
-            num_decodes=len(singles), decode_slots=decode_slots, decode_context_lens=decode_lens,
+            num_decodes=len(singles), decode_block_ids=decode_blocks, decode_context_lens=decode_lens,
             prefills=prefills,
         )
         return ModelInput(
@@ -93,12 +100,3 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
             attn=attn, sample_seqs=sample_seqs,
         )
-
-    def _context_slots(self, block_tables: list[list[int]], length: int) -> torch.Tensor:
-        """[B, length] cache slot of each position 0..length-1 (padding rows point at slot 0)."""
-        bs = self.block_size
-        width = -(-length // bs)
-        table = torch.tensor([bt[:width] + [0] * (width - len(bt[:width])) for bt in block_tables],
-                             device=self.device)                              # [B, width]
-        pos = torch.arange(length, device=self.device)
-        return table[:, pos // bs] * bs + pos % bs
