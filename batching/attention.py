@@ -3,7 +3,7 @@
 The model's own attention modules compute q/k/v (and RoPE) and call `paged_attention`. It writes the
 step's new K/V into cache slots, then attends each sequence's queries over its cached context.
 Per-step metadata arrives explicitly through the forward's kwargs (`genq_attn=`), never as a global.
-Decode tokens (one query per sequence) are attended in one batched call; prefill chunks one by one.
+Decode tokens (one query per sequence) are attended in a few batched calls, grouped by context\nlength so little padding is gathered; prefill chunks one by one.
 """
 
 from __future__ import annotations
@@ -27,28 +27,35 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
-class AttentionMetadata:
-    kv_cache: KVCache
-    slot_mapping: torch.Tensor              # [T] cache slot of every packed token
-    num_decodes: int                        # the first num_decodes tokens are single-query sequences
-    decode_block_ids: torch.Tensor | None   # [Nd * max_blocks] block tables, padded, flattened
-    decode_context_lens: torch.Tensor | None  # [Nd]
-    prefills: list[PrefillChunk]
-    _masks: dict = field(default_factory=dict)   # decode masks by sliding window, built once per step
+class DecodeGroup:
+    """Single-query sequences of similar context length, attended in one batched call."""
 
-    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
-        """[Nd, 1, 1, Lmax] bool, True where the query may attend."""
+    start: int                      # rows [start, end) of the packed batch, one per sequence
+    end: int
+    block_ids: torch.Tensor         # [n * width] block tables, padded to `width` blocks, flattened
+    context_lens: torch.Tensor      # [n]
+    width: int                      # blocks per sequence after padding
+    _masks: dict = field(default_factory=dict)   # by sliding window, built once per step
+
+    def mask(self, sliding_window: int | None, block_size: int) -> torch.Tensor:
+        """[1, n, 1, width * block_size] bool, True where the query may attend."""
         mask = self._masks.get(sliding_window)
         if mask is None:
-            lens = self.decode_context_lens[:, None]
-            width = self.decode_block_ids.numel() // self.num_decodes * self.kv_cache.block_size
-            pos = torch.arange(width, device=lens.device)[None, :]
+            lens = self.context_lens[:, None]
+            pos = torch.arange(self.width * block_size, device=lens.device)[None, :]
             mask = pos < lens
             if sliding_window is not None:
                 mask &= pos > lens - 1 - sliding_window
-            mask = mask[:, None, None, :]
-            self._masks[sliding_window] = mask
+            mask = self._masks[sliding_window] = mask[None, :, None, :]
         return mask
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor              # [T] cache slot of every packed token
+    decodes: list[DecodeGroup]              # single-query rows come first in the packed batch
+    prefills: list[PrefillChunk]
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -66,11 +73,12 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1)                                       # [T, H, D]
     out = torch.empty_like(q)
-    nd = meta.num_decodes
-    if nd:
-        kd, vd = meta.kv_cache.gather(layer, meta.decode_block_ids)    # [Hkv, Nd * Lmax, D]
-        kd, vd = kd.view(kd.shape[0], nd, -1, kd.shape[-1]), vd.view(vd.shape[0], nd, -1, vd.shape[-1])
-        out[:nd] = _decode_attention(q[:nd], kd, vd, meta.decode_mask(sliding_window), scale, softcap, s_aux)
+    for group in meta.decodes:
+        n = group.end - group.start
+        kd, vd = meta.kv_cache.gather(layer, group.block_ids)          # [Hkv, n * L, D]
+        kd, vd = kd.view(kd.shape[0], n, -1, kd.shape[-1]), vd.view(vd.shape[0], n, -1, vd.shape[-1])
+        mask = group.mask(sliding_window, meta.kv_cache.block_size)
+        out[group.start:group.end] = _decode_attention(q[group.start:group.end], kd, vd, mask, scale, softcap, s_aux)
     for chunk in meta.prefills:
         qp = query[:, :, chunk.start:chunk.end]                        # [1, H, q, D]
         if chunk.block_ids is None:
@@ -94,7 +102,7 @@ def _causal_mask(q_len: int, kv_len: int, sliding_window: int | None, device) ->
 
 
 def _decode_attention(q, k, v, mask, scale, softcap, sinks):
-    """One query per sequence. q: [Nd, H, D]; k, v: [Hkv, Nd, L, D]; mask: [Nd, 1, 1, L]. → [Nd, H, D].
+    """One query per sequence. q: [Nd, H, D]; k, v: [Hkv, Nd, L, D]; mask: [1, Nd, 1, L]. → [Nd, H, D].
 
     Queries are grouped by their KV head ([Hkv, Nd, rep, D]) so K/V are never repeated per head.
     """
@@ -103,7 +111,6 @@ def _decode_attention(q, k, v, mask, scale, softcap, sinks):
     rep = num_heads // num_kv_heads
     qg = q.view(nd, num_kv_heads, rep, head_dim).transpose(0, 1)           # [Hkv, Nd, rep, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)) * scale                  # [Hkv, Nd, rep, L]
-    mask = mask.view(1, nd, 1, -1)
     probs = _softmax(scores, mask, softcap, None if sinks is None else sinks.view(num_kv_heads, 1, rep, 1))
     return torch.matmul(probs, v).transpose(0, 1).reshape(nd, num_heads, head_dim)
 

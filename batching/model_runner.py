@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batching.attention import AttentionMetadata, PrefillChunk
+from batching.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from batching.kv_cache import KVCache
 from batching.scheduler import SchedulerOutput
 from batching.sequence import Sequence
@@ -53,7 +53,8 @@ class ModelRunner:
         logits_rows: list[int] = []
         sample_seqs: list[Sequence] = []
 
-        # single-query sequences (decodes): one token each, attended in one batched call
+        # single-query sequences (decodes), longest context first, one token each
+        singles.sort(key=lambda item: item[0].num_computed_tokens, reverse=True)
         for seq, _ in singles:
             pos = seq.num_computed_tokens
             input_ids.append(seq.token_ids[pos])
@@ -62,17 +63,8 @@ class ModelRunner:
             if pos + 1 == seq.num_tokens:
                 logits_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
-        decode_blocks = decode_lens = None
-        if singles:
-            lens = [s.num_computed_tokens + 1 for s, _ in singles]
-            width = -(-max(lens) // bs)
-            padded: list[int] = []
-            for seq, _ in singles:
-                table = seq.block_table[:width]
-                padded.extend(table)
-                padded.extend([0] * (width - len(table)))
-            decode_blocks = torch.tensor(padded, dtype=torch.long, device=self.device)   # [Nd * width]
-            decode_lens = torch.tensor(lens, device=self.device)
+        decodes = [self._decode_group(singles, start, end) for start, end in group_by_length(
+            [s.num_computed_tokens + 1 for s, _ in singles])]
 
         # prefill chunks: rows [start, end) each
         prefills: list[PrefillChunk] = []
@@ -91,8 +83,7 @@ class ModelRunner:
         attn = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
-            num_decodes=len(singles), decode_block_ids=decode_blocks, decode_context_lens=decode_lens,
-            prefills=prefills,
+            decodes=decodes, prefills=prefills,
         )
         return ModelInput(
             input_ids=torch.tensor([input_ids], device=self.device),
@@ -100,3 +91,33 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
             attn=attn, sample_seqs=sample_seqs,
         )
+
+    def _decode_group(self, singles: list[tuple[Sequence, int]], start: int, end: int) -> DecodeGroup:
+        bs = self.block_size
+        lens = [seq.num_computed_tokens + 1 for seq, _ in singles[start:end]]
+        width = -(-max(lens) // bs)
+        padded: list[int] = []
+        for seq, _ in singles[start:end]:
+            table = seq.block_table[:width]
+            padded.extend(table)
+            padded.extend([0] * (width - len(table)))
+        return DecodeGroup(start, end, torch.tensor(padded, dtype=torch.long, device=self.device),
+                           torch.tensor(lens, device=self.device), width)
+
+
+MIN_GROUP = 8        # fewer rows than this are not worth a call of their own
+MAX_GROUPS = 4
+SPLIT_RATIO = 0.6    # start a new group when a context is this much shorter than the group's longest
+
+
+def group_by_length(lengths: list[int]) -> list[tuple[int, int]]:
+    """Split lengths (sorted longest first) into [start, end) groups that waste little padding."""
+    groups, start = [], 0
+    for i, length in enumerate(lengths):
+        if (i - start >= MIN_GROUP and len(groups) < MAX_GROUPS - 1
+                and length < SPLIT_RATIO * lengths[start]):
+            groups.append((start, i))
+            start = i
+    if lengths:
+        groups.append((start, len(lengths)))
+    return groups
