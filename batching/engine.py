@@ -150,10 +150,11 @@ class Engine:
 
     def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
         p = seq.params
+        old_len = len(seq.text)
         self._detokenize(seq)
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return SequenceStatus.FINISHED_STOPPED
-        if p.stop and self._cut_at_stop_string(seq):
+        if p.stop and len(seq.text) > old_len and self._cut_at_stop_string(seq, old_len):
             return SequenceStatus.FINISHED_STOPPED
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
@@ -172,16 +173,15 @@ class Engine:
             seq.text += full[len(prefix):]
             seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
 
-    def _cut_at_stop_string(self, seq: Sequence) -> bool:
+    def _cut_at_stop_string(self, seq: Sequence, old_len: int) -> bool:
+        """Cut the text before the earliest stop string that the text added since `old_len` completes."""
         text = seq.text
-        for stop in seq.params.stop:
-            at = text.find(stop, max(0, len(text) - len(stop) - 64))
-            if at == -1 and len(text) > 64:
-                at = text.find(stop)
-            if at != -1:
-                seq.text = text[:at]
-                return True
-        return False
+        found = [at for stop in seq.params.stop
+                 if (at := text.find(stop, max(0, old_len - len(stop) + 1))) != -1]
+        if not found:
+            return False
+        seq.text = text[:min(found)]
+        return True
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(

@@ -36,7 +36,6 @@ class Sequence:
         "req_id", "priority", "arrival_time", "params", "token_ids", "num_prompt_tokens",
         "num_computed_tokens", "block_table", "host_block_table", "status", "num_preemptions",
         "first_token_time", "finish_time", "sample_seed", "text", "prefix_offset", "read_offset",
-        "stop_text_len",
     )
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
@@ -60,7 +59,6 @@ class Sequence:
         self.text = ""
         self.prefix_offset = self.num_prompt_tokens
         self.read_offset = self.num_prompt_tokens
-        self.stop_text_len: int | None = None
 
     @property
     def num_tokens(self) -> int:
