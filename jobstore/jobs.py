@@ -136,13 +136,16 @@ def cancel_job(session: Session, job_id: uuid.UUID, tenant_id: uuid.UUID) -> Job
     return job or get_job(session, job_id, tenant_id)
 
 
-def requeue_expired(session: Session) -> list[uuid.UUID]:
-    """running → queued for jobs whose lease expired (their worker died); they keep their tokens."""
-    return list(session.scalars(
+def requeue_expired(session: Session) -> list[tuple[uuid.UUID, int]]:
+    """running → queued for jobs whose lease expired (their worker died); they keep their tokens.
+
+    Returns their (id, priority), to be sent to Redis again at once."""
+    rows = session.execute(
         update(Job).where(Job.status == JobStatus.RUNNING, Job.lease_expires_at < func.now())
         .values(status=JobStatus.QUEUED, worker_id=None, lease_expires_at=None, enqueued_at=None)
-        .returning(Job.id)
-    ))
+        .returning(Job.id, Job.priority)
+    )
+    return [(row.id, row.priority) for row in rows]
 
 
 def unsent_jobs(session: Session, grace_seconds: float, limit: int = 1000) -> list[tuple[uuid.UUID, int]]:

@@ -16,8 +16,7 @@ target_metadata = Base.metadata
 
 
 def database_url() -> str:
-    """An explicit `sqlalchemy.url` (set by tests through the API) wins over DATABASE_URL."""
-    return config.get_main_option("sqlalchemy.url") or Settings.from_env().database_url
+    return Settings.from_env().database_url
 
 
 def run_migrations_offline() -> None:

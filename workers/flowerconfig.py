@@ -6,21 +6,23 @@
   next to the total, using the same priority_steps / sep / key prefix as the workers.
 """
 
-import logging
-import os
-import secrets
+# Tornado reads every top-level name that matches a Flower option (`logging` is one), so modules
+# are imported under private names.
+import logging as _logging
+import os as _os
+import secrets as _secrets
 
-from flower.utils.broker import RedisBase
+from flower.utils.broker import RedisBase as _RedisBase
 
-port = int(os.environ.get("FLOWER_PORT", "5555"))
-address = os.environ.get("FLOWER_ADDRESS", "127.0.0.1")
-basic_auth = [os.environ.get("FLOWER_BASIC_AUTH", "")]
+port = int(_os.environ.get("FLOWER_PORT", "5555"))
+address = _os.environ.get("FLOWER_ADDRESS", "127.0.0.1")
+basic_auth = [_os.environ.get("FLOWER_BASIC_AUTH", "")]
 if not basic_auth[0]:
-    basic_auth = [f"admin:{secrets.token_urlsafe(12)}"]
-    logging.getLogger("flower").warning("FLOWER_BASIC_AUTH is not set; log in with %s", basic_auth[0])
+    basic_auth = [f"admin:{_secrets.token_urlsafe(12)}"]
+    _logging.getLogger("flower").warning("FLOWER_BASIC_AUTH is not set; log in with %s", basic_auth[0])
 
 
-async def queues_per_priority(self, names):
+async def _queues_per_priority(self, names):
     """One row per (queue, priority step) plus the queue's total, e.g. `generate priority 0`."""
     names = list(names)
     async with self.redis.pipeline() as pipeline:
@@ -38,4 +40,4 @@ async def queues_per_priority(self, names):
     return rows
 
 
-RedisBase.queues = queues_per_priority
+_RedisBase.queues = _queues_per_priority

@@ -3,8 +3,8 @@
 Postgres is the source of truth; Redis only says "job X is ready". Two ways they disagree are
 mended here: a job committed but never sent to Redis (the API died, or Redis was down), and a job
 whose worker died (its lease expired): it goes back to `queued`, keeping its tokens, and is sent
-again; the next worker resumes from those tokens. Extra messages are harmless: a claim only
-succeeds on a queued job.
+again; the next worker resumes from those tokens. Extra messages are harmless (a claim only
+succeeds on a queued job), so two reconcilers racing between commit and send cost nothing.
 """
 
 from __future__ import annotations
@@ -29,10 +29,13 @@ def reconcile(sessions: sessionmaker[Session], celery: Celery, settings: Setting
             return {"requeued": 0, "sent": 0}
         requeued = jobs.requeue_expired(session)
         unsent = jobs.unsent_jobs(session, settings.enqueue_grace_seconds)
-        for job_id, priority in unsent:
-            send_job(celery, job_id, priority)
-        jobs.mark_enqueued(session, [job_id for job_id, _ in unsent])
-    if requeued or unsent:
+    # sent only once committed: a worker taking a message at once must find the job queued
+    to_send = dict(requeued + unsent)
+    for job_id, priority in to_send.items():
+        send_job(celery, job_id, priority)
+    with sessions.begin() as session:
+        jobs.mark_enqueued(session, list(to_send))
+    if to_send:
         log.info("reconciler: %d jobs requeued after their lease expired (%s); %d jobs sent to Redis",
-                 len(requeued), ", ".join(map(str, requeued[:10])), len(unsent))
-    return {"requeued": len(requeued), "sent": len(unsent)}
+                 len(requeued), ", ".join(str(job_id) for job_id, _ in requeued[:10]), len(to_send))
+    return {"requeued": len(requeued), "sent": len(to_send)}

@@ -1,0 +1,113 @@
+"""Fixtures shared by the service tests: a throw-away Postgres database and Redis namespace per session.
+
+Everything is real: Postgres at 127.0.0.1:5432 (user postgres, trust auth) and Redis at
+127.0.0.1:6379 (`make services` starts both). Each test session creates its own database (random
+name, built with `alembic upgrade head`) and its own Redis key prefix on a random Redis database
+number, and removes both at the end, so parallel runs and other people's data are never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import redis
+
+from jobstore.db import create_database_if_missing, drop_database, make_engine, make_session_factory
+from jobstore.keys import create_key
+from jobstore.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+POSTGRES = os.environ.get("GENQ_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432")
+REDIS = os.environ.get("GENQ_TEST_REDIS", "redis://127.0.0.1:6379")
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The environment that makes a subprocess (alembic, worker, gunicorn) read `settings`."""
+    env = dict(os.environ)
+    for f in fields(settings):
+        value = getattr(settings, f.name)
+        if value is not None:
+            env[f.name.upper()] = str(value)
+    return env
+
+
+@pytest.fixture(scope="session")
+def settings() -> Settings:
+    """Settings naming this session's database and Redis namespace; tiny-llama in float32 on the CPU."""
+    run = uuid.uuid4().hex[:10]
+    return Settings(
+        database_url=f"{POSTGRES}/genq_test_{run}",
+        redis_url=f"{REDIS}/{random.randint(1, 15)}",
+        redis_key_prefix=f"genq-test-{run}:",
+        model="tiny-llama", dtype="float32", device="cpu",
+        lease_seconds=5.0, progress_interval=0.25, enqueue_grace_seconds=1.0,
+    )
+
+
+@pytest.fixture(scope="session")
+def database(settings: Settings) -> Iterator[str]:
+    """A fresh database built by `alembic upgrade head`, dropped at the end of the session."""
+    create_database_if_missing(settings.database_url)
+    try:
+        subprocess.run([sys.executable, "-m", "alembic", "upgrade", "head"], cwd=ROOT, env=settings_env(settings),
+                       check=True, capture_output=True, text=True)
+        yield settings.database_url
+    finally:
+        drop_database(settings.database_url)
+
+
+@pytest.fixture(scope="session")
+def redis_client(settings: Settings) -> Iterator[redis.Redis]:
+    """A client on this session's Redis database; this session's keys are deleted at the end."""
+    client = redis.Redis.from_url(settings.redis_url)
+    yield client
+    keys = list(client.scan_iter(match=f"{settings.redis_key_prefix}*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def sessions(database: str):
+    engine = make_engine(database)
+    yield make_session_factory(engine)
+    engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def new_key(sessions):
+    """Make an API key for a new tenant: `new_key()` returns the key; each call is another tenant."""
+
+    def make(tenant: str | None = None) -> str:
+        with sessions.begin() as session:
+            return create_key(session, tenant or f"tenant-{uuid.uuid4().hex[:8]}")
+
+    return make
+
+
+@pytest.fixture()
+def auth(new_key):
+    """`auth()`: Authorization headers for a new tenant."""
+    return lambda: {"Authorization": f"Bearer {new_key()}"}
+
+
+@pytest.fixture(scope="session")
+def app(settings: Settings, database: str, redis_client):
+    from webapi import create_app
+
+    app = create_app(settings)
+    yield app
+    app.extensions["genq"].engine.dispose()
+
+
+@pytest.fixture()
+def client(app):
+    return app.test_client()

@@ -1,0 +1,160 @@
+"""Job state transitions against the real schema."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from sqlalchemy import select
+
+from jobstore import jobs
+from jobstore.keys import create_key, hash_key, tenant_for_key
+from jobstore.models import ApiKey, JobStatus, Tenant
+
+REQUEST = dict(prompt="Once upon", input_ids=None, max_tokens=8, temperature=0.0, top_p=1.0, top_k=0, seed=None,
+               stop=[], priority=5, metadata={"run": 1})
+LEASE = 30.0
+
+
+@pytest.fixture()
+def tenant_id(sessions):
+    with sessions.begin() as s:
+        key = create_key(s, f"t-{uuid.uuid4().hex[:8]}")
+        return tenant_for_key(s, key).id
+
+
+def create(sessions, tenant_id, **changes):
+    with sessions.begin() as s:
+        job, created = jobs.create_job(s, tenant_id, {**REQUEST, **changes}, prompt_tokens=10)
+        assert created
+        return job.id
+
+
+def test_create_claim_progress_finish(sessions, tenant_id):
+    job_id = create(sessions, tenant_id)
+    with sessions.begin() as s:
+        job = jobs.claim_job(s, job_id, "w1", LEASE)
+        assert job.status == JobStatus.RUNNING and job.worker_id == "w1" and job.attempts == 1
+        assert job.started_at is not None and job.lease_expires_at > job.started_at
+        assert jobs.claim_job(s, job_id, "w2", LEASE) is None  # a second message for the job is dropped
+    with sessions.begin() as s:
+        assert not jobs.save_progress(s, job_id, "w2", LEASE, token_ids=[9], text="x")  # not w2's lease
+        assert jobs.save_progress(s, job_id, "w1", LEASE, token_ids=[5, 6], text="ab")
+        assert jobs.renew_lease(s, job_id, "w1", LEASE)
+    with sessions.begin() as s:
+        assert jobs.get_job(s, job_id).output_token_ids == [5, 6]
+        assert jobs.finish_job(s, job_id, "w1", token_ids=[5, 6, 7], text="abc", finish_reason="length",
+                               prompt_tokens=3)
+    with sessions.begin() as s:
+        job = jobs.get_job(s, job_id)
+        assert (job.status, job.output_text, job.finish_reason, job.prompt_tokens) == (
+            JobStatus.SUCCEEDED, "abc", "length", 3)
+        assert job.finished_at is not None and job.lease_expires_at is None
+        assert not jobs.save_progress(s, job_id, "w1", LEASE, token_ids=[1], text="z")  # finished is final
+
+
+def test_fail(sessions, tenant_id):
+    job_id = create(sessions, tenant_id)
+    with sessions.begin() as s:
+        jobs.claim_job(s, job_id, "w1", LEASE)
+        assert jobs.fail_job(s, job_id, "w1", code="invalid_request", message="prompt: too long")
+    with sessions.begin() as s:
+        job = jobs.get_job(s, job_id)
+        assert (job.status, job.error_code, job.error_message) == (JobStatus.FAILED, "invalid_request",
+                                                                   "prompt: too long")
+
+
+def test_cancel_queued_then_claim_is_dropped(sessions, tenant_id):
+    job_id = create(sessions, tenant_id)
+    with sessions.begin() as s:
+        assert jobs.cancel_job(s, job_id, tenant_id).status == JobStatus.CANCELLED
+    with sessions.begin() as s:
+        assert jobs.claim_job(s, job_id, "w1", LEASE) is None
+        assert jobs.get_job(s, job_id).started_at is None
+
+
+def test_cancel_running_takes_the_job_from_its_worker(sessions, tenant_id):
+    job_id = create(sessions, tenant_id)
+    with sessions.begin() as s:
+        jobs.claim_job(s, job_id, "w1", LEASE)
+    with sessions.begin() as s:
+        job = jobs.cancel_job(s, job_id, tenant_id)
+        assert (job.status, job.finish_reason) == (JobStatus.CANCELLED, "abort")
+    with sessions.begin() as s:
+        assert not jobs.save_progress(s, job_id, "w1", LEASE, token_ids=[1], text="a")
+        assert not jobs.finish_job(s, job_id, "w1", token_ids=[1], text="a", finish_reason="stop", prompt_tokens=1)
+
+
+def test_cancel_finished_or_foreign(sessions, tenant_id):
+    job_id = create(sessions, tenant_id)
+    with sessions.begin() as s:
+        jobs.claim_job(s, job_id, "w1", LEASE)
+        jobs.finish_job(s, job_id, "w1", token_ids=[1], text="a", finish_reason="stop", prompt_tokens=1)
+    with sessions.begin() as s:
+        assert jobs.cancel_job(s, job_id, tenant_id).status == JobStatus.SUCCEEDED  # unchanged
+        assert jobs.cancel_job(s, job_id, uuid.uuid4()) is None  # another tenant: not found
+
+
+def test_expired_lease_is_requeued_keeping_its_tokens(sessions, tenant_id):
+    job_id = create(sessions, tenant_id)
+    with sessions.begin() as s:
+        jobs.claim_job(s, job_id, "dead-worker", lease_seconds=-1)  # already expired
+        jobs.save_progress(s, job_id, "dead-worker", -1, token_ids=[4, 5], text="45")
+    with sessions.begin() as s:
+        assert (job_id, 5) in jobs.requeue_expired(s)
+    with sessions.begin() as s:
+        job = jobs.get_job(s, job_id)
+        assert (job.status, job.worker_id, job.output_token_ids) == (JobStatus.QUEUED, None, [4, 5])
+        assert job_id in [i for i, _ in jobs.unsent_jobs(s, grace_seconds=0)]
+        assert jobs.claim_job(s, job_id, "w2", LEASE).attempts == 2
+    with sessions.begin() as s:
+        assert not jobs.save_progress(s, job_id, "dead-worker", LEASE, token_ids=[0], text="")
+
+
+def test_unsent_jobs_wait_for_the_grace_period(sessions, tenant_id):
+    job_id = create(sessions, tenant_id, priority=2)
+    with sessions.begin() as s:
+        assert job_id not in [i for i, _ in jobs.unsent_jobs(s, grace_seconds=3600)]
+        assert (job_id, 2) in jobs.unsent_jobs(s, grace_seconds=0)
+        jobs.mark_enqueued(s, [job_id])
+    with sessions.begin() as s:
+        assert job_id not in [i for i, _ in jobs.unsent_jobs(s, grace_seconds=0)]
+
+
+def test_idempotency_key(sessions, tenant_id):
+    with sessions.begin() as s:
+        first, created = jobs.create_job(s, tenant_id, REQUEST, idempotency_key="k1")
+        again, created_again = jobs.create_job(s, tenant_id, dict(REQUEST), idempotency_key="k1")
+        assert created and not created_again and again.id == first.id
+        with pytest.raises(jobs.IdempotencyConflict):
+            jobs.create_job(s, tenant_id, {**REQUEST, "max_tokens": 9}, idempotency_key="k1")
+
+
+def test_list_newest_first_with_keyset(sessions, tenant_id):
+    ids = [create(sessions, tenant_id, priority=i % 10) for i in range(5)]
+    with sessions.begin() as s:
+        page = jobs.list_jobs(s, tenant_id, limit=3)
+        assert [j.id for j in page] == ids[::-1][:3]
+        rest = jobs.list_jobs(s, tenant_id, limit=3, before=(page[-1].created_at, page[-1].id))
+        assert [j.id for j in rest] == ids[::-1][3:]
+        assert jobs.list_jobs(s, tenant_id, status=JobStatus.RUNNING) == []
+
+
+def test_nul_characters_survive(sessions, tenant_id):
+    job_id = create(sessions, tenant_id, prompt="a\x00b")
+    with sessions.begin() as s:
+        jobs.claim_job(s, job_id, "w1", LEASE)
+        jobs.finish_job(s, job_id, "w1", token_ids=[3], text="\x00", finish_reason="length", prompt_tokens=4)
+    with sessions.begin() as s:
+        job = jobs.get_job(s, job_id)
+        assert (job.prompt, job.output_text) == ("a\x00b", "\x00")
+
+
+def test_keys_are_stored_hashed(sessions):
+    with sessions.begin() as s:
+        key = create_key(s, "hashed-tenant")
+        stored = s.scalars(select(ApiKey).join(Tenant).where(Tenant.name == "hashed-tenant")).one()
+        assert stored.key_hash == hash_key(key) and key not in (stored.key_hash, stored.prefix)
+        assert tenant_for_key(s, key).name == "hashed-tenant"
+        assert tenant_for_key(s, key + "x") is None
+        assert tenant_for_key(s, create_key(s, "hashed-tenant")).id == stored.tenant_id  # second key, same tenant

@@ -1,0 +1,113 @@
+"""A real worker (`celery -A workers worker --pool threads ... -Q generate`) in a subprocess, with the API
+in front of it. Each stack has its own Redis key prefix, so its worker sees only its own messages."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from celery import Celery
+
+from jobstore.dispatch import make_celery
+from jobstore.settings import Settings
+from tests.conftest import ROOT, settings_env
+
+BIN = Path(sys.executable).parent
+FINISHED = ("succeeded", "failed", "cancelled")
+
+
+@dataclasses.dataclass
+class Stack:
+    settings: Settings
+    client: object  # Flask test client of an app sending to this stack's queue
+    headers: dict[str, str]
+    celery: Celery
+    log: Path
+
+    def submit(self, **body) -> str:
+        r = self.client.post("/jobs", json=body, headers=self.headers)
+        assert r.status_code == 202, r.json
+        return r.json["id"]
+
+    def job(self, job_id: str) -> dict:
+        return self.client.get(f"/jobs/{job_id}", headers=self.headers).json
+
+    def wait(self, job_id: str, until=lambda job: job["status"] in FINISHED, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            job = self.job(job_id)
+            if until(job):
+                return job
+            time.sleep(0.05)
+        raise AssertionError(f"job {job_id} still {job['status']} after {timeout}s; worker log:\n{self.log_text()}")
+
+    def engine_stats(self) -> dict:
+        replies = self.celery.control.broadcast("engine_stats", reply=True, timeout=5)
+        assert len(replies) == 1, replies
+        return next(iter(replies[0].values()))
+
+    def log_text(self) -> str:
+        return self.log.read_text()[-5000:]
+
+
+@contextmanager
+def worker_stack(settings: Settings, new_key, log_dir: Path, *, concurrency: int) -> Iterator[Stack]:
+    from webapi import create_app
+
+    name = f"w{concurrency}-{uuid.uuid4().hex[:6]}"
+    settings = dataclasses.replace(settings, redis_key_prefix=f"{settings.redis_key_prefix}{name}:",
+                                   max_num_seqs=concurrency)
+    log = log_dir / f"{name}.log"
+    with log.open("w") as out:
+        worker = subprocess.Popen(
+            [BIN / "celery", "-A", "workers", "worker", "--pool", "threads", "--concurrency", str(concurrency),
+             "-Q", "generate", "--loglevel", "INFO", "--without-mingle", "--without-gossip", "-n", f"{name}@%h"],
+            cwd=ROOT, env=settings_env(settings), stdout=out, stderr=subprocess.STDOUT)
+    app = create_app(settings)
+    celery = make_celery(settings)
+    try:
+        deadline = time.monotonic() + 180
+        while " ready." not in log.read_text():
+            assert worker.poll() is None, f"worker exited:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"worker not ready:\n{log.read_text()}"
+            time.sleep(0.2)
+        yield Stack(settings, app.test_client(), {"Authorization": f"Bearer {new_key()}"}, celery, log)
+    finally:
+        worker.send_signal(signal.SIGQUIT)  # cold shutdown: do not wait for jobs left running
+        try:
+            worker.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+        app.extensions["genq"].engine.dispose()
+        celery.close()
+
+
+@pytest.fixture(scope="session")
+def wide(settings, new_key, tmp_path_factory, redis_client) -> Iterator[Stack]:
+    """A worker holding up to 8 jobs at once (engine max_num_seqs 8)."""
+    with worker_stack(settings, new_key, tmp_path_factory.mktemp("workers"), concurrency=8) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="session")
+def narrow(settings, new_key, tmp_path_factory, redis_client) -> Iterator[Stack]:
+    """A worker holding one job at a time: the rest wait in Redis, in priority order."""
+    with worker_stack(settings, new_key, tmp_path_factory.mktemp("workers"), concurrency=1) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="session")
+def offline_engine(settings):
+    """The same engine the worker runs, used offline (Engine.generate) for the expected outputs."""
+    from batching import Engine, EngineConfig
+
+    return Engine(EngineConfig(**settings.engine_options()))
