@@ -20,6 +20,13 @@ install: $(VENV)/.installed
 services:
 	bash scripts/services.sh
 
+# The local stack without Docker (Procfile via honcho; .env is read if present): API on :8000, a worker,
+# beat (the reconciler) and Flower on :5555, against the local Postgres and Redis.
+run: install services
+	$(VENV)/bin/honcho run $(PY) -m jobstore createdb
+	$(VENV)/bin/honcho run $(VENV)/bin/alembic upgrade head
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/honcho start
+
 test: install services
 	$(VENV)/bin/pytest -q tests
 
