@@ -70,7 +70,7 @@ class BlockManager:
         if n > len(self.free_host):
             return None
         host = [self.free_host.popleft() for _ in range(n)]
-        mapping = list(zip(seq.block_table[:n], host))
+        mapping = list(zip(seq.block_table[:n], host, strict=True))
         self.free_device.extend(seq.block_table)
         seq.block_table = []
         seq.host_block_table = host
@@ -85,7 +85,7 @@ class BlockManager:
         if n > len(self.free_device):
             return None
         device = [self.free_device.popleft() for _ in range(n)]
-        mapping = list(zip(seq.host_block_table, device))
+        mapping = list(zip(seq.host_block_table, device, strict=True))
         self.free_host.extend(seq.host_block_table)
         seq.host_block_table = []
         seq.block_table = device

@@ -45,8 +45,16 @@ class EngineConfig:
             _check_int("max_model_len", self.max_model_len, 2)
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        if not 0.0 < self.memory_utilization <= 1.0:
-            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}")
+        if (isinstance(self.memory_utilization, bool) or not isinstance(self.memory_utilization, (int, float))
+                or not 0.0 < self.memory_utilization <= 1.0):
+            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization!r}")
+        _check_int("seed", self.seed, 0)
+        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
+            raise ValueError(f"revision must be a non-empty string or None, got {self.revision!r}")
+        if not isinstance(self.trust_remote_code, bool):
+            raise ValueError(f"trust_remote_code must be True or False, got {self.trust_remote_code!r}")
 
 
 def _check_int(name: str, value, minimum: int) -> None:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
 import time
 from collections.abc import Sequence as Seq
-
 
 from batching.block_manager import BlockManager, blocks_for
 from batching.config import EngineConfig
@@ -25,6 +25,7 @@ from batching.sampling_params import SamplingParams
 from batching.scheduler import Scheduler, SchedulerOutput
 from batching.sequence import FINISH_REASONS, Sequence, SequenceStatus
 from batching.sizing import size_pools
+from batching.tokenizer import BUILTIN_MODEL
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.device)
+        _check_model_source(config)
         model_config = load_model_config(config)
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         self.tokenizer = load_tokenizer_for(config)
@@ -94,7 +96,8 @@ class Engine:
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                              f"exceeds max_model_len ({self.max_model_len})")
-        if blocks_for(total, self.config.block_size) > self.block_manager.num_device_blocks:
+        # the last token is never fed back, so it needs no KV slot
+        if blocks_for(total - 1, self.config.block_size) > self.block_manager.num_device_blocks:
             raise ValueError(f"prompt + max_tokens ({total} tokens) needs more KV blocks than the device pool "
                              f"holds ({self.block_manager.num_device_blocks} blocks of {self.config.block_size})")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -130,12 +133,12 @@ class Engine:
 
     def _postprocess(self, sched: SchedulerOutput, sample_seqs: list[Sequence], tokens: list[int]):
         outputs, self._pending_outputs = self._pending_outputs, []
-        for seq, n in zip(sched.seqs, sched.num_scheduled_tokens):
+        for seq, n in zip(sched.seqs, sched.num_scheduled_tokens, strict=True):
             if seq.num_output_tokens == 0 or seq.num_computed_tokens < seq.num_tokens - 1:
                 self._counters["num_prompt_tokens_computed"] += n
             seq.num_computed_tokens += n
         now = time.time()
-        for seq, token in zip(sample_seqs, tokens):
+        for seq, token in zip(sample_seqs, tokens, strict=True):
             seq.token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -207,7 +210,7 @@ class Engine:
         ids = [f"generate-{batch}-{i}" for i in range(len(prompts))]
         added = []
         try:
-            for rid, prompt, p, prio in zip(ids, prompts, params, priorities):
+            for rid, prompt, p, prio in zip(ids, prompts, params, priorities, strict=True):
                 self.add_request(rid, prompt, p, prio)
                 added.append(rid)
         except ValueError:
@@ -277,13 +280,48 @@ class Engine:
     def _warm_up(self) -> None:
         """One tiny request through the real path: proves the model works with paged attention."""
         try:
-            self.add_request("__warmup__", [0, 0, 0], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+            # the smallest request (one KV slot), so that every valid pool and max_model_len can take it
+            self.add_request("__warmup__", [0], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
             while self.has_unfinished_requests():
                 self.step()
         except (TypeError, RuntimeError, AttributeError, NotImplementedError) as exc:
             raise ValueError(f"model: {self.config.model!r} cannot run on genq's paged attention: {exc}") from exc
         for key in self._counters:
             self._counters[key] = 0 if isinstance(self._counters[key], int) else 0.0
+
+
+def _check_model_source(config: EngineConfig) -> None:
+    """Fail fast on a model that cannot be found: transformers retries an unreachable Hub for ~25 s."""
+    name = config.model
+    if name == BUILTIN_MODEL or os.path.isdir(name):
+        return
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HFValidationError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    what = f"model: {name!r} is not the built-in {BUILTIN_MODEL!r}, not a local checkpoint directory"
+    try:
+        cached = try_to_load_from_cache(name, "config.json", revision=config.revision)
+    except HFValidationError as exc:
+        raise ValueError(f"{what}, and not a valid Hugging Face id ({exc})") from None
+    if isinstance(cached, str):
+        return
+    if constants.is_offline_mode():
+        raise ValueError(f"{what}, and not in the Hugging Face cache (offline mode is on)")
+    try:
+        get_hf_file_metadata(hf_hub_url(name, "config.json", revision=config.revision), timeout=10)
+    except GatedRepoError:
+        return          # it exists; loading reports what access it needs
+    except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as exc:
+        raise ValueError(f"{what}, and not a model on the Hugging Face Hub ({type(exc).__name__})") from exc
+    except Exception as exc:   # network errors (their classes depend on the HTTP client hub uses)
+        raise ValueError(f"{what}, not in the Hugging Face cache, and the Hub cannot be reached "
+                         f"({type(exc).__name__}: {exc})") from exc
 
 
 def _eos_ids(model_config, tokenizer) -> set[int]:

@@ -27,7 +27,7 @@ def runs(engine):
     """(prompt, greedy tokens ignoring EOS) for 30 prompts."""
     prompts = random_prompts(80, [5 + i % 7 for i in range(30)])
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX, temperature=0, ignore_eos=True))
-    return [(p, o.token_ids) for p, o in zip(prompts, outs)]
+    return [(p, o.token_ids) for p, o in zip(prompts, outs, strict=True)]
 
 
 def solo(engine, prompt, **params):
@@ -54,7 +54,7 @@ def tokens_until(engine, tokens, stop: str) -> int:
 
 
 def assert_streamed_text_grows(texts):
-    for before, after in zip(texts, texts[1:]):
+    for before, after in zip(texts[:-1], texts[1:], strict=True):
         assert after.startswith(before), "streamed text changed what it had already reported"
     assert all(not t.endswith("\ufffd") for t in texts), "text ended mid-character"
 

@@ -84,7 +84,7 @@ def test_host_pool_exhaustion_falls_back_to_recompute(make_engine, llama_path, r
                          max_num_batched_tokens=16, preemption_mode="swap")
     prompts = random_prompts(51, [12, 9, 14, 6, 8])
     priorities = [9, 9, 9, 0, 0]
-    for i, (p, prio) in enumerate(zip(prompts[:3], priorities)):
+    for i, (p, prio) in enumerate(zip(prompts[:3], priorities[:3], strict=True)):
         engine.add_request(f"r{i}", p, greedy(14), priority=prio)
     for _ in range(3):
         engine.step()
