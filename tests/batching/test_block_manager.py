@@ -1,0 +1,227 @@
+"""BlockManager in pure Python: unit cases and a hypothesis state machine over allocate / compute / free /
+swap_out / swap_in. Every act happens whole or returns None and changes nothing."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
+
+from batching.block_manager import BlockManager, blocks_for
+from batching.sampling_params import SamplingParams
+from batching.sequence import Sequence
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def new_seq(num_prompt_tokens: int, name: str = "s") -> Sequence:
+    return Sequence(name, [5] * num_prompt_tokens, SamplingParams(), priority=5, sample_seed=0)
+
+
+def state(bm: BlockManager, seqs) -> tuple:
+    return (list(bm.free_device), list(bm.free_host),
+            [(list(s.block_table), list(s.host_block_table), s.num_computed_tokens) for s in seqs])
+
+
+@pytest.mark.parametrize("tokens,size,blocks", [(0, 4, 0), (1, 4, 1), (4, 4, 1), (5, 4, 2), (7, 1, 7)])
+def test_blocks_for(tokens, size, blocks):
+    assert blocks_for(tokens, size) == blocks
+
+
+def test_allocate_takes_only_missing_blocks_and_none_changes_nothing():
+    bm = BlockManager(num_device_blocks=4, num_host_blocks=0, block_size=4)
+    a, b = new_seq(6, "a"), new_seq(9, "b")
+    assert bm.allocate(a, 6) == [0, 1]
+    a.num_computed_tokens = 6
+    assert bm.allocate(a, 2) == []                 # slots 6 and 7 are in block 1 already
+    assert bm.max_tokens_allocatable(b) == 8
+    before = state(bm, [a, b])
+    assert not bm.can_allocate(b, 9) and bm.allocate(b, 9) is None
+    assert state(bm, [a, b]) == before
+    assert bm.allocate(b, 8) == [2, 3]
+    bm.check_invariants([a, b])
+    bm.free(a)
+    assert sorted(bm.free_device) == [0, 1] and a.block_table == []
+    bm.check_invariants([b])
+
+
+def test_swap_out_copies_computed_blocks_and_frees_reserved_ones():
+    bm = BlockManager(num_device_blocks=6, num_host_blocks=3, block_size=2)
+    s = new_seq(5)
+    bm.allocate(s, 5)                              # blocks 0, 1, 2
+    s.num_computed_tokens = 3                      # KV in blocks 0 and 1; block 2 reserved, empty
+    assert bm.swap_out(s) == [(0, 0), (1, 1)]
+    assert s.block_table == [] and s.host_block_table == [0, 1]
+    assert bm.num_free_device_blocks == 6 and bm.num_free_host_blocks == 1
+    bm.check_invariants([s])
+    t = new_seq(8, "t")
+    bm.allocate(t, 8)
+    t.num_computed_tokens = 8
+    before = state(bm, [s, t])
+    assert not bm.can_swap_out(t) and bm.swap_out(t) is None    # needs 4 host blocks, 1 free
+    assert state(bm, [s, t]) == before
+    bm.free(t)
+    mapping = bm.swap_in(s)
+    assert [h for h, _ in mapping] == [0, 1] and [d for _, d in mapping] == s.block_table
+    assert s.host_block_table == [] and bm.num_free_host_blocks == 3
+    bm.check_invariants([s])
+
+
+def test_swap_in_none_changes_nothing():
+    bm = BlockManager(num_device_blocks=3, num_host_blocks=3, block_size=1)
+    s, t = new_seq(2, "s"), new_seq(3, "t")
+    bm.allocate(s, 2)
+    s.num_computed_tokens = 2
+    bm.swap_out(s)
+    bm.allocate(t, 2)                              # one device block left, s needs two
+    before = state(bm, [s, t])
+    assert not bm.can_swap_in(s) and bm.swap_in(s) is None
+    assert state(bm, [s, t]) == before
+
+
+@pytest.mark.parametrize("corrupt", ["double_owned", "leaked", "free_and_owned", "too_few_blocks", "both_pools"])
+def test_check_invariants_catches_corruption(corrupt):
+    bm = BlockManager(num_device_blocks=4, num_host_blocks=2, block_size=2)
+    a, b = new_seq(3, "a"), new_seq(2, "b")
+    bm.allocate(a, 3)
+    bm.allocate(b, 2)
+    a.num_computed_tokens, b.num_computed_tokens = 3, 2
+    bm.check_invariants([a, b])
+    if corrupt == "double_owned":
+        b.block_table.append(a.block_table[0])
+    elif corrupt == "leaked":
+        bm.free_device.popleft()
+    elif corrupt == "free_and_owned":
+        bm.free_device.append(a.block_table[0])
+    elif corrupt == "too_few_blocks":
+        a.num_computed_tokens = 5
+    else:
+        a.host_block_table.append(bm.free_host.popleft())
+    with pytest.raises(AssertionError):
+        bm.check_invariants([a, b])
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random sequences of acts on a small pool; a None answer must leave everything as it was."""
+
+    seqs = Bundle("seqs")
+
+    def __init__(self):
+        super().__init__()
+        self.bm = None
+        self.live: list[Sequence] = []
+
+    @precondition(lambda self: self.bm is None)
+    @rule(device=st.integers(1, 12), host=st.integers(0, 8), block_size=st.integers(1, 4))
+    def make_pool(self, device, host, block_size):
+        self.bm = BlockManager(device, host, block_size)
+
+    @precondition(lambda self: self.bm is not None)
+    @rule(target=seqs, prompt=st.integers(1, 30))
+    def add(self, prompt):
+        seq = new_seq(prompt, f"s{len(self.live)}")
+        self.live.append(seq)
+        return seq
+
+    @precondition(lambda self: self.bm is not None)
+    @rule(seq=seqs, n=st.integers(0, 12))
+    def allocate(self, seq, n):
+        if seq not in self.live or seq.host_block_table:
+            return
+        before = state(self.bm, self.live)
+        need = self.bm.num_new_blocks(seq, n)
+        can = self.bm.can_allocate(seq, n)
+        got = self.bm.allocate(seq, n)
+        if got is None:
+            assert not can and need > self.bm.num_free_device_blocks
+            assert state(self.bm, self.live) == before
+        else:
+            assert can and len(got) == need and seq.block_table[len(seq.block_table) - need:] == got
+            assert len(seq.block_table) * self.bm.block_size >= seq.num_computed_tokens + n
+
+    @precondition(lambda self: self.bm is not None)
+    @rule(seq=seqs, n=st.integers(1, 12))
+    def compute(self, seq, n):
+        """The runner filled slots: KV now exists for up to n more tokens that have blocks."""
+        if seq in self.live and not seq.host_block_table:
+            room = len(seq.block_table) * self.bm.block_size - seq.num_computed_tokens
+            seq.num_computed_tokens += min(n, room)
+
+    @precondition(lambda self: self.bm is not None)
+    @rule(seq=consumes(seqs))
+    def free(self, seq):
+        if seq not in self.live:
+            return
+        owned = len(seq.block_table), len(seq.host_block_table)
+        free = self.bm.num_free_device_blocks, self.bm.num_free_host_blocks
+        self.bm.free(seq)
+        self.live.remove(seq)
+        assert (self.bm.num_free_device_blocks, self.bm.num_free_host_blocks) == (free[0] + owned[0],
+                                                                                   free[1] + owned[1])
+        assert seq.block_table == [] and seq.host_block_table == []
+
+    @precondition(lambda self: self.bm is not None)
+    @rule(seq=seqs)
+    def swap_out(self, seq):
+        if seq not in self.live or seq.host_block_table or not seq.num_computed_tokens:
+            return
+        before = state(self.bm, self.live)
+        table = list(seq.block_table)
+        used = blocks_for(seq.num_computed_tokens, self.bm.block_size)
+        can = self.bm.can_swap_out(seq)
+        mapping = self.bm.swap_out(seq)
+        if mapping is None:
+            assert not can and used > self.bm.num_free_host_blocks
+            assert state(self.bm, self.live) == before
+        else:
+            assert can and [d for d, _ in mapping] == table[:used]
+            assert [h for _, h in mapping] == seq.host_block_table and seq.block_table == []
+            assert set(table) <= set(self.bm.free_device)
+
+    @precondition(lambda self: self.bm is not None)
+    @rule(seq=seqs)
+    def swap_in(self, seq):
+        if seq not in self.live or not seq.host_block_table:
+            return
+        before = state(self.bm, self.live)
+        host = list(seq.host_block_table)
+        can = self.bm.can_swap_in(seq)
+        mapping = self.bm.swap_in(seq)
+        if mapping is None:
+            assert not can and len(host) > self.bm.num_free_device_blocks
+            assert state(self.bm, self.live) == before
+        else:
+            assert can and [h for h, _ in mapping] == host and [d for _, d in mapping] == seq.block_table
+            assert seq.host_block_table == [] and set(host) <= set(self.bm.free_host)
+
+    @invariant()
+    def blocks_are_free_or_owned_once(self):
+        if self.bm is not None:
+            self.bm.check_invariants(self.live)
+            assert 0.0 <= self.bm.device_usage() <= 1.0 and 0.0 <= self.bm.host_usage() <= 1.0
+
+    def teardown(self):
+        if self.bm is None:
+            return
+        for seq in list(self.live):
+            self.bm.free(seq)
+        assert self.bm.num_free_device_blocks == self.bm.num_device_blocks
+        assert self.bm.num_free_host_blocks == self.bm.num_host_blocks
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+@pytest.mark.parametrize("module", ["block_manager", "scheduler", "sequence", "sampling_params", "config"])
+def test_scheduling_modules_do_not_import_torch(module):
+    """The scheduler side moves ids and counts only (STYLE.md): cheap to test, no tensors."""
+    tree = ast.parse((ROOT / "batching" / f"{module}.py").read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert "torch" not in imported
