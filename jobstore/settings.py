@@ -34,7 +34,7 @@ class Settings:
     # --- the job lifecycle
     lease_seconds: float = 30.0  # a running job whose worker stops renewing is re-dispatched after this
     progress_interval: float = 0.5  # seconds between progress writes (and cancel checks) of a running job
-    reconcile_interval: float = 5.0  # seconds between reconciler runs (celery beat)
+    reconcile_interval: float = 10.0  # seconds between reconciler runs (celery beat)
     enqueue_grace_seconds: float = 10.0  # a queued job not sent to Redis after this is sent by the reconciler
 
     # --- the API

@@ -60,6 +60,18 @@ def engine_host() -> EngineHost:
         return _host
 
 
+class _HideRoutineReconciles(logging.Filter):
+    """Celery logs every task it receives and finishes; for the reconciler, every few seconds, that
+    is noise (it logs itself when it does something). Its failures still show."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.INFO or getattr(record, "data", {}).get("name") != "reconcile"
+
+
+for _logger in ("celery.worker.strategy", "celery.app.trace"):
+    logging.getLogger(_logger).addFilter(_HideRoutineReconciles())
+
+
 @worker_init.connect
 def _build_engine_before_taking_jobs(**_) -> None:
     engine_host()
