@@ -37,12 +37,17 @@ def run_job(job_id: uuid.UUID, *, worker_id: str, host: EngineHost, sessions: se
     log.info("job %s claimed: priority %d, attempt %d%s", job_id, job.priority, job.attempts,
              f", resuming after {len(resumed)} tokens" if resumed else "")
     started = time.monotonic()
-    handle = host.submit(str(job_id), job.prompt if job.prompt is not None else list(job.input_ids),
+    # one engine request per attempt: a stale attempt still in the engine never blocks a new one
+    handle = host.submit(f"{job_id}/{job.attempts}", job.prompt if job.prompt is not None else list(job.input_ids),
                          sampling_params(job), job.priority, resume_token_ids=resumed or None)
-    if not follow(handle, job_id, worker_id, host, sessions, settings):
-        log.info("job %s stopped: cancelled or no longer leased by this worker", job_id)
-        return "stopped"
-    return record_result(handle, job_id, worker_id, sessions, time.monotonic() - started)
+    try:
+        if not follow(handle, job_id, worker_id, host, sessions, settings):
+            log.info("job %s stopped: cancelled or no longer leased by this worker", job_id)
+            return "stopped"
+        return record_result(handle, job_id, worker_id, sessions, time.monotonic() - started)
+    except BaseException:
+        host.abort(handle.request_id)  # nobody follows the request any more; free its slot
+        raise
 
 
 def sampling_params(job: Job) -> SamplingParams:
