@@ -123,6 +123,11 @@ class Scheduler:
             if seq.status == SequenceStatus.RUNNING:
                 budget -= self._schedule_chunk(seq, out, budget)
             elif admitting:
+                if any(_urgency(v) < _urgency(seq) for v in out.preempted):
+                    # a sequence preempted in this step keeps its place: nobody behind it starts
+                    # in the room it left
+                    admitting = False
+                    continue
                 n = self._admit(seq, out, budget)
                 # strict order: nobody starts ahead of the most urgent sequence that cannot start
                 admitting = n > 0

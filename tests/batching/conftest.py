@@ -39,6 +39,16 @@ def make_checkpoint(model_type: str, directory) -> str:
     return str(directory)
 
 
+@pytest.fixture(scope="package", autouse=True)
+def one_torch_thread():
+    """These models are tiny: one intra-op thread is ~10x faster than two, and on a shared 2-core
+    machine extra threads spin against other processes (a step went from 2 ms to 200 ms)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(model_type) -> path of a saved tiny random model with tokenizer."""
