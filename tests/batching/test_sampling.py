@@ -56,7 +56,7 @@ def test_seeded_sampling_same_after_preemption(make_engine, mode):
     engine = make_engine(block_size=2, num_device_blocks=40, num_host_blocks=40 if mode == "swap" else 0,
                          max_num_seqs=2, max_num_batched_tokens=16, preemption_mode=mode)
     prompts = random_prompts(72, [6, 13])
-    solo = [alone(engine, p, params) for p, params in zip(prompts, SEEDED, strict=True)]
+    solo = [alone(engine, p, params) for p, params in zip(prompts, SEEDED[:2], strict=True)]
     engine.add_request("s0", prompts[0], SEEDED[0], priority=9)
     engine.add_request("s1", prompts[1], SEEDED[1], priority=9)
     for _ in range(4):
