@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 import subprocess
 import sys
 import uuid
@@ -25,8 +26,15 @@ from jobstore.keys import create_key
 from jobstore.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # the virtual environment's commands: celery, gunicorn, flask
 POSTGRES = os.environ.get("GENQ_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432")
 REDIS = os.environ.get("GENQ_TEST_REDIS", "redis://127.0.0.1:6379")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def settings_env(settings: Settings) -> dict[str, str]:

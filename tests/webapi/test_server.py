@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
-from tests.conftest import ROOT, settings_env
-
-BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.conftest import BIN, ROOT, free_port, settings_env
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,9 +17,8 @@ from celery import Celery
 
 from jobstore.dispatch import make_celery
 from jobstore.settings import Settings
-from tests.conftest import ROOT, settings_env
+from tests.conftest import BIN, ROOT, settings_env
 
-BIN = Path(sys.executable).parent
 FINISHED = ("succeeded", "failed", "cancelled")
 
 

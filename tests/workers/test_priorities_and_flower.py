@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import socket
 import subprocess
 import time
 import uuid
@@ -13,8 +12,7 @@ import requests
 from kombu import Exchange, Queue
 
 from jobstore.dispatch import QUEUE, make_celery, send_job
-from tests.conftest import ROOT, settings_env
-from tests.workers.conftest import BIN
+from tests.conftest import BIN, ROOT, free_port, settings_env
 
 PRIORITIES = [9, 5, 9, 0, 3, 0]  # in the order sent
 
@@ -48,9 +46,7 @@ def test_priority_0_is_taken_first_then_fifo_within_a_priority(queued, redis_cli
 
 def test_flower_requires_a_login_and_shows_lengths_per_priority(queued):
     settings, _, _ = queued
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**settings_env(settings), "FLOWER_PORT": str(port), "FLOWER_BASIC_AUTH": "ops:secret"}
     flower = subprocess.Popen([BIN / "celery", "-A", "workers", "flower", "--conf=workers/flowerconfig.py"],
                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
