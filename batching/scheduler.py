@@ -199,10 +199,11 @@ class Scheduler:
     # --- preemption -------------------------------------------------------------------------------
 
     def _make_room_for_urgent(self, out: SchedulerOutput) -> None:
-        """Preempt running sequences strictly less urgent than a not-running one that cannot start.
+        """Preempt running sequences strictly less urgent than one that cannot otherwise start (waiting,
+        swapped) or take its next chunk (a prefill in progress when the decodes took the last blocks).
 
         Walks the fill's own order (decodes, then `_prefill_order`) with what each would take, so it
-        preempts only for a sequence that the fill then starts in this step.
+        preempts only for a sequence that the fill then runs in this step.
         """
         bm = self.block_manager
         decodes = [s for s in self.running if s.is_decoding]
@@ -210,28 +211,30 @@ class Scheduler:
         free = bm.num_free_device_blocks - sum(1 for s in decodes if bm.num_new_blocks(s, 1))
         slots = self.max_num_seqs - len(self.running)
         budget = self.max_num_batched_tokens - len(decodes)
+        first_prefill = True
         for cand in self._prefill_order():
             if budget <= 0:
                 return
             if cand in out.preempted:
                 continue
-            if cand.status == SequenceStatus.RUNNING:   # a prefill in progress takes what it can
-                capacity = (len(cand.block_table) + max(free, 0)) * bm.block_size - cand.num_computed_tokens
-                n = min(cand.num_uncomputed_tokens, budget, capacity)
-                free -= bm.num_new_blocks(cand, n)
-                budget -= n
-                continue
-            n = min(cand.num_uncomputed_tokens, budget) if self.chunked_prefill else cand.num_uncomputed_tokens
+            running = cand.status == SequenceStatus.RUNNING
+            if self.chunked_prefill or running:
+                n = min(cand.num_uncomputed_tokens, budget)
+            else:
+                n = cand.num_uncomputed_tokens
+                if n > budget and not first_prefill:
+                    return   # the fill will not start it this step either (see _first_chunk)
+            first_prefill = first_prefill and n == 1
             reserve = 0
             if cand.status == SequenceStatus.SWAPPED:
                 need = blocks_for(cand.num_computed_tokens + n, bm.block_size)
             else:
                 need = bm.num_new_blocks(cand, n)
-                reserve = self._reserve(out) if self.chunked_prefill else 0
-            while slots < 1 or free < need + reserve:
+                reserve = self._reserve(out) if self.chunked_prefill and not running else 0
+            while (slots < 1 and not running) or free < need + reserve:
                 victim = self._least_urgent_running(exclude=out.seqs, less_urgent_than=cand)
                 if victim is None:
-                    return   # strict priority: nobody behind `cand` may preempt for it
+                    break
                 if victim in decodes:   # its decode token and its reserved block come back too
                     budget += 1
                     free += 1 if bm.num_new_blocks(victim, 1) else 0
@@ -239,6 +242,14 @@ class Scheduler:
                 slots += 1
                 reserve = 0   # an admission paid for by preemption keeps no reserve (see _reserve)
                 self._preempt(victim, out)
+            if running:           # a prefill in progress takes what it can
+                capacity = (len(cand.block_table) + max(free, 0)) * bm.block_size - cand.num_computed_tokens
+                n = min(n, capacity)
+                free -= bm.num_new_blocks(cand, n)
+                budget -= n
+                continue
+            if (slots < 1 or free < need + reserve):
+                return   # strict priority: nobody behind `cand` may preempt for it
             free -= need
             slots -= 1
             budget -= n

@@ -106,6 +106,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             for w in left_out:
                 assert urgency(a) < urgency(w), f"{a} started ahead of the more urgent {w}"
         for v in out.preempted:
+            # never preempted for nothing, nor for less urgent work
+            assert any(s.priority <= v.priority for s in out.seqs), f"{v} preempted for nothing more urgent"
             assert v.status in (SequenceStatus.SWAPPED, SequenceStatus.WAITING)
             assert (v.status == SequenceStatus.SWAPPED) == bool(v.host_block_table)
             assert not v.block_table
@@ -283,3 +285,44 @@ def test_engine_state_machine(make_engine, llama_path, reference):
         max_examples=50, stateful_step_count=30, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
 
+
+
+def test_no_preemption_for_a_whole_prompt_that_cannot_run_this_step():
+    """Chunked prefill off: a second urgent prompt longer than the budget left cannot start in this step,
+    so nobody is preempted for it (the first urgent one still preempts for its slot)."""
+    config = EngineConfig(block_size=2, num_device_blocks=64, num_host_blocks=64, max_num_seqs=2,
+                          max_num_batched_tokens=16, enable_chunked_prefill=False)
+    sched = Scheduler(config, BlockManager(64, 64, 2))
+    low = [Sequence(f"low{i}", [5] * 4, SamplingParams(max_tokens=20, temperature=0), 9, 0, arrival_time=1.0 + i)
+           for i in range(2)]
+    for seq in low:
+        sched.add(seq)
+    run_fake_step(sched)
+    run_fake_step(sched)
+    first = Sequence("first", [5] * 4, SamplingParams(max_tokens=2, temperature=0), 0, 0, arrival_time=3.0)
+    second = Sequence("second", [5] * 14, SamplingParams(max_tokens=2, temperature=0), 0, 0, arrival_time=4.0)
+    sched.add(first)
+    sched.add(second)
+    out = run_fake_step(sched)
+    assert out.preempted == [low[1]] and first in out.seqs and second not in out.seqs
+    assert low[0].status == SequenceStatus.RUNNING
+
+
+def test_urgent_prefill_in_progress_is_not_starved_by_a_less_urgent_decode():
+    """Found by the machine: the decodes take blocks first, so a priority-0 prompt halfway through its
+    prefill found the pool empty and preempted itself (losing its KV) while a priority-1 sequence kept
+    decoding. Now the less urgent one is preempted and the urgent prefill goes on."""
+    config = EngineConfig(block_size=1, num_device_blocks=16, num_host_blocks=0, max_num_seqs=2,
+                          max_num_batched_tokens=5, preemption_mode="recompute")
+    sched = Scheduler(config, BlockManager(16, 0, 1))
+    low = Sequence("low", [5] * 10, SamplingParams(max_tokens=3, temperature=0), 1, 0, arrival_time=1.0)
+    urgent = Sequence("urgent", [5] * 5, SamplingParams(max_tokens=1, temperature=0), 0, 0, arrival_time=2.0)
+    sched.add(low)
+    run_fake_step(sched)
+    run_fake_step(sched)
+    sched.add(urgent)
+    run_fake_step(sched)                  # urgent takes a first chunk of 4; one block is left
+    assert urgent.num_computed_tokens == 4
+    out = run_fake_step(sched)            # low's decode needs that block, urgent's last token too
+    assert out.preempted == [low] and urgent in out.seqs
+    assert urgent.status == SequenceStatus.FINISHED_LENGTH and urgent.num_preemptions == 0
