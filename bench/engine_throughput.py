@@ -30,8 +30,11 @@ on a few short requests before it is timed, each timed from its first request to
    function registered as "bench_no_context" that returns each token's own value (repeated for
    GQA), so only the model's matmuls (projections, MLP, norms, RoPE, LM head rows) are timed.
 
-Throughput is useful generated tokens / wall time (with `--repeat N`, the fastest of N timed passes
-of each system: the machine is shared, and the fastest pass is the least disturbed one). Correctness is checked cheaply: the greedy
+Throughput is useful generated tokens / wall time. With `--repeat N` the systems run in N
+round-robin rounds (genq, static, CB, forward-only, then again), so each meets the same spells of
+background load, and the fastest pass of each counts; beside it we print the share of the
+machine's CPU that other processes used during that pass (from /proc/stat): near 0% means a clean
+measurement. Correctness is checked cheaply: the greedy
 tokens of the first few requests from genq (and from transformers CB) are compared with an
 unpadded single-request `model.generate()`; float32 on random weights may flip a near-tie after
 many steps, so the fraction of matching prefix tokens is reported instead of failing.
@@ -192,31 +195,36 @@ def generate_takes_param_list(engine) -> bool:
     return ok
 
 
-def bench_genq(model_dir, reqs, device, warm_reqs, repeat=1):
-    from batching import Engine, EngineConfig
+class GenqSystem:
+    """genq's engine, built once; each timed pass runs the whole workload (its first pass is recorded)."""
 
-    max_len = max(len(p) + n for p, n in reqs)
-    num_blocks = sum(-(-(len(p) + n) // 16) for p, n in reqs) + 64   # the whole workload fits: no preemption
-    config = EngineConfig(model=model_dir, dtype="float32", device=device, block_size=16,
-                          num_device_blocks=num_blocks, num_host_blocks=0, max_num_seqs=MAX_NUM_SEQS,
-                          max_num_batched_tokens=BUDGET, max_model_len=max(max_len, 1024))
-    engine = Engine(config)
-    list_params = generate_takes_param_list(engine)
-    genq_run(engine, warm_reqs, list_params)
-    model = find_torch_model(engine)
-    times, steps, tokens, stats = [], None, None, {}
-    for k in range(repeat):
-        with tqdm(total=useful_tokens(reqs), desc=f"genq engine {k + 1}/{repeat}", unit="tok") as pbar:
-            recorder = StepRecorder(model, pbar)
-            t0 = time.perf_counter()
-            out = genq_run(engine, reqs, list_params)
-            times.append(time.perf_counter() - t0)
-            recorder.close()
-        if tokens is None:
-            tokens, steps, stats = out, recorder.steps, engine.stats()
-    elapsed = min(times)
-    return dict(elapsed=elapsed, times=times, tokens=tokens, steps=steps, stats=stats, model_found=model is not None,
-                api="generate(list of SamplingParams)" if list_params else "add_request/step")
+    label = "genq engine"
+
+    def __init__(self, model_dir, reqs, device, warm_reqs):
+        from batching import Engine, EngineConfig
+
+        max_len = max(len(p) + n for p, n in reqs)
+        num_blocks = sum(-(-(len(p) + n) // 16) for p, n in reqs) + 64   # the whole workload fits: no preemption
+        config = EngineConfig(model=model_dir, dtype="float32", device=device, block_size=16,
+                              num_device_blocks=num_blocks, num_host_blocks=0, max_num_seqs=MAX_NUM_SEQS,
+                              max_num_batched_tokens=BUDGET, max_model_len=max(max_len, 1024))
+        self.engine = Engine(config)
+        self.reqs = reqs
+        self.list_params = generate_takes_param_list(self.engine)
+        genq_run(self.engine, warm_reqs, self.list_params)
+        self.model = find_torch_model(self.engine)
+        self.steps, self.stats = None, {}
+        self.api = "generate(list of SamplingParams)" if self.list_params else "add_request/step"
+
+    def run(self, pbar):
+        recorder = StepRecorder(self.model, pbar)
+        t0 = time.perf_counter()
+        tokens = genq_run(self.engine, self.reqs, self.list_params)
+        elapsed = time.perf_counter() - t0
+        recorder.close()
+        if self.steps is None:
+            self.steps, self.stats = recorder.steps, self.engine.stats()
+        return elapsed, tokens
 
 
 # --- 2. transformers generate() in static batches --------------------------------------------------
@@ -233,18 +241,22 @@ def hf_generate_batch(model, batch, device, max_new_tokens=None):
     return [out[i, width:width + n].tolist() for i, (_, n) in enumerate(batch)]
 
 
-def bench_static(model, reqs, device, warm_reqs, repeat=1):
-    hf_generate_batch(model, warm_reqs, device)
-    batches = [reqs[i:i + STATIC_BATCH] for i in range(0, len(reqs), STATIC_BATCH)]
-    computed = sum(len(b) * max(n for _, n in b) for b in batches)
-    times = []
-    for k in range(repeat):
+class StaticSystem:
+    label = f"HF generate() static x{STATIC_BATCH}"
+
+    def __init__(self, model, reqs, device, warm_reqs):
+        self.model, self.device = model, device
+        hf_generate_batch(model, warm_reqs, device)
+        self.batches = [reqs[i:i + STATIC_BATCH] for i in range(0, len(reqs), STATIC_BATCH)]
+        self.computed_tokens = sum(len(b) * max(n for _, n in b) for b in self.batches)
+
+    def run(self, pbar):
         tokens = []
         t0 = time.perf_counter()
-        for batch in tqdm(batches, desc=f"HF generate() x{STATIC_BATCH} {k + 1}/{repeat}", unit="batch"):
-            tokens += hf_generate_batch(model, batch, device)
-        times.append(time.perf_counter() - t0)
-    return dict(elapsed=min(times), times=times, tokens=tokens, computed_tokens=computed)
+        for batch in self.batches:
+            tokens += hf_generate_batch(self.model, batch, self.device)
+            pbar.update(sum(n for _, n in batch))
+        return time.perf_counter() - t0, tokens
 
 
 # --- 3. transformers continuous batching -------------------------------------------------------------
@@ -276,19 +288,22 @@ def hf_cb_run(model, reqs, num_blocks, pbar=None):
     return elapsed, tokens, attn, resolved
 
 
-def bench_hf_cb(model, reqs, warm_reqs, repeat=1):
-    num_blocks = sum(-(-(len(p) + n) // 256) for p, n in reqs) + 8    # page_size 256: all fits, no eviction
-    hf_cb_run(model, warm_reqs, num_blocks)
-    times = []
-    for k in range(repeat):
-        with tqdm(total=useful_tokens(reqs), desc=f"HF continuous batching {k + 1}/{repeat}", unit="tok") as pbar:
-            elapsed, tokens, attn, resolved = hf_cb_run(model, reqs, num_blocks, pbar)
-        times.append(elapsed)
-    elapsed = min(times)
-    config = {k: getattr(resolved, k) for k in ("page_size", "num_blocks", "max_batch_tokens",
-                                                  "max_requests_per_batch", "scheduler_type", "use_cuda_graph",
-                                                  "default_compile_level")}
-    return dict(elapsed=elapsed, times=times, tokens=tokens, attn_implementation=attn, config=config)
+class ContinuousBatchingSystem:
+    label = "HF generate_batch (CB)"
+
+    def __init__(self, model, reqs, warm_reqs):
+        self.model, self.reqs = model, reqs
+        self.num_blocks = sum(-(-(len(p) + n) // 256) for p, n in reqs) + 8   # page_size 256: no eviction
+        hf_cb_run(model, warm_reqs, self.num_blocks)
+        self.attn_implementation, self.config = None, None
+
+    def run(self, pbar):
+        elapsed, tokens, attn, resolved = hf_cb_run(self.model, self.reqs, self.num_blocks, pbar)
+        self.attn_implementation = attn
+        self.config = {k: getattr(resolved, k) for k in ("page_size", "num_blocks", "max_batch_tokens",
+                                                         "max_requests_per_batch", "scheduler_type",
+                                                         "use_cuda_graph", "default_compile_level")}
+        return elapsed, tokens
 
 
 # --- 4. forward-only limit ------------------------------------------------------------------------
@@ -358,17 +373,77 @@ def forward_only(model, steps, device, pbar=None) -> float:
     return total
 
 
-def bench_forward_only(model_dir, steps, device, repeat=1):
-    AttentionInterface.register(NO_CONTEXT, no_context_attention)
-    AttentionMaskInterface.register(NO_CONTEXT, no_mask)
-    model = load_hf_model(model_dir, device)
-    model.set_attn_implementation(NO_CONTEXT)
-    forward_only(model, steps[:8], device)                                   # warm-up
-    times = []
+class ForwardOnlySystem:
+    """The model alone over a step schedule; `steps` is set before the first pass (genq's, or simulated)."""
+
+    label = "forward-only limit"
+
+    def __init__(self, model_dir, reqs, device):
+        AttentionInterface.register(NO_CONTEXT, no_context_attention)
+        AttentionMaskInterface.register(NO_CONTEXT, no_mask)
+        self.model = load_hf_model(model_dir, device)
+        self.model.set_attn_implementation(NO_CONTEXT)
+        self.device, self.reqs = device, reqs
+        self.steps, self.source = None, None
+        forward_only(self.model, simulate_schedule(reqs)[:8], device)             # warm-up
+
+    def set_schedule(self, genq_steps, useful):
+        if genq_steps and sum(r for _, r in genq_steps) == useful:
+            self.steps, self.source = genq_steps, "recorded from genq's forwards"
+        else:
+            self.steps, self.source = simulate_schedule(self.reqs), "simulated (genq forwards not observed)"
+
+    def run(self, pbar):
+        return forward_only(self.model, self.steps, self.device, pbar), None
+
+
+# --- timing under a shared machine ------------------------------------------------------------------
+
+class Interference:
+    """Share of the machine's CPU time used by other processes while a pass ran (Linux /proc/stat)."""
+
+    def __enter__(self):
+        self.t0, self.busy0, self.own0 = time.perf_counter(), _busy_seconds(), _own_seconds()
+        return self
+
+    def __exit__(self, *exc):
+        wall = time.perf_counter() - self.t0
+        busy, own = _busy_seconds(), _own_seconds()
+        self.share = None
+        if busy is not None and wall > 0:
+            self.share = max(0.0, (busy - self.busy0) - (own - self.own0)) / (wall * (os.cpu_count() or 1))
+
+
+def _busy_seconds():
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds():
+    t = os.times()
+    return t.user + t.system
+
+
+def run_passes(systems: dict, repeat: int, useful: int, on_first=None) -> dict:
+    """Round-robin passes (genq, static, cb, forward; again...): each system meets the same spells of
+    background load. Returns {key: {"times": [...], "others": [...], "tokens": first pass tokens}}."""
+    results = {key: dict(times=[], others=[], tokens=None) for key in systems}
     for k in range(repeat):
-        with tqdm(total=sum(r for _, r in steps), desc=f"forward-only limit {k + 1}/{repeat}", unit="tok") as pbar:
-            times.append(forward_only(model, steps, device, pbar))
-    return dict(elapsed=min(times), times=times, num_steps=len(steps), packed_tokens=sum(t for t, _ in steps))
+        for key, system in systems.items():
+            if on_first is not None:
+                on_first(key, system)
+            with tqdm(total=useful, desc=f"{system.label} {k + 1}/{repeat}", unit="tok") as pbar, \
+                    Interference() as load:
+                elapsed, tokens = system.run(pbar)
+            results[key]["times"].append(elapsed)
+            results[key]["others"].append(load.share)
+            if results[key]["tokens"] is None:
+                results[key]["tokens"] = tokens
+    return results
 
 
 # --- correctness ------------------------------------------------------------------------------------
@@ -425,46 +500,47 @@ def main(argv=None):
         build_model_dir(model_dir, args.seed)
         hf_model = load_hf_model(model_dir, args.device)
         refs = reference_tokens(hf_model, reqs[:args.check], args.device)
-
-        genq = None
+        systems = {}
         if "genq" not in skip:
             try:
-                genq = bench_genq(model_dir, reqs, args.device, warm, args.repeat)
+                systems["genq"] = GenqSystem(model_dir, reqs, args.device, warm)
             except ImportError as exc:
                 print(f"genq engine not available: {exc}")
-            if genq is not None:
-                match, equal = prefix_match(genq["tokens"][:args.check], refs)
-                got = sum(len(t) for t in genq["tokens"])
-                fig["genq"] = dict(tok_s=useful / genq["elapsed"], seconds=genq["elapsed"], passes=genq["times"],
-                                   api=genq["api"],
-                                   steps=len(genq["steps"]), generated=got, prefix_match=match,
-                                   exact_requests=f"{equal}/{len(refs)}", stats=_jsonable(genq["stats"]))
-                if got != useful:
-                    print(f"  WARNING: genq generated {got} tokens, the workload asked for {useful}")
-
         if "static" not in skip:
-            static = bench_static(hf_model, reqs, args.device, warm, args.repeat)
-            fig["hf_generate_static"] = dict(tok_s=useful / static["elapsed"], seconds=static["elapsed"],
-                                             passes=static["times"],
-                                             computed_tokens=static["computed_tokens"], batch=STATIC_BATCH)
-
+            systems["hf_generate_static"] = StaticSystem(hf_model, reqs, args.device, warm)
         if "cb" not in skip:
-            cb = bench_hf_cb(hf_model, reqs, warm, args.repeat)
-            match, equal = prefix_match(cb["tokens"][:args.check], refs)
-            fig["hf_generate_batch"] = dict(tok_s=useful / cb["elapsed"], seconds=cb["elapsed"], passes=cb["times"],
-                                            attn_implementation=cb["attn_implementation"], config=cb["config"],
-                                            prefix_match=match, exact_requests=f"{equal}/{len(refs)}")
-        del hf_model
-
+            systems["hf_generate_batch"] = ContinuousBatchingSystem(hf_model, reqs, warm)
         if "forward" not in skip:
-            if genq is not None and genq["steps"] and sum(r for _, r in genq["steps"]) == useful:
-                steps, source = genq["steps"], "recorded from genq's forwards"
-            else:
-                steps, source = simulate_schedule(reqs), "simulated (genq forwards not observed)"
-            fwd = bench_forward_only(model_dir, steps, args.device, args.repeat)
-            fig["forward_only"] = dict(tok_s=useful / fwd["elapsed"], seconds=fwd["elapsed"], passes=fwd["times"],
-                                       schedule=source,
-                                       steps=fwd["num_steps"], packed_tokens=fwd["packed_tokens"])
+            systems["forward_only"] = ForwardOnlySystem(model_dir, reqs, args.device)
+
+        def before(key, system):
+            if key == "forward_only" and system.steps is None:
+                genq = systems.get("genq")
+                system.set_schedule(genq.steps if genq is not None else None, useful)
+
+        results = run_passes(systems, args.repeat, useful, before)
+
+    for key, res in results.items():
+        best = min(range(len(res["times"])), key=res["times"].__getitem__)
+        entry = dict(tok_s=useful / res["times"][best], seconds=res["times"][best], passes=res["times"],
+                     others_cpu_share=res["others"][best])
+        system = systems[key]
+        if key in ("genq", "hf_generate_batch"):
+            match, equal = prefix_match(res["tokens"][:args.check], refs)
+            got = sum(len(t) for t in res["tokens"])
+            entry.update(prefix_match=match, exact_requests=f"{equal}/{len(refs)}", generated=got)
+            if got != useful:
+                print(f"  WARNING: {system.label} generated {got} tokens, the workload asked for {useful}")
+        if key == "genq":
+            entry.update(api=system.api, steps=len(system.steps), stats=_jsonable(system.stats))
+        elif key == "hf_generate_static":
+            entry.update(computed_tokens=system.computed_tokens, batch=STATIC_BATCH)
+        elif key == "hf_generate_batch":
+            entry.update(attn_implementation=system.attn_implementation, config=system.config)
+        elif key == "forward_only":
+            entry.update(schedule=system.source, steps=len(system.steps),
+                         packed_tokens=sum(t for t, _ in system.steps))
+        fig[key] = entry
 
     fig["load_avg_end"] = os.getloadavg()
     report(fig)
@@ -478,10 +554,13 @@ def main(argv=None):
 def report(fig):
     names = [("genq", "genq engine"), ("hf_generate_static", f"HF generate() static x{STATIC_BATCH}"),
              ("hf_generate_batch", "HF generate_batch (CB)"), ("forward_only", "forward-only limit")]
-    print(f"\n{'system':<30}{'tok/s':>10}{'seconds':>10}")
+    print(f"\n{'system':<30}{'tok/s':>10}{'seconds':>10}   passes (s)      other processes' CPU share")
     for key, label in names:
         if key in fig:
-            print(f"{label:<30}{fig[key]['tok_s']:>10.1f}{fig[key]['seconds']:>10.2f}")
+            f = fig[key]
+            other = "-" if f["others_cpu_share"] is None else f"{f['others_cpu_share']:.0%}"
+            passes = " ".join(f"{t:.1f}" for t in f["passes"])
+            print(f"{label:<30}{f['tok_s']:>10.1f}{f['seconds']:>10.2f}   {passes:<16}{other}")
     ratios = {}
     if "genq" in fig:
         for key, label in (("hf_generate_batch", "genq / generate_batch"), ("forward_only", "genq / forward-only"),

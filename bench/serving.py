@@ -27,6 +27,9 @@ request was preempted (its `num_preemptions` grew) is a "resume gap": it is repo
 out of TBT (it measures preemption, not batching). "During bursts" = gaps that overlap a burst
 window, from the burst's arrival to the first token of its last long prompt.
 
+Each run also records the share of the machine's CPU used by other processes while it ran
+("others" column; near 0% = undisturbed): the machine these run on may be shared.
+
 Reference times: the urgent class's idle TTFT (its own prompts, run one at a time on an idle
 engine), and the median time of a full-budget step (steps of the prio_swap run that scheduled at
 least 95% of the token budget; an idle-engine prefill-only figure is reported beside it).
@@ -64,7 +67,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from anywhere without installing
 
 from batching import Engine, EngineConfig, SamplingParams  # noqa: E402
-from bench.engine_throughput import build_model_dir  # noqa: E402
+from bench.engine_throughput import Interference, build_model_dir  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
 MODEL_SIZES = {
@@ -353,16 +356,17 @@ def print_report(res: dict, targets: dict, idle_full: list[float]) -> None:
                   f"{ms(b['p99']):>8}{g['n']:>6} {ms(g['max']):>6}{r['unfinished'][c]:>6}")
     print(f"\n{'config':<18}{'tok/s':>6}{'steps':>6}{'step p50':>9}{'p99':>6}{'full p50':>9}{'p99':>6}"
           f"{'swap-step p50':>14}{'burst TBT p50':>14}{'p99':>6}{'(+resume)':>10}{'preempt':>8}{'swap-out':>9}"
-          f"{'recomp':>7}{'KV use':>7}{'max wait':>9}")
+          f"{'recomp':>7}{'KV use':>7}{'max wait':>9}{'others':>7}")
     for name, r in res.items():
         print(f"{name:<18}{r['tok_s'] or 0:>6.0f}{r['step']['n']:>6}{ms(r['step']['median']):>9}"
               f"{ms(r['step']['p99']):>6}{ms(r['full_step']['median']):>9}{ms(r['full_step']['p99']):>6}"
               f"{ms(r['swap_step']['median']):>14}{ms(r['burst_tbt']['p50']):>14}{ms(r['burst_tbt']['p99']):>6}"
               f"{ms(r['burst_tbt_with_resume']['p99']):>10}{r['preemptions'] or 0:>8}"
               f"{r['blocks_swapped_out'] or 0:>9}{r['recomputed_tokens'] or 0:>7}{r['kv_usage_mean'] or 0:>7.0%}"
-              f"{r['max_waiting']:>9}")
+              f"{r['max_waiting']:>9}{_share(r['others_cpu_share']):>7}")
     print(f"\nidle urgent TTFT p50/p99: {ms(targets['idle_ttft_p50'])}/{ms(targets['idle_ttft_p99'])} ms; "
-          f"idle prefill-only full-budget step p50: {ms(pct(idle_full, 50))} ms")
+          f"idle prefill-only full-budget step p50: {ms(pct(idle_full, 50))} ms "
+          f"(others' CPU share {_share(targets.get('idle_others_cpu_share'))})")
 
     def fmt(x, unit="x"):
         return "-" if x is None else f"{x:.2f}{unit}"
@@ -378,6 +382,10 @@ def print_report(res: dict, targets: dict, idle_full: list[float]) -> None:
     if "chunking_gain_target_met" in targets:
         print(f"[{'PASS' if targets['chunking_gain_target_met'] else 'FAIL'}] p99 TBT during bursts, chunking off / "
               f"on: {fmt(targets['nochunk_over_chunked_burst_tbt_p99'])} (target >= 3x)")
+
+
+def _share(x):
+    return "-" if x is None else f"{x:.0%}"
 
 
 def plot(res: dict, targets: dict, idle: list[float], path: Path) -> None:
@@ -454,7 +462,7 @@ def main(argv=None):
     print(f"model: {args.model_size} {model_kwargs}; device {args.device}, torch threads {torch.get_num_threads()}; "
           f"budget {BUDGET}, {args.device_blocks} device blocks x {BLOCK_SIZE}, {args.host_blocks} host blocks")
 
-    results, idle, idle_full, stats = {}, [], [], {}
+    results, idle, idle_full, stats, idle_load = {}, [], [], {}, None
     load_start = os.getloadavg()
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="genq-serving-") as model_dir:
@@ -467,12 +475,16 @@ def main(argv=None):
             warm_up(engine, 8192)
             if name == "prio_swap":
                 urgent = [a.prompt for a in trace if a.cls == "urgent"][:args.idle_samples]
-                idle = idle_ttft(engine, urgent)
-                idle_full = idle_full_steps(engine, 8192)
-            records, steps, stats[name] = drive(engine, trace, fcfs, time_cap=duration + 40, label=name)
+                with Interference() as idle_load:
+                    idle = idle_ttft(engine, urgent)
+                    idle_full = idle_full_steps(engine, 8192)
+            with Interference() as load:
+                records, steps, stats[name] = drive(engine, trace, fcfs, time_cap=duration + 40, label=name)
             results[name] = analyse(records, steps, stats[name])
+            results[name]["others_cpu_share"] = load.share
             del engine
     targets = check_targets(results, idle)
+    targets["idle_others_cpu_share"] = idle_load.share if idle_load is not None else None
     print_report(results, targets, idle_full)
     load = (load_start, os.getloadavg())
     print("load average (1/5/15 min) at start {:.1f}/{:.1f}/{:.1f}, at end {:.1f}/{:.1f}/{:.1f}".format(*load[0], *load[1]))
