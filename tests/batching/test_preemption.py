@@ -33,13 +33,16 @@ def run_arrivals(engine, requests):
     return finished
 
 
-@pytest.mark.parametrize("mode,block_size,budget,host_blocks", [
-    ("swap", 2, 16, 64), ("recompute", 2, 16, 0), ("swap", 3, 7, 64), ("recompute", 1, 5, 8)])
-def test_exact_under_heavy_preemption(make_engine, llama_path, reference, mode, block_size, budget, host_blocks):
+@pytest.mark.parametrize("mode,block_size,budget,host_blocks,chunked", [
+    ("swap", 2, 16, 64, True), ("recompute", 2, 16, 0, True), ("swap", 3, 7, 64, True),
+    ("recompute", 1, 5, 8, True), ("swap", 2, 16, 64, False), ("recompute", 4, 16, 0, False)])
+def test_exact_under_heavy_preemption(make_engine, llama_path, reference, mode, block_size, budget, host_blocks,
+                                      chunked):
     """A pool far smaller than the demand: many preemptions, yet every request is token-exact."""
     num_blocks = -(-46 // block_size) + 2     # just enough for the largest request alone (30 + 16 tokens)
     engine = make_engine(block_size=block_size, num_device_blocks=num_blocks, num_host_blocks=host_blocks,
-                         max_num_batched_tokens=budget, max_num_seqs=4, preemption_mode=mode)
+                         max_num_batched_tokens=budget, max_num_seqs=4, preemption_mode=mode,
+                         enable_chunked_prefill=chunked)
     prompts = random_prompts(30, [n for n, *_ in WORKLOAD])
     requests = [(f"r{i}", prompts[i], greedy(mt), prio, at) for i, (_, mt, prio, at) in enumerate(WORKLOAD)]
     outputs = run_arrivals(engine, requests)

@@ -3,7 +3,8 @@
 1. The Scheduler alone, with a fake runner (pure Python, fast, many examples): token budget, max_num_seqs,
    stall-free decodes, no chunking when it is off, admission in strict urgency order (a preempted
    sequence keeps its place), no deadlock, every block free at the end.
-2. The real Engine over a tiny float64 checkpoint (small pools, block sizes 1-4, both preemption modes):
+2. The real Engine over a tiny float64 checkpoint (small pools, block sizes 1-4, both preemption modes,
+   chunked prefill on and off):
    random add / abort / step never leak or double-own a block, every request finishes exactly once,
    and greedy output stays token-identical to transformers' generate().
 """
@@ -197,16 +198,17 @@ class EngineMachine(RuleBasedStateMachine):
         self.aborted: set[str] = set()
 
     @initialize(block_size=st.integers(1, 4), mode=st.sampled_from(["swap", "recompute"]),
-                host=st.sampled_from([0, 4, 64]), load=st.lists(st.tuples(st.integers(3, 5), st.integers(5, 9)),
-                                                                min_size=2, max_size=3))
-    def configure(self, block_size, mode, host, load):
+                host=st.sampled_from([0, 4, 64]), chunked=st.booleans(),
+                load=st.lists(st.tuples(st.integers(3, 5), st.integers(5, 9)), min_size=2, max_size=3))
+    def configure(self, block_size, mode, host, chunked, load):
         host = host if mode == "swap" else 0
-        key = (block_size, mode, host)
+        key = (block_size, mode, host, chunked)
         if key not in self.engines:
             # the biggest request (26 + 8 tokens) just fits; two long ones already fill it
             self.engines[key] = self.make_engine(
                 block_size=block_size, num_device_blocks=blocks_for(33, block_size) + 1,
-                num_host_blocks=host, preemption_mode=mode, max_num_seqs=3, max_num_batched_tokens=8)
+                num_host_blocks=host, preemption_mode=mode, max_num_seqs=3, max_num_batched_tokens=8,
+                enable_chunked_prefill=chunked)
         self.engine = self.engines[key]
         for req_id in list(self.engine.requests):    # left over by an example that failed
             self.engine.abort(req_id)

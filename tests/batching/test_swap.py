@@ -99,39 +99,3 @@ def test_host_pool_exhaustion_falls_back_to_recompute(make_engine, llama_path, r
     if host_blocks == 0:
         assert stats["num_blocks_swapped_out"] == 0
     assert stats["num_blocks_swapped_in"] == stats["num_blocks_swapped_out"] <= stats["num_preemptions"] * host_blocks
-
-
-@pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_stats_follow_one_preemption(make_engine, mode):
-    """stats(): queue counts, KV usage, preemptions, swapped blocks and recomputed tokens move as expected."""
-    engine = make_engine(block_size=2, num_device_blocks=50, num_host_blocks=20 if mode == "swap" else 0,
-                         max_num_seqs=1, preemption_mode=mode)
-    low, urgent = random_prompts(52, [7, 5])
-    s = engine.stats()
-    assert (s["num_running"], s["num_waiting"], s["num_swapped"]) == (0, 0, 0)
-    assert s["device_kv_usage"] == s["host_kv_usage"] == 0
-    engine.add_request("low", low, greedy(6), priority=9)
-    assert engine.stats()["num_waiting"] == 1
-    engine.step()
-    engine.step()                                  # 7 prompt tokens + 1 decode computed: 4 blocks
-    s = engine.stats()
-    assert (s["num_running"], s["num_waiting"], s["num_swapped"]) == (1, 0, 0)
-    assert s["device_kv_usage"] == pytest.approx(4 / 50)   # 7 prompt tokens + 1 decoded: 4 blocks of 2
-    engine.add_request("urgent", urgent, greedy(3), priority=0)
-    engine.step()
-    s = engine.stats()
-    assert s["num_preemptions"] == 1 and s["num_running"] == 1
-    if mode == "swap":
-        assert (s["num_waiting"], s["num_swapped"]) == (0, 1)
-        assert s["num_blocks_swapped_out"] == 4 and s["num_recomputed_tokens"] == 0
-        assert s["host_kv_usage"] == pytest.approx(4 / 20)
-    else:
-        assert (s["num_waiting"], s["num_swapped"]) == (1, 0)
-        assert s["num_blocks_swapped_out"] == 0 and s["num_recomputed_tokens"] == 8
-        assert s["host_kv_usage"] == 0
-    run_to_completion(engine)
-    s = engine.stats()
-    assert (s["num_running"], s["num_waiting"], s["num_swapped"]) == (0, 0, 0)
-    assert s["device_kv_usage"] == s["host_kv_usage"] == 0
-    assert s["num_blocks_swapped_in"] == (4 if mode == "swap" else 0)
-    assert s["num_preemptions"] == 1
