@@ -3,8 +3,9 @@
 A step is filled in stall-free order (Sarathi-Serve): one decode token for every running sequence,
 then, priority class by priority class (0 first), the next chunks of that class's prefills in
 progress, then its sequences that are not running (swapped out or waiting) by arrival. Before
-filling, `_make_room_for_urgent` preempts running sequences that are strictly less urgent than a
-swapped or waiting one that cannot otherwise start.
+filling, `_make_room_for_urgent` preempts running sequences that are strictly less urgent than one
+that cannot otherwise start (swapped, waiting) or take its next prefill chunk. Admissions never skip
+ahead: none starts behind a more urgent sequence that cannot, or behind one preempted in this step.
 """
 
 from __future__ import annotations
