@@ -18,9 +18,12 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def make_engine(url: str, **kwargs) -> Engine:
-    """A pooled engine that checks connections before use (Postgres may have restarted)."""
-    return create_engine(normalize_url(url), pool_pre_ping=True, **kwargs)
+def make_engine(url: str, connect_timeout: float = 3.0, **kwargs) -> Engine:
+    """A pooled engine that checks connections before use (Postgres may have restarted) and gives up
+    connecting after `connect_timeout` seconds, so a down database is an error at once, never a hang."""
+    kwargs.setdefault("pool_timeout", max(connect_timeout, 1.0))
+    return create_engine(normalize_url(url), pool_pre_ping=True,
+                         connect_args={"connect_timeout": max(1, round(connect_timeout))}, **kwargs)
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:

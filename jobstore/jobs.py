@@ -2,7 +2,8 @@
 
     create ─▶ queued ──claim──▶ running ──finish──▶ succeeded
                 ▲                │  │ └───fail────▶ failed
-                │                │  └─(lease expired: requeue_expired)─▶ queued
+                │                │  ├─(lease expired: requeue_expired)─▶ queued
+                │                │  └─(worker shutting down: release_job)─▶ queued
                 └─────cancel─────┴──────cancel────▶ cancelled
 
 A worker changes a running job only while it holds the lease (`worker_id` matches); every write it
@@ -60,6 +61,24 @@ def create_job(session: Session, tenant_id: uuid.UUID, request: Mapping, *, prom
     if existing.request_hash != fingerprint:
         raise IdempotencyConflict(idempotency_key)
     return existing, False
+
+
+def check_job_row(job: Job) -> None:
+    """ValueError unless the stored request is one the API could have accepted (JobCreate)."""
+    from pydantic import ValidationError
+
+    from jobstore.requests import JobCreate
+
+    fields = {name: getattr(job, "metadata_" if name == "metadata" else name) for name in JobCreate.model_fields}
+    fields["stop"] = list(fields["stop"] or [])
+    if fields["input_ids"] is not None:
+        fields["input_ids"] = list(fields["input_ids"])
+    try:
+        JobCreate.model_validate(fields)
+    except ValidationError as exc:
+        raise ValueError("; ".join(f"{'.'.join(map(str, e['loc'])) or 'job'}: {e['msg']}" for e in exc.errors())) from None
+    if not isinstance(job.output_token_ids, list) or len(job.output_token_ids) > job.max_tokens:
+        raise ValueError("output_token_ids: more tokens than max_tokens")
 
 
 def get_job(session: Session, job_id: uuid.UUID, tenant_id: uuid.UUID | None = None) -> Job | None:
@@ -134,6 +153,38 @@ def cancel_job(session: Session, job_id: uuid.UUID, tenant_id: uuid.UUID) -> Job
         .returning(Job).execution_options(populate_existing=True)
     ).one_or_none()
     return job or get_job(session, job_id, tenant_id)
+
+
+def release_job(session: Session, job_id: uuid.UUID, worker_id: str, *, token_ids: Sequence[int],
+                text: str) -> bool:
+    """running → queued, keeping the tokens so far and dropping the lease, so that another worker resumes
+    the job at once (a worker shutting down hands its jobs back). False if the job is no longer the worker's."""
+    return _update_leased(session, job_id, worker_id, status=JobStatus.QUEUED, worker_id=None,
+                          lease_expires_at=None, enqueued_at=None, output_token_ids=list(token_ids),
+                          output_text=text)
+
+
+def queued_count(session: Session, tenant_id: uuid.UUID | None = None) -> int:
+    """Queued jobs of `tenant_id` (all tenants if None)."""
+    stmt = select(func.count()).select_from(Job).where(Job.status == JobStatus.QUEUED)
+    if tenant_id is not None:
+        stmt = stmt.where(Job.tenant_id == tenant_id)
+    return session.scalar(stmt)
+
+
+def lock_tenant(session: Session, tenant_id: uuid.UUID) -> None:
+    """Serialize this tenant's submissions until the transaction ends (so its queued-job cap is exact)."""
+    session.execute(select(func.pg_advisory_xact_lock(RECONCILER_LOCK, func.hashtext(str(tenant_id)))))
+
+
+def forget_sent(session: Session, sent_before_seconds: float = 0.0) -> int:
+    """Mark queued jobs sent to Redis more than `sent_before_seconds` ago as never sent, so the reconciler
+    sends them again (Redis lost its data, or the message went missing); returns how many."""
+    result = session.execute(
+        update(Job).where(Job.status == JobStatus.QUEUED, Job.enqueued_at.is_not(None),
+                          Job.enqueued_at <= func.now() - timedelta(seconds=sent_before_seconds))
+        .values(enqueued_at=None).execution_options(synchronize_session=False))
+    return result.rowcount
 
 
 def requeue_expired(session: Session) -> list[tuple[uuid.UUID, int]]:

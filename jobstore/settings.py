@@ -36,9 +36,15 @@ class Settings:
     progress_interval: float = 0.5  # seconds between progress writes (and cancel checks) of a running job
     reconcile_interval: float = 10.0  # seconds between reconciler runs (celery beat)
     enqueue_grace_seconds: float = 10.0  # a queued job not sent to Redis after this is sent by the reconciler
+    resend_after_seconds: float = 3600.0  # a queued job sent this long ago and still not claimed is sent again
+    db_retry_seconds: float = 60.0  # a worker retries a failing database write (with backoff) this long
+    db_connect_timeout: float = 3.0  # seconds to connect to Postgres before giving up (the API answers 503)
 
     # --- the API
     max_body_bytes: int = 1 << 20  # larger request bodies answer 413
+    max_queued_per_tenant: int = 1000  # a tenant with this many queued jobs gets 429 on POST /jobs
+    max_queued_jobs: int = 20000  # all tenants together: beyond this many queued jobs, POST /jobs answers 429
+    rate_limit: str = "50/second;2000/minute"  # per API key, Flask-Limiter syntax; counters live in Redis
     log_level: str = "INFO"
 
     @classmethod

@@ -23,7 +23,7 @@ class Services:
 
 
 def init_extensions(app: Flask, settings: Settings) -> None:
-    engine = make_engine(settings.database_url)
+    engine = make_engine(settings.database_url, settings.db_connect_timeout)
     app.extensions["genq"] = Services(settings, engine, make_session_factory(engine), make_celery(settings))
     app.teardown_appcontext(_close_session)
 

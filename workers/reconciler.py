@@ -3,7 +3,10 @@
 Postgres is the source of truth; Redis only says "job X is ready". Two ways they disagree are
 mended here: a job committed but never sent to Redis (the API died, or Redis was down), and a job
 whose worker died (its lease expired): it goes back to `queued`, keeping its tokens, and is sent
-again; the next worker resumes from those tokens. Extra messages are harmless (a claim only
+again; the next worker resumes from those tokens. A third: Redis lost its data (restarted without
+persistence), taking the messages of queued jobs with it. The reconciler keeps a marker key in Redis;
+when the marker is gone, every queued job is sent again. (A queued job whose message went missing
+any other way is sent again `resend_after_seconds` after it was sent.) Extra messages are harmless (a claim only
 succeeds on a queued job), so two reconcilers racing between commit and send cost nothing.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import logging
 
+import redis
 from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -23,12 +27,16 @@ log = logging.getLogger(__name__)
 
 def reconcile(sessions: sessionmaker[Session], celery: Celery, settings: Settings) -> dict[str, int]:
     """Requeue jobs with expired leases and send every queued job Redis never got; returns the counts."""
+    redis_lost = not _marker_present(settings)
     with sessions.begin() as session:
         if not jobs.try_reconciler_lock(session):
             log.info("reconciler: another run holds the lock; skipping")
             return {"requeued": 0, "sent": 0}
+        forgotten = jobs.forget_sent(session, 0.0 if redis_lost else settings.resend_after_seconds)
+        if redis_lost:
+            log.warning("reconciler: Redis lost its data (marker key gone); sending %d queued jobs again", forgotten)
         requeued = jobs.requeue_expired(session)
-        unsent = jobs.unsent_jobs(session, settings.enqueue_grace_seconds)
+        unsent = jobs.unsent_jobs(session, 0.0 if redis_lost else settings.enqueue_grace_seconds)
     # sent only once committed: a worker taking a message at once must find the job queued
     to_send = dict(requeued + unsent)
     for job_id, priority in to_send.items():
@@ -38,4 +46,21 @@ def reconcile(sessions: sessionmaker[Session], celery: Celery, settings: Setting
     if to_send:
         log.info("reconciler: %d jobs requeued after their lease expired (%s); %d jobs sent to Redis",
                  len(requeued), ", ".join(str(job_id) for job_id, _ in requeued[:10]), len(to_send))
-    return {"requeued": len(requeued), "sent": len(to_send)}
+    if redis_lost:
+        _set_marker(settings)
+    return {"requeued": len(requeued), "sent": len(to_send), "resent": forgotten}
+
+
+def _marker_key(settings: Settings) -> str:
+    return f"{settings.redis_key_prefix}genq:reconciler-marker"
+
+
+def _marker_present(settings: Settings) -> bool:
+    """Whether the marker the reconciler left in Redis is still there (absent: Redis lost its data)."""
+    with redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5) as client:
+        return bool(client.exists(_marker_key(settings)))
+
+
+def _set_marker(settings: Settings) -> None:
+    with redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5) as client:
+        client.set(_marker_key(settings), "1")

@@ -13,15 +13,17 @@ import threading
 import uuid
 from functools import cache
 
-from celery.signals import worker_init, worker_shutdown
+from celery.signals import worker_init, worker_shutdown, worker_shutting_down
 from celery.worker.control import inspect_command
 from sqlalchemy.orm import Session, sessionmaker
 
+from jobstore import jobs
 from jobstore.db import make_engine, make_session_factory
+from jobstore.dispatch import DEFAULT_PRIORITY, send_job
 from workers.celery import app, settings
 from workers.engine_host import EngineHost
 from workers.reconciler import reconcile
-from workers.runner import run_job
+from workers.runner import DRAINING, Draining, run_job
 
 log = logging.getLogger(__name__)
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -29,11 +31,23 @@ _host_lock = threading.Lock()
 _host: EngineHost | None = None
 
 
-@app.task(name="generate")
-def generate(job_id: str) -> str:
+@app.task(name="generate", bind=True)
+def generate(self, job_id: str) -> str:
     """Run job `job_id` on this process's engine; a job that is not queued is left alone."""
-    return run_job(uuid.UUID(job_id), worker_id=WORKER_ID, host=engine_host(), sessions=sessions(),
-                   settings=settings)
+    try:
+        return run_job(uuid.UUID(job_id), worker_id=WORKER_ID, host=engine_host(), sessions=sessions(),
+                       settings=settings, hand_back=hand_back)
+    except Draining:  # taken while shutting down: back to the queue, untouched
+        priority = (self.request.delivery_info or {}).get("priority")
+        send_job(app, uuid.UUID(job_id), DEFAULT_PRIORITY if priority is None else priority)
+        return "not started: the worker is shutting down; sent back to the queue"
+
+
+def hand_back(job_id: uuid.UUID, priority: int) -> None:
+    """Send a job handed back at shutdown to the queue, and record that it was sent."""
+    send_job(app, job_id, priority)
+    with sessions().begin() as session:
+        jobs.mark_enqueued(session, [job_id])
 
 
 @app.task(name="reconcile")
@@ -44,7 +58,7 @@ def reconcile_jobs() -> dict[str, int]:
 
 @cache
 def sessions() -> sessionmaker[Session]:
-    return make_session_factory(make_engine(settings.database_url))
+    return make_session_factory(make_engine(settings.database_url, settings.db_connect_timeout))
 
 
 def engine_host() -> EngineHost:
@@ -75,6 +89,13 @@ for _logger in ("celery.worker.strategy", "celery.app.trace"):
 @worker_init.connect
 def _build_engine_before_taking_jobs(**_) -> None:
     engine_host()
+
+
+@worker_shutting_down.connect
+def _hand_back_running_jobs(**_) -> None:
+    """Warm shutdown: stop starting jobs, and have each running job save its tokens and go back to the queue."""
+    log.info("worker %s shutting down: handing running jobs back", WORKER_ID)
+    DRAINING.set()
 
 
 @worker_shutdown.connect
