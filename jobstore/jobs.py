@@ -81,6 +81,12 @@ def check_job_row(job: Job) -> None:
         raise ValueError("output_token_ids: more tokens than max_tokens")
 
 
+def job_for_key(session: Session, tenant_id: uuid.UUID, idempotency_key: str) -> Job | None:
+    """The tenant's job created with this Idempotency-Key, if any."""
+    return session.scalars(
+        select(Job).where(Job.tenant_id == tenant_id, Job.idempotency_key == idempotency_key)).one_or_none()
+
+
 def get_job(session: Session, job_id: uuid.UUID, tenant_id: uuid.UUID | None = None) -> Job | None:
     """The job, or None when it does not exist or belongs to another tenant."""
     stmt = select(Job).where(Job.id == job_id)

@@ -6,7 +6,8 @@ import logging
 
 from flask import Flask, jsonify
 from pydantic import ValidationError
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from werkzeug.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,10 @@ def init_errors(app: Flask) -> None:
         return error_response(exc.code or 500, code, exc.description or exc.name, headers)
 
     @app.errorhandler(OperationalError)
-    def database_down(exc: OperationalError):
-        log.error("database unavailable: %s", exc.orig or exc)
+    @app.errorhandler(InterfaceError)
+    @app.errorhandler(PoolTimeout)
+    def database_down(exc: Exception):
+        log.error("database unavailable: %s", getattr(exc, "orig", None) or exc)
         return error_response(503, "unavailable", "the database is unavailable; retry later", {"Retry-After": "5"})
 
     @app.errorhandler(Exception)

@@ -19,7 +19,7 @@ from jobstore.models import Job, JobStatus
 from webapi.auth import current_tenant, require_api_key
 from webapi.errors import APIError
 from webapi.extensions import db, services
-from webapi.metrics import JOBS_SUBMITTED
+from webapi.metrics import JOBS_CANCELLED, JOBS_SUBMITTED
 from webapi.schemas import JobCreate, JobOut, JobPage, ListQuery
 from webapi.spec import endpoint
 
@@ -35,9 +35,13 @@ IDEMPOTENCY_HELP = "Retrying with the same key returns the same job (a different
 def create_job(body: JobCreate):
     """Submit a job; it is queued at once and runs in priority order (0 first)."""
     prompt_tokens = check_model_limits(body)
+    key = idempotency_key()
     try:
+        jobs.lock_tenant(db(), current_tenant().id)  # one submission of this tenant at a time: exact caps
+        if key is None or jobs.job_for_key(db(), current_tenant().id, key) is None:
+            check_queue_caps()
         job, created = jobs.create_job(db(), current_tenant().id, body.model_dump(), prompt_tokens=prompt_tokens,
-                                       idempotency_key=idempotency_key())
+                                       idempotency_key=key)
         db().commit()
     except jobs.IdempotencyConflict:
         raise APIError(422, "idempotency_key_reused", "Idempotency-Key: already used with a different body") from None
@@ -74,6 +78,7 @@ def cancel_job(job_id: uuid.UUID):
     if job.status != JobStatus.CANCELLED:
         raise APIError(409, "conflict", f"job already {JobStatus(job.status).value}; it cannot be cancelled")
     log.info("job %s cancelled by tenant %s", job.id, current_tenant().name)
+    JOBS_CANCELLED.labels(str(job.priority)).inc()
     return JobOut.from_job(job).model_dump(mode="json")
 
 
@@ -82,6 +87,16 @@ def owned_job(job: Job | None) -> Job:
     if job is None:
         raise APIError(404, "not_found", "no such job")
     return job
+
+
+def check_queue_caps() -> None:
+    """429 with Retry-After when the tenant, or everyone together, has too many jobs waiting."""
+    settings = services().settings
+    if jobs.queued_count(db(), current_tenant().id) >= settings.max_queued_per_tenant:
+        raise APIError(429, "too_many_queued_jobs", f"you have {settings.max_queued_per_tenant} jobs queued, the "
+                       "most allowed; retry when some have started", {"Retry-After": "5"})
+    if jobs.queued_count(db()) >= settings.max_queued_jobs:
+        raise APIError(429, "overloaded", "the service has too many jobs queued; retry later", {"Retry-After": "10"})
 
 
 def check_model_limits(body: JobCreate) -> int:
