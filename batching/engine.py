@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import random
 import time
 from collections.abc import Sequence as Seq
@@ -25,7 +24,6 @@ from batching.sampling_params import SamplingParams
 from batching.scheduler import Scheduler, SchedulerOutput
 from batching.sequence import FINISH_REASONS, Sequence, SequenceStatus
 from batching.sizing import size_pools
-from batching.tokenizer import BUILTIN_MODEL
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +32,6 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.device)
-        _check_model_source(config)
         model_config = load_model_config(config)
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         self.tokenizer = load_tokenizer_for(config)
@@ -288,40 +285,6 @@ class Engine:
             raise ValueError(f"model: {self.config.model!r} cannot run on genq's paged attention: {exc}") from exc
         for key in self._counters:
             self._counters[key] = 0 if isinstance(self._counters[key], int) else 0.0
-
-
-def _check_model_source(config: EngineConfig) -> None:
-    """Fail fast on a model that cannot be found: transformers retries an unreachable Hub for ~25 s."""
-    name = config.model
-    if name == BUILTIN_MODEL or os.path.isdir(name):
-        return
-    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        GatedRepoError,
-        HFValidationError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    what = f"model: {name!r} is not the built-in {BUILTIN_MODEL!r}, not a local checkpoint directory"
-    try:
-        cached = try_to_load_from_cache(name, "config.json", revision=config.revision)
-    except HFValidationError as exc:
-        raise ValueError(f"{what}, and not a valid Hugging Face id ({exc})") from None
-    if isinstance(cached, str):
-        return
-    if constants.is_offline_mode():
-        raise ValueError(f"{what}, and not in the Hugging Face cache (offline mode is on)")
-    try:
-        get_hf_file_metadata(hf_hub_url(name, "config.json", revision=config.revision), timeout=10)
-    except GatedRepoError:
-        return          # it exists; loading reports what access it needs
-    except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as exc:
-        raise ValueError(f"{what}, and not a model on the Hugging Face Hub ({type(exc).__name__})") from exc
-    except Exception as exc:   # network errors (their classes depend on the HTTP client hub uses)
-        raise ValueError(f"{what}, not in the Hugging Face cache, and the Hub cannot be reached "
-                         f"({type(exc).__name__}: {exc})") from exc
 
 
 def _eos_ids(model_config, tokenizer) -> set[int]:

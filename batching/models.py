@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 
 import torch
 
@@ -57,6 +58,8 @@ def load_model_config(config: EngineConfig):
     else:
         from transformers import AutoConfig
 
+        check_model_source(config)
+
         try:
             model_config = AutoConfig.from_pretrained(config.model, revision=config.revision,
                                                       trust_remote_code=config.trust_remote_code)
@@ -66,6 +69,40 @@ def load_model_config(config: EngineConfig):
         model_config = copy.deepcopy(model_config)
     _check_supported(model_config)
     return model_config
+
+
+def check_model_source(config: EngineConfig) -> None:
+    """Fail fast on a model that cannot be found: transformers retries an unreachable Hub for ~25 s."""
+    name = config.model
+    if name == BUILTIN_MODEL or os.path.isdir(name):
+        return
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HFValidationError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    what = f"model: {name!r} is not the built-in {BUILTIN_MODEL!r}, not a local checkpoint directory"
+    try:
+        cached = try_to_load_from_cache(name, "config.json", revision=config.revision)
+    except HFValidationError as exc:
+        raise ValueError(f"{what}, and not a valid Hugging Face id ({exc})") from None
+    if isinstance(cached, str):
+        return
+    if constants.is_offline_mode():
+        raise ValueError(f"{what}, and not in the Hugging Face cache (offline mode is on)")
+    try:
+        get_hf_file_metadata(hf_hub_url(name, "config.json", revision=config.revision), timeout=10)
+    except GatedRepoError:
+        return          # it exists; loading reports what access it needs
+    except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as exc:
+        raise ValueError(f"{what}, and not a model on the Hugging Face Hub ({type(exc).__name__})") from exc
+    except Exception as exc:   # network errors (their classes depend on the HTTP client hub uses)
+        raise ValueError(f"{what}, not in the Hugging Face cache, and the Hub cannot be reached "
+                         f"({type(exc).__name__}: {exc})") from exc
 
 
 def _check_supported(model_config) -> None:
