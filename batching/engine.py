@@ -24,6 +24,7 @@ from batching.sampling_params import SamplingParams
 from batching.scheduler import Scheduler, SchedulerOutput
 from batching.sequence import FINISH_REASONS, Sequence, SequenceStatus
 from batching.sizing import size_pools
+from batching.stopping import StopChecker
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device)
         self.sampler = Sampler()
+        self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
 
         self.requests: dict[str, Sequence] = {}
         self._pending_outputs: list[RequestOutput] = []   # aborted between steps, reported by the next
@@ -140,48 +142,13 @@ class Engine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             self._counters["num_generated_tokens"] += 1
-            status = self._check_stop(seq, token)
+            status = self.stop_checker.check(seq, token)
             if status is not None:
                 self.scheduler.finish(seq, status)
                 seq.finish_time = now
                 del self.requests[seq.req_id]
             outputs.append(self._output(seq))
         return outputs
-
-    def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
-        p = seq.params
-        old_len = len(seq.text)
-        self._detokenize(seq)
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            return SequenceStatus.FINISHED_STOPPED
-        if p.stop and len(seq.text) > old_len and self._cut_at_stop_string(seq, old_len):
-            return SequenceStatus.FINISHED_STOPPED
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH
-        return None
-
-    # --- text ---------------------------------------------------------------------------------------
-
-    def _detokenize(self, seq: Sequence) -> None:
-        """Append the text of new tokens; a token that ends mid-character waits for the next one."""
-        if self.tokenizer is None:
-            return
-        ids = seq.token_ids
-        prefix = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
-        full = self.tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            seq.text += full[len(prefix):]
-            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
-
-    def _cut_at_stop_string(self, seq: Sequence, old_len: int) -> bool:
-        """Cut the text before the earliest stop string that the text added since `old_len` completes."""
-        text = seq.text
-        found = [at for stop in seq.params.stop
-                 if (at := text.find(stop, max(0, old_len - len(stop) + 1))) != -1]
-        if not found:
-            return False
-        seq.text = text[:min(found)]
-        return True
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(

@@ -55,7 +55,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.sample_seed = sample_seed
-        # incremental detokenization state (see Engine._detokenize)
+        # incremental detokenization state (see StopChecker._detokenize)
         self.text = ""
         self.prefix_offset = self.num_prompt_tokens
         self.read_offset = self.num_prompt_tokens
