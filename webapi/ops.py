@@ -11,7 +11,7 @@ from sqlalchemy import text
 
 from webapi.errors import APIError
 from webapi.extensions import db, services
-from webapi.metrics import refresh_job_gauges
+from webapi.metrics import refresh_job_gauges, refresh_queue_depth
 from webapi.schemas import Health
 from webapi.spec import endpoint, openapi
 
@@ -36,6 +36,7 @@ def healthz():
 def metrics():
     """Prometheus metrics."""
     refresh_job_gauges(db())
+    refresh_queue_depth(services().settings.redis_url, services().settings.redis_key_prefix)
     return Response(generate_latest(), mimetype=CONTENT_TYPE_LATEST)
 
 

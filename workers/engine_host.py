@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from datetime import datetime, timezone
 
 from batching import Engine, RequestOutput, SamplingParams
+from workers import metrics
 
 log = logging.getLogger(__name__)
 
@@ -144,3 +145,4 @@ class EngineHost:
                 handle._publish(output)
                 if output.finished:
                     del self._handles[output.request_id]
+        metrics.observe_step(engine.stats(), outputs)

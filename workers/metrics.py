@@ -1,0 +1,136 @@
+"""Prometheus metrics of a worker process: its engine and the jobs it runs.
+
+Served on WORKER_METRICS_PORT (default 9808; 0 turns it off) by prometheus_client's own HTTP thread,
+started once per worker process when Celery's worker_init fires, so it answers while the `threads`
+pool runs jobs. The engine thread calls `observe_step()` after every step (it alone may read the
+engine); task threads call `job_done()` when a job ends. Only this module knows the metric names.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from datetime import datetime, timezone
+
+from celery.signals import worker_init
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+DEFAULT_PORT = 9808
+
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
+_FAST = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+RUNNING = Gauge("genq_engine_running_sequences", "Sequences in the running batch")
+WAITING = Gauge("genq_engine_waiting_sequences", "Sequences waiting to start in the engine")
+SWAPPED = Gauge("genq_engine_swapped_sequences", "Preempted sequences whose KV cache is in host memory")
+DEVICE_KV = Gauge("genq_engine_device_kv_usage", "Fraction of device KV cache blocks in use")
+HOST_KV = Gauge("genq_engine_host_kv_usage", "Fraction of host (swap) KV cache blocks in use")
+STEP_TOKENS = Gauge("genq_engine_step_tokens", "Tokens scheduled in the last engine step")
+STEP_SEQS = Gauge("genq_engine_step_sequences", "Sequences in the last engine step")
+STEP_TIME = Histogram("genq_engine_step_seconds", "Time of one engine step", buckets=_FAST)
+STEPS = Counter("genq_engine_steps_total", "Engine steps")
+PROMPT_TOKENS = Counter("genq_engine_prompt_tokens_total", "Prompt tokens computed (prefill, recompute included)")
+GENERATED = Counter("genq_engine_generated_tokens_total", "Tokens generated")
+PREEMPTIONS = Counter("genq_engine_preemptions_total", "Sequences preempted by a more urgent one or for KV space")
+SWAPPED_OUT = Counter("genq_engine_swapped_out_blocks_total", "KV blocks copied device -> host")
+SWAPPED_IN = Counter("genq_engine_swapped_in_blocks_total", "KV blocks copied host -> device")
+RECOMPUTED = Counter("genq_engine_recomputed_tokens_total", "Tokens recomputed after a preemption without swap")
+ABORTED = Counter("genq_engine_aborted_requests_total", "Requests aborted in the engine (cancel, lost lease)")
+
+TTFT = Histogram("genq_job_ttft_seconds", "Job submission to its first token", ["priority"], buckets=_LATENCY)
+TBT = Histogram("genq_job_time_between_tokens_seconds", "Time between two tokens of a request, per token",
+                ["priority"], buckets=_FAST)
+LATENCY = Histogram("genq_job_latency_seconds", "Job submission to its final state (succeeded or failed)",
+                    ["priority"], buckets=_LATENCY)
+JOBS = Counter("genq_worker_jobs_total", "Jobs this worker ran to an end, by outcome "
+               "(succeeded, failed, stopped = cancelled or lease lost, left = worker shutting down)",
+               ["priority", "outcome"])
+FAILURES = Counter("genq_job_failures_total", "Jobs failed by this worker, by error code", ["priority", "code"])
+
+# engine counters already seen, so Prometheus counters advance by the difference (engine thread only)
+_seen: dict[str, float] = {}
+# request id -> (time of its last token, tokens seen) for time-between-tokens (engine thread only)
+_last_token: dict[str, tuple[float, int]] = {}
+_server_lock = threading.Lock()
+_server_started = False
+
+
+def observe_step(stats: dict, outputs) -> None:
+    """After one engine step: gauges and counters from engine.stats(), token timings from its outputs."""
+    RUNNING.set(stats["num_running"])
+    WAITING.set(stats["num_waiting"])
+    SWAPPED.set(stats["num_swapped"])
+    DEVICE_KV.set(stats["device_kv_usage"])
+    HOST_KV.set(stats["host_kv_usage"])
+    STEP_TOKENS.set(stats["last_step_num_tokens"])
+    STEP_SEQS.set(stats["last_step_num_seqs"])
+    STEP_TIME.observe(stats["last_step_time_s"])
+    for counter, key in ((STEPS, "num_steps"), (PROMPT_TOKENS, "num_prompt_tokens_computed"),
+                         (GENERATED, "num_generated_tokens"), (PREEMPTIONS, "num_preemptions"),
+                         (SWAPPED_OUT, "num_blocks_swapped_out"), (SWAPPED_IN, "num_blocks_swapped_in"),
+                         (RECOMPUTED, "num_recomputed_tokens"), (ABORTED, "num_aborted")):
+        value = stats[key]
+        if value > _seen.get(key, 0):
+            counter.inc(value - _seen.get(key, 0))
+        _seen[key] = value
+    _observe_token_gaps(outputs)
+
+
+def _observe_token_gaps(outputs) -> None:
+    now = time.monotonic()
+    for out in outputs:
+        n = len(out.token_ids)
+        last = _last_token.get(out.request_id)
+        if last is not None and n > last[1]:
+            gap = (now - last[0]) / (n - last[1])
+            for _ in range(n - last[1]):
+                TBT.labels(str(out.priority)).observe(gap)
+        if out.finished:
+            _last_token.pop(out.request_id, None)
+        elif n and (last is None or n > last[1]):
+            _last_token[out.request_id] = (now, n)
+    if len(_last_token) > 10_000:  # requests aborted without a final output; forget the stalest
+        for request_id, _ in sorted(_last_token.items(), key=lambda kv: kv[1][0])[:5_000]:
+            del _last_token[request_id]
+
+
+def job_done(job, handle, outcome: str) -> str:
+    """When a task ends its job: latency, TTFT and outcome per priority. Returns `outcome` unchanged."""
+    priority = str(job.priority)
+    now = datetime.now(timezone.utc)
+    if outcome.startswith("succeeded") or outcome.startswith("failed"):
+        LATENCY.labels(priority).observe((now - job.created_at).total_seconds())
+    if handle.first_token_at is not None and not job.output_token_ids:  # a resumed job's first token is not its TTFT
+        TTFT.labels(priority).observe((handle.first_token_at - job.created_at).total_seconds())
+    kind = outcome.split(" ", 1)[0].rstrip(":")
+    kind = {"left": "left", "stopped": "stopped", "succeeded": "succeeded", "failed": "failed"}.get(kind, "discarded")
+    JOBS.labels(priority, kind).inc()
+    if kind == "failed":
+        FAILURES.labels(priority, outcome.split("(", 1)[1].split(":", 1)[0]).inc()
+    return outcome
+
+
+def start_server(port: int | None = None) -> int | None:
+    """Serve this process's metrics over HTTP once; returns the port, or None if off or the port is taken."""
+    global _server_started
+    port = int(os.environ.get("WORKER_METRICS_PORT", DEFAULT_PORT)) if port is None else port
+    with _server_lock:
+        if _server_started or port == 0:
+            return None
+        try:
+            start_http_server(port, addr=os.environ.get("WORKER_METRICS_ADDRESS", "0.0.0.0"))
+        except OSError as exc:
+            log.error("worker metrics NOT served: port %d is unavailable (%s); another worker on this host? "
+                      "give each worker its own WORKER_METRICS_PORT (0 turns metrics off)", port, exc)
+            return None
+        _server_started = True
+    log.info("worker metrics on http://0.0.0.0:%d/metrics", port)
+    return port
+
+
+@worker_init.connect
+def _serve_metrics(**_) -> None:
+    start_server()
