@@ -225,7 +225,7 @@ def _lease(lease_seconds: float):
     return func.now() + timedelta(seconds=lease_seconds)
 
 
-def _update_leased(session: Session, job_id: uuid.UUID, worker_id: str, **values) -> bool:
+def _update_leased(session: Session, job_id: uuid.UUID, worker_id: str, /, **values) -> bool:
     """Apply `values` to a running job leased by `worker_id`; True if it was."""
     result = session.execute(
         update(Job).where(Job.id == job_id, Job.status == JobStatus.RUNNING, Job.worker_id == worker_id)

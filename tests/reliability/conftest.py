@@ -1,0 +1,219 @@
+"""Fault-injection fixtures: worker subprocesses we can kill -9, SIGTERM and restart, a reconciler
+loop, a private Redis we can wipe, and a JSON file of the figures each scenario measured
+(bench/out/reliability.json, quoted in RELIABILITY.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from jobstore.dispatch import make_celery
+from jobstore.settings import Settings
+from tests.conftest import BIN, ROOT, free_port, settings_env
+from workers.reconciler import reconcile
+
+FINISHED = ("succeeded", "failed", "cancelled")
+FIGURES = ROOT / "bench" / "out" / "reliability.json"
+
+
+class Worker:
+    """`celery -A workers worker --pool threads` in its own process group; start, kill -9, SIGTERM, restart."""
+
+    def __init__(self, settings: Settings, log_dir: Path, concurrency: int):
+        self.settings, self.log_dir, self.concurrency = settings, log_dir, concurrency
+        self.proc: subprocess.Popen | None = None
+        self.logs: list[Path] = []
+
+    def start(self, timeout: float = 180) -> float:
+        """Start a worker and wait until it is ready; returns the seconds that took."""
+        log = self.log_dir / f"worker-{len(self.logs)}-{uuid.uuid4().hex[:6]}.log"
+        self.logs.append(log)
+        started = time.monotonic()
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(
+                [BIN / "celery", "-A", "workers", "worker", "--pool", "threads", "--concurrency",
+                 str(self.concurrency), "-Q", "generate", "--loglevel", "INFO", "--without-mingle",
+                 "--without-gossip", "-n", f"rel-{uuid.uuid4().hex[:6]}@%h"],
+                cwd=ROOT, env=settings_env(self.settings), stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        while " ready." not in log.read_text():
+            assert self.proc.poll() is None, f"worker exited:\n{log.read_text()[-5000:]}"
+            assert time.monotonic() - started < timeout, f"worker not ready:\n{log.read_text()[-5000:]}"
+            time.sleep(0.1)
+        return time.monotonic() - started
+
+    def kill9(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def terminate(self, timeout: float = 60) -> float:
+        """SIGTERM (Celery's warm shutdown); returns the seconds until the process exited."""
+        started = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout)
+        return time.monotonic() - started
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+
+    def log_text(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in self.logs)
+
+
+class Reconciler:
+    """The reconciler every `interval` seconds in a thread (as beat would run it); failures are counted."""
+
+    def __init__(self, sessions, settings: Settings, interval: float = 0.5):
+        self.sessions, self.settings, self.interval = sessions, settings, interval
+        self.celery = make_celery(settings)
+        self.stop_event = threading.Event()
+        self.errors = 0
+        self.totals = {"requeued": 0, "sent": 0, "resent": 0}
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self.stop_event.wait(self.interval):
+            try:
+                counts = reconcile(self.sessions, self.celery, self.settings)
+            except Exception:  # Redis or Postgres down: try again next interval, as beat would
+                self.errors += 1
+                continue
+            for k in self.totals:
+                self.totals[k] += counts.get(k, 0)
+
+    def __enter__(self) -> Reconciler:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.stop_event.set()
+        self.thread.join(10)
+        self.celery.close()
+
+
+@pytest.fixture()
+def make_worker(tmp_path) -> Iterator:
+    """`make_worker(settings, concurrency)` -> a Worker (not started); every one is killed at the end."""
+    made: list[Worker] = []
+
+    def make(settings: Settings, concurrency: int = 8) -> Worker:
+        worker = Worker(settings, tmp_path, concurrency)
+        made.append(worker)
+        return worker
+
+    yield make
+    for worker in made:
+        worker.stop()
+
+
+def stack_settings(settings: Settings, **overrides) -> Settings:
+    """This session's settings with a Redis key prefix of its own (so only our worker sees our messages)."""
+    prefix = f"{settings.redis_key_prefix}rel-{uuid.uuid4().hex[:6]}:"
+    return dataclasses.replace(settings, redis_key_prefix=prefix, **overrides)
+
+
+@pytest.fixture()
+def api(database, redis_client):
+    """`api(settings)` -> a Flask test client of an app sending to that stack; apps are closed at the end."""
+    from webapi import create_app
+
+    apps = []
+
+    def make(settings: Settings):
+        app = create_app(settings)
+        apps.append(app)
+        return app.test_client()
+
+    yield make
+    for app in apps:
+        app.extensions["genq"].engine.dispose()
+        app.extensions["genq"].celery.close()
+
+
+@pytest.fixture(scope="session")
+def figures() -> Iterator[dict]:
+    """Scenario -> figures; merged into bench/out/reliability.json at the end of the session."""
+    measured: dict = {}
+    yield measured
+    if measured:
+        FIGURES.parent.mkdir(parents=True, exist_ok=True)
+        old = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
+        old.update(measured)
+        FIGURES.write_text(json.dumps(old, indent=2, sort_keys=True) + "\n")
+
+
+@pytest.fixture()
+def private_redis(tmp_path) -> Iterator:
+    """A redis-server of our own on a free port, keeping nothing on disk; `.restart()` wipes it."""
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.skip("redis-server is not installed")
+
+    class PrivateRedis:
+        port = free_port()
+        url = f"redis://127.0.0.1:{port}/0"
+        proc: subprocess.Popen | None = None
+
+        def start(self) -> None:
+            self.proc = subprocess.Popen([server, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                          "--appendonly", "no", "--dir", str(tmp_path)],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            import redis
+
+            for _ in range(100):
+                try:
+                    if redis.Redis.from_url(self.url).ping():
+                        return
+                except redis.ConnectionError:
+                    time.sleep(0.05)
+            raise AssertionError("private redis-server did not start")
+
+        def kill(self) -> None:
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    r = PrivateRedis()
+    r.start()
+    yield r
+    r.kill()
+
+
+def job_rows(sessions, ids) -> dict[str, dict]:
+    """id -> the columns the tests check, read straight from Postgres."""
+    from sqlalchemy import select
+
+    from jobstore.models import Job
+
+    with sessions.begin() as s:
+        rows = s.execute(select(Job.id, Job.status, Job.attempts, Job.output_token_ids, Job.worker_id,
+                                Job.enqueued_at).where(Job.id.in_([uuid.UUID(i) for i in ids]))).all()
+    return {str(r.id): {"status": str(getattr(r.status, "value", r.status)), "attempts": r.attempts,
+                        "tokens": list(r.output_token_ids), "worker_id": r.worker_id, "enqueued_at": r.enqueued_at}
+            for r in rows}
+
+
+def wait_for(predicate, timeout: float, what: str, every: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

@@ -1,0 +1,143 @@
+"""A worker killed with kill -9 mid-generation, and a worker shut down with SIGTERM: every job ends
+exactly once, resumes from its persisted tokens, and ends with the tokens an uninterrupted run gives."""
+
+from __future__ import annotations
+
+import re
+import time
+
+from batching import Engine, EngineConfig, SamplingParams
+from tests.reliability.conftest import FINISHED, Reconciler, job_rows, stack_settings, wait_for
+
+
+def bodies(n_low: int, n_urgent: int, max_tokens: int) -> list[dict]:
+    """Greedy and seeded jobs: `n_low` at priority 9, then `n_urgent` at priority 0 (they preempt)."""
+    out = []
+    for i in range(n_low + n_urgent):
+        body = {"prompt": f"Job {i}: the {'cat' if i % 2 else 'sky'} over the mud {i * 7}", "max_tokens": max_tokens,
+                "priority": 9 if i < n_low else 0}
+        body.update({"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.9, "top_p": 0.95, "seed": 500 + i})
+        out.append(body)
+    return out
+
+
+def expected(settings, jobs: list[dict]):
+    """What an uninterrupted run gives: Engine.generate offline, same engine config as the worker."""
+    engine = Engine(EngineConfig(**settings.engine_options()))
+    params = [SamplingParams(**{k: b[k] for k in ("max_tokens", "temperature", "top_p", "seed") if k in b})
+              for b in jobs]
+    return [o.token_ids for o in engine.generate([b["prompt"] for b in jobs], params)]
+
+
+def submit_all(client, headers, jobs: list[dict]) -> list[str]:
+    ids = []
+    for body in jobs:
+        r = client.post("/jobs", json=body, headers=headers)
+        assert r.status_code == 202, r.json
+        ids.append(r.json["id"])
+    return ids
+
+
+def engine_stats(celery) -> dict:
+    replies = celery.control.broadcast("engine_stats", reply=True, timeout=3)
+    return next(iter(replies[0].values())) if replies else {}
+
+
+def succeeded_lines(logs: str, job_id: str) -> int:
+    return len(re.findall(rf"job {job_id} succeeded", logs))
+
+
+def test_kill_9_mid_generation_resumes_every_job_exactly_once(settings, sessions, new_key, api, make_worker,
+                                                               figures):
+    st = stack_settings(settings, lease_seconds=2.0, progress_interval=0.2, max_num_seqs=6, block_size=4,
+                        num_device_blocks=64, num_host_blocks=256, reconcile_interval=0.5)
+    client, headers = api(st), {"Authorization": f"Bearer {new_key()}"}
+    worker = make_worker(st, concurrency=10)
+    worker.start()
+    jobs = bodies(6, 4, max_tokens=96)
+    ids = submit_all(client, headers, jobs[:6])
+    wait_for(lambda: sum(bool(r["tokens"]) for r in job_rows(sessions, ids).values()) >= 6, 60, "6 jobs decoding")
+    ids += submit_all(client, headers, jobs[6:])  # urgent: they preempt (swap out) low-priority ones
+    celery = client.application.extensions["genq"].celery
+    stats = wait_for(lambda: (s := engine_stats(celery)).get("num_preemptions", 0) >= 2 and s, 60, "preemptions")
+    rows = job_rows(sessions, ids)
+    assert sum(bool(r["tokens"]) for r in rows.values()) >= 8, rows
+    worker.kill9()
+    killed_at = time.monotonic()
+    at_kill = job_rows(sessions, ids)
+    interrupted = [i for i in ids if at_kill[i]["status"] == "running"]
+    assert len(interrupted) >= 6, at_kill
+
+    with Reconciler(sessions, st, interval=0.5):
+        restart_s = worker.start()
+        # recovery: every interrupted job claimed again by the new worker (lease 2 s, not Redis' 1 h)
+        wait_for(lambda: all(r["attempts"] >= 2 for i, r in job_rows(sessions, interrupted).items()), 60,
+                 "interrupted jobs claimed again")
+        recovery_s = time.monotonic() - killed_at
+        done = wait_for(lambda: (rows := job_rows(sessions, ids)) and
+                        all(r["status"] in FINISHED for r in rows.values()) and rows, 240, "all jobs finished")
+        new_stats = engine_stats(celery)
+    logs = worker.log_text()
+    assert all(r["status"] == "succeeded" for r in done.values()), (done, logs)
+    for i in interrupted:  # resumed from the persisted tokens, not from the start
+        assert done[i]["tokens"][:len(at_kill[i]["tokens"])] == at_kill[i]["tokens"]
+        if at_kill[i]["tokens"]:
+            assert f"job {i} claimed: priority" in logs and f"resuming after {len(at_kill[i]['tokens'])} tokens" in logs
+    # the new engine generated only what was missing
+    missing = sum(len(done[i]["tokens"]) - len(at_kill[i]["tokens"]) for i in interrupted)
+    assert new_stats["num_generated_tokens"] == missing, (new_stats, missing)
+    duplicates = sum(succeeded_lines(logs, i) > 1 for i in ids)
+    assert duplicates == 0
+    for i, tokens in zip(ids, expected(st, jobs), strict=True):
+        assert done[i]["tokens"] == tokens, i
+    assert recovery_s < restart_s + 3 * st.lease_seconds + 5, (recovery_s, restart_s)
+    figures["kill_9"] = {
+        "jobs": len(ids), "in_flight_at_kill": len(interrupted),
+        "tokens_persisted_at_kill": sum(len(at_kill[i]["tokens"]) for i in interrupted),
+        "preemptions_before_kill": stats["num_preemptions"], "swapped_blocks_before_kill": stats["num_blocks_swapped_out"],
+        "completed": sum(r["status"] == "succeeded" for r in done.values()), "duplicates": duplicates,
+        "tokens_regenerated_after_restart": new_stats["num_generated_tokens"], "tokens_missing_at_kill": missing,
+        "worker_restart_s": round(restart_s, 2), "recovery_s": round(recovery_s, 2), "lease_s": st.lease_seconds,
+        "exact_vs_offline": True}
+
+
+def test_sigterm_hands_running_jobs_back_and_another_worker_resumes_them(settings, sessions, new_key, api,
+                                                                         make_worker, figures):
+    # a long lease and no reconciler: resumption must not wait for the lease to lapse
+    st = stack_settings(settings, lease_seconds=60.0, progress_interval=0.2, max_num_seqs=6)
+    client, headers = api(st), {"Authorization": f"Bearer {new_key()}"}
+    first = make_worker(st, concurrency=6)
+    first.start()
+    jobs = bodies(8, 0, max_tokens=96)
+    ids = submit_all(client, headers, jobs)
+    wait_for(lambda: sum(bool(r["tokens"]) for r in job_rows(sessions, ids).values()) >= 6, 60, "6 jobs decoding")
+    stop_s = first.terminate()
+    after_stop = job_rows(sessions, ids)
+    handed_back = [i for i in ids if after_stop[i]["tokens"] and after_stop[i]["status"] == "queued"]
+    assert not any(r["status"] == "running" for r in after_stop.values()), (after_stop, first.log_text())
+    assert len(handed_back) >= 5, (after_stop, first.log_text())
+    assert all(after_stop[i]["enqueued_at"] is not None for i in handed_back)  # sent back to Redis at once
+    assert stop_s < 15, stop_s
+
+    second = make_worker(st, concurrency=6)
+    ready_s = second.start()
+    started = time.monotonic()
+    done = wait_for(lambda: (rows := job_rows(sessions, ids)) and
+                    all(r["status"] in FINISHED for r in rows.values()) and rows, 240, "all jobs finished")
+    finish_s = time.monotonic() - started
+    assert all(r["status"] == "succeeded" for r in done.values()), done
+    logs = first.log_text() + second.log_text()
+    for i in handed_back:
+        assert done[i]["attempts"] == 2 and done[i]["tokens"][:len(after_stop[i]["tokens"])] == after_stop[i]["tokens"]
+        assert f"resuming after {len(after_stop[i]['tokens'])} tokens" in second.log_text()
+    duplicates = sum(succeeded_lines(logs, i) > 1 for i in ids)
+    assert duplicates == 0
+    for i, tokens in zip(ids, expected(st, jobs), strict=True):
+        assert done[i]["tokens"] == tokens, i
+    assert finish_s < st.lease_seconds, finish_s
+    figures["sigterm"] = {"jobs": len(ids), "handed_back": len(handed_back),
+                          "tokens_kept": sum(len(after_stop[i]["tokens"]) for i in handed_back),
+                          "worker_exit_s": round(stop_s, 2), "new_worker_ready_s": round(ready_s, 2),
+                          "all_done_after_ready_s": round(finish_s, 2), "lease_s": st.lease_seconds,
+                          "completed": sum(r["status"] == "succeeded" for r in done.values()),
+                          "duplicates": duplicates}
