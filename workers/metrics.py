@@ -46,7 +46,8 @@ TBT = Histogram("genq_job_time_between_tokens_seconds", "Time between two tokens
 LATENCY = Histogram("genq_job_latency_seconds", "Job submission to its final state (succeeded or failed)",
                     ["priority"], buckets=_LATENCY)
 JOBS = Counter("genq_worker_jobs_total", "Jobs this worker ran to an end, by outcome "
-               "(succeeded, failed, stopped = cancelled or lease lost, left = worker shutting down)",
+               "(succeeded, failed, stopped = cancelled or lease lost, handed_back / left = worker shutting down, "
+               "discarded = finished after losing the lease)",
                ["priority", "outcome"])
 FAILURES = Counter("genq_job_failures_total", "Jobs failed by this worker, by error code", ["priority", "code"])
 
@@ -106,7 +107,8 @@ def job_done(job, handle, outcome: str) -> str:
     if handle.first_token_at is not None and not job.output_token_ids:  # a resumed job's first token is not its TTFT
         TTFT.labels(priority).observe((handle.first_token_at - job.created_at).total_seconds())
     kind = outcome.split(" ", 1)[0].rstrip(":")
-    kind = {"left": "left", "stopped": "stopped", "succeeded": "succeeded", "failed": "failed"}.get(kind, "discarded")
+    kind = {"left": "left", "handed": "handed_back", "stopped": "stopped", "succeeded": "succeeded",
+            "failed": "failed"}.get(kind, "discarded")
     JOBS.labels(priority, kind).inc()
     if kind == "failed":
         FAILURES.labels(priority, outcome.split("(", 1)[1].split(":", 1)[0]).inc()

@@ -1,0 +1,96 @@
+"""The batch client (webapi/client.py) against a real stack over HTTP: killed midway, resumed, no duplicates."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from werkzeug.serving import make_server
+
+from tests.conftest import ROOT
+from tests.workers.conftest import worker_stack
+
+N = 40
+
+
+@pytest.fixture(scope="module")
+def served(settings, new_key, tmp_path_factory, redis_client):
+    """A worker, and the API on a real HTTP port (werkzeug, threaded) in front of it."""
+    settings = dataclasses.replace(settings, rate_limit="2000/second")
+    with worker_stack(settings, new_key, tmp_path_factory.mktemp("client"), concurrency=4) as stack:
+        server = make_server("127.0.0.1", 0, stack.client.application, threaded=True)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        yield stack, f"http://127.0.0.1:{server.server_port}"
+        server.shutdown()
+        thread.join()
+
+
+def client_command(url: str, key: str, tmp_path) -> list[str]:
+    return [sys.executable, "-m", "webapi.client", "submit", str(tmp_path / "in.jsonl"), "--url", url, "--key", key,
+            "--out", str(tmp_path / "out.jsonl"), "--concurrency", "1", "--poll-interval", "0.1", "--no-progress"]
+
+
+def list_all_jobs(stack) -> list[dict]:
+    jobs, cursor = [], None
+    while True:
+        r = stack.client.get("/jobs", query_string={"limit": 100, **({"cursor": cursor} if cursor else {})},
+                             headers=stack.headers)
+        jobs += r.json["jobs"]
+        cursor = r.json["next_cursor"]
+        if cursor is None:
+            return jobs
+
+
+def test_killed_client_resumes_in_order_without_duplicates(served, tmp_path):
+    stack, url = served
+    key = stack.headers["Authorization"].removeprefix("Bearer ")
+    items = [{"custom_id": f"item-{i:03d}", "prompt": f"Prompt number {i}", "max_tokens": 3 + i % 5,
+              "priority": i % 10, "temperature": 0.0} for i in range(N)]
+    items.reverse()  # the output follows the input order, not the ids' order
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
+    state = tmp_path / "out.jsonl.state.jsonl"
+
+    with (tmp_path / "first.log").open("w") as log:
+        first = subprocess.Popen(client_command(url, key, tmp_path), cwd=ROOT, stderr=log)
+    deadline = time.monotonic() + 60
+    while not state.exists() or len(state.read_text().splitlines()) < 10:
+        assert first.poll() is None, (tmp_path / "first.log").read_text()
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    lines = state.read_text().splitlines()
+    assert 10 <= len(lines) < N, "the client was not interrupted midway"
+    # as if the client had died after the API accepted the last two but before it recorded them
+    state.write_text("".join(line + "\n" for line in lines[:-2]))
+
+    done = subprocess.run(client_command(url, key, tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [row["custom_id"] for row in rows] == [item["custom_id"] for item in items]
+    for item, row in zip(items, rows, strict=True):
+        assert row["status"] == "succeeded", row
+        assert 1 <= row["usage"]["completion_tokens"] <= item["max_tokens"]
+        assert row["output"]["token_ids"] and row["error"] is None
+    server_jobs = list_all_jobs(stack)
+    assert len(server_jobs) == N  # the re-submitted ones got their first job back (Idempotency-Key)
+    assert {job["id"] for job in server_jobs} == {row["job_id"] for row in rows}
+
+    again = subprocess.run(client_command(url, key, tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0, again.stderr
+    assert [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()] == rows
+    assert len(list_all_jobs(stack)) == N
+
+
+def test_bad_input_is_refused_before_anything_is_sent(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"custom_id": "a", "prompt": "x"}\n{"custom_id": "a", "prompt": "y"}\n')
+    r = subprocess.run(client_command("http://127.0.0.1:9", "k", tmp_path), cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "custom_id 'a' appears twice" in r.stderr
