@@ -139,6 +139,8 @@ def idempotency_key() -> str | None:
     key = request.headers.get("Idempotency-Key")
     if key is not None and not 1 <= len(key) <= 255:
         raise APIError(422, "invalid_request", "Idempotency-Key: must be 1 to 255 characters")
+    if key is not None and not key.isprintable():
+        raise APIError(422, "invalid_request", "Idempotency-Key: control characters are not allowed")
     return key
 
 
