@@ -1,0 +1,140 @@
+"""A throw-away genq stack for benchmarks: a fresh database, the API under gunicorn, one Celery worker.
+
+    with local_stack(api_workers=4, concurrency=8) as stack:
+        requests.post(stack.url + "/jobs", json=..., headers=stack.headers)
+        requests.get(stack.worker_metrics_url)
+
+Everything listens on 127.0.0.1 only; the database (genq_bench_<random>) and the Redis keys (a random
+prefix) are removed at the end. Uses the local Postgres and Redis (`make services`), as the tests do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import redis
+import requests
+
+from jobstore.db import create_database_if_missing, drop_database, make_engine, make_session_factory
+from jobstore.keys import create_key
+from jobstore.settings import Settings
+from tests.conftest import BIN, POSTGRES, REDIS, ROOT, free_port, settings_env
+
+
+@dataclasses.dataclass
+class Stack:
+    settings: Settings
+    url: str
+    key: str
+    worker_metrics_url: str
+    log_dir: Path
+    worker: subprocess.Popen | None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+    def stop_worker(self) -> None:
+        """Stop the worker now (cold shutdown), e.g. to measure the API alone."""
+        if self.worker is not None:
+            _stop(self.worker)
+            self.worker = None
+
+
+def bench_settings(**overrides) -> Settings:
+    run = uuid.uuid4().hex[:10]
+    values = dict(database_url=f"{POSTGRES}/genq_bench_{run}", redis_url=f"{REDIS}/0",
+                  redis_key_prefix=f"genq-bench-{run}:", model="tiny-llama", dtype="float32", device="cpu",
+                  rate_limit="1000000/second", max_queued_per_tenant=10**7, max_queued_jobs=10**7,
+                  log_level="WARNING")
+    values.update(overrides)
+    return Settings(**values)
+
+
+@contextmanager
+def local_stack(settings: Settings, *, api_workers: int = 4, concurrency: int = 8, log_dir: Path) -> Iterator[Stack]:
+    """Build the database, start gunicorn and the worker, wait until both answer; tear all down after."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    api_port, metrics_port = free_port(), free_port()
+    env = {**settings_env(settings), "WORKER_METRICS_PORT": str(metrics_port), "WORKER_METRICS_ADDRESS": "127.0.0.1"}
+    with ExitStack() as cleanup:
+        create_database_if_missing(settings.database_url)
+        cleanup.callback(drop_database, settings.database_url)
+        cleanup.callback(_delete_keys, settings)
+        subprocess.run([sys.executable, "-m", "alembic", "upgrade", "head"], cwd=ROOT, env=env, check=True,
+                       capture_output=True)
+        engine = make_engine(settings.database_url)
+        with make_session_factory(engine).begin() as session:
+            key = create_key(session, "bench")
+        engine.dispose()
+        api = _start([BIN / "gunicorn", "--bind", f"127.0.0.1:{api_port}", "--workers", str(api_workers),
+                      "--log-level", "warning", "webapi:create_app()"], env, log_dir / "api.log")
+        cleanup.callback(_stop, api)
+        worker = _start([BIN / "celery", "-A", "workers", "worker", "--pool", "threads", "--concurrency",
+                         str(concurrency), "-Q", "generate", "--loglevel", "WARNING", "--without-mingle",
+                         "--without-gossip", "-n", f"bench-{uuid.uuid4().hex[:6]}@%h"], env, log_dir / "worker.log")
+        stack = Stack(settings, f"http://127.0.0.1:{api_port}", key, f"http://127.0.0.1:{metrics_port}/metrics",
+                      log_dir, worker)
+        cleanup.callback(stack.stop_worker)
+        _wait_for(stack.url + "/healthz", api, log_dir / "api.log")
+        _wait_for(stack.worker_metrics_url, worker, log_dir / "worker.log")
+        _wait_until_engine_ready(stack)
+        yield stack
+
+
+def _start(command: list, env: dict, log: Path) -> subprocess.Popen:
+    with log.open("w") as out:
+        return subprocess.Popen([str(c) for c in command], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGQUIT if "celery" in str(process.args) else signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def _wait_for(url: str, process: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args[0]} exited:\n{log.read_text()[-3000:]}")
+        try:
+            if requests.get(url, timeout=2).status_code == 200:
+                return
+        except requests.RequestException:  # not listening yet, or still importing
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer in {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+def _wait_until_engine_ready(stack: Stack, timeout: float = 180) -> None:
+    """The metrics server starts before the engine is built; one tiny job proves the worker takes jobs."""
+    r = requests.post(stack.url + "/jobs", json={"prompt": "warm up", "max_tokens": 1}, headers=stack.headers)
+    r.raise_for_status()
+    deadline = time.monotonic() + timeout
+    while requests.get(stack.url + r.headers["Location"], headers=stack.headers).json()["status"] != "succeeded":
+        if time.monotonic() > deadline:
+            raise RuntimeError("the worker did not run the warm-up job")
+        time.sleep(0.1)
+
+
+def _delete_keys(settings: Settings) -> None:
+    client = redis.Redis.from_url(settings.redis_url)
+    keys = list(client.scan_iter(match=f"{settings.redis_key_prefix}*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
