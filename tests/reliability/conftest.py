@@ -73,7 +73,8 @@ class Worker:
             self.proc.wait(10)
 
     def log_text(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in self.logs)
+        """Every log of this worker (all its restarts), in full."""
+        return "\n".join(f"--- {p.name}\n{p.read_text()}" for p in self.logs)
 
 
 class Reconciler:

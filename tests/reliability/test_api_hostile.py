@@ -172,7 +172,7 @@ def test_schemathesis_finds_no_5xx(settings, api, new_key, figures):
         run_operation(operation.ok(), key, failures, calls)
     figures["schemathesis"] = {"requests": len(calls), "5xx": len(failures),
                                "statuses": {str(c): calls.count(c) for c in sorted(set(calls))}}
-    assert len(calls) > 100 and any(c == 202 for c in calls), calls
+    assert len(calls) > 100, calls
     assert not failures, failures[:5]
     assert time.monotonic() - started < 60
 
