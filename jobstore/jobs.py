@@ -63,8 +63,9 @@ def create_job(session: Session, tenant_id: uuid.UUID, request: Mapping, *, prom
     return existing, False
 
 
-def check_job_row(job: Job) -> None:
-    """ValueError unless the stored request is one the API could have accepted (JobCreate)."""
+def check_job_row(job: Job, max_model_len: int | None = None) -> None:
+    """ValueError unless the stored request is one the API could have accepted (JobCreate, and token ids plus
+    max_tokens within `max_model_len`; a text prompt's length is checked by the engine, which tokenizes it)."""
     from pydantic import ValidationError
 
     from jobstore.requests import JobCreate
@@ -79,6 +80,9 @@ def check_job_row(job: Job) -> None:
         raise ValueError("; ".join(f"{'.'.join(map(str, e['loc'])) or 'job'}: {e['msg']}" for e in exc.errors())) from None
     if not isinstance(job.output_token_ids, list) or len(job.output_token_ids) > job.max_tokens:
         raise ValueError("output_token_ids: more tokens than max_tokens")
+    if max_model_len is not None and job.max_tokens + len(job.input_ids or ()) > max_model_len:
+        raise ValueError(f"max_tokens: {len(job.input_ids or ())} prompt tokens + max_tokens {job.max_tokens} > "
+                         f"max_model_len {max_model_len}")
 
 
 def job_for_key(session: Session, tenant_id: uuid.UUID, idempotency_key: str) -> Job | None:

@@ -62,12 +62,16 @@ def run_job(job_id: uuid.UUID, *, worker_id: str, host: EngineHost, sessions: se
     sends a job handed back at shutdown to Redis (without it, the reconciler sends it)."""
     if DRAINING.is_set():
         raise Draining(str(job_id))
+    # The lease is held by this attempt, not by the process: if the lease lapses (a starved machine) and
+    # the reconciler re-dispatches the job to this same worker, the new attempt claims it under another
+    # id, so the stale attempt's next write fails, and it aborts its engine request and writes nothing more.
+    worker_id = f"{worker_id}#{uuid.uuid4().hex[:8]}"
     job = with_retries(settings, _in_transaction, sessions, _claim, job_id, worker_id, settings)
     if isinstance(job, str):
         log.info("job %s %s", job_id, job)
         return job
     try:
-        jobs.check_job_row(job)
+        jobs.check_job_row(job, settings.max_model_len)
     except ValueError as exc:
         log.error("job %s has an invalid row; failing it: %s", job_id, exc)
         with_retries(settings, _in_transaction, sessions, jobs.fail_job, job_id, worker_id, code="invalid_job",
@@ -166,7 +170,10 @@ def record_result(handle: RequestHandle, job_id: uuid.UUID, worker_id: str, sess
         log.info("job %s left running; its lease lapses and the reconciler re-dispatches it", job_id)
         return "left for the reconciler"
     if handle.error is not None:
-        code = "invalid_request" if isinstance(handle.error, ValueError) else "engine_error"
+        # the engine refusing a request outright (ValueError, no output): the stored row is one the API would
+        # have refused (e.g. a prompt over max_model_len written behind its back)
+        refused = isinstance(handle.error, ValueError) and output is None
+        code = "invalid_job" if refused else "invalid_request" if isinstance(handle.error, ValueError) else "engine_error"
         write = lambda s: jobs.fail_job(s, job_id, worker_id, code=code, message=str(handle.error))  # noqa: E731
         outcome = f"failed ({code}: {handle.error})"
     else:

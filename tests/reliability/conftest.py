@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -186,8 +187,9 @@ def private_redis(tmp_path) -> Iterator:
             raise AssertionError("private redis-server did not start")
 
         def kill(self) -> None:
+            """SIGKILL: no shutdown save (and nothing on disk anyway)."""
             if self.proc is not None and self.proc.poll() is None:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
 
     r = PrivateRedis()
@@ -218,3 +220,104 @@ def wait_for(predicate, timeout: float, what: str, every: float = 0.1):
             return value
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class TcpProxy:
+    """A TCP relay on 127.0.0.1:<free port> to `target`, which the test can cut (every connection closed,
+    new ones refused: nothing listens) and restore (listening again on the same port): Postgres going
+    away and coming back, as the stack sees it, without touching the machine's Postgres."""
+
+    def __init__(self, target: tuple[str, int]):
+        self.target, self.port = target, free_port()
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._listener: socket.socket | None = None
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> TcpProxy:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        self._spawn(self._accept, listener)
+        return self
+
+    def cut(self) -> None:
+        """Refuse new connections and close every open one (both sides)."""
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+        with self._lock:
+            conns, self._conns = list(self._conns), set()
+        for conn in conns:
+            for how in (lambda c: c.shutdown(socket.SHUT_RDWR), lambda c: c.close()):
+                try:
+                    how(conn)
+                except OSError:
+                    pass
+
+    restore = start
+
+    def close(self) -> None:
+        self.cut()
+        for t in self._threads:
+            t.join(5)
+
+    def _spawn(self, fn, *args) -> None:
+        t = threading.Thread(target=fn, args=args, daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _accept(self, listener: socket.socket) -> None:
+        listener.settimeout(0.2)
+        while self._listener is listener:
+            try:
+                client, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            with self._lock:
+                if self._listener is not listener:  # cut meanwhile
+                    client.close(), upstream.close()
+                    return
+                self._conns.update((client, upstream))
+            self._spawn(self._pump, client, upstream)
+            self._spawn(self._pump, upstream, client)
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+@pytest.fixture()
+def pg_proxy(database) -> Iterator[TcpProxy]:
+    """A cuttable TCP proxy in front of this session's Postgres server."""
+    from sqlalchemy.engine import make_url
+
+    url = make_url(database)
+    proxy = TcpProxy((url.host or "127.0.0.1", url.port or 5432)).start()
+    yield proxy
+    proxy.close()
+
+
+def through(proxy: TcpProxy, database_url: str) -> str:
+    """`database_url` rewritten to connect through `proxy`."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(database_url).set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
