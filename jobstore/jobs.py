@@ -70,6 +70,11 @@ def check_job_row(job: Job, max_model_len: int | None = None) -> None:
 
     from jobstore.requests import JobCreate
 
+    if job.prompt is not None:
+        try:
+            job.prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("prompt: the stored bytes are not valid UTF-8") from None
     fields = {name: getattr(job, "metadata_" if name == "metadata" else name) for name in JobCreate.model_fields}
     fields["stop"] = list(fields["stop"] or [])
     if fields["input_ids"] is not None:

@@ -48,7 +48,9 @@ class Utf8Text(TypeDecorator):
         return None if value is None else value.encode("utf-8")
 
     def process_result_value(self, value: bytes | None, dialect) -> str | None:
-        return None if value is None else bytes(value).decode("utf-8")
+        # surrogateescape: a corrupted (non-UTF-8) row still loads, and check_job_row refuses it,
+        # instead of the row failing to load and its job staying stuck in `queued`
+        return None if value is None else bytes(value).decode("utf-8", errors="surrogateescape")
 
 
 class Base(DeclarativeBase):

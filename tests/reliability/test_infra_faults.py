@@ -226,8 +226,7 @@ CORRUPTIONS = {
     "top_k = -1": "top_k = -1",
     "prompt over max_model_len": "prompt = convert_to(repeat('mud ', 3000), 'UTF8')",
     "input_ids negative": "prompt = NULL, input_ids = ARRAY[-5, 3]",
-    # NOT covered (known bug, not fixed yet): prompt = '\xfffe'::bytea makes the claim's RETURNING raise
-    # UnicodeDecodeError (Utf8Text), the claim rolls back, the task fails and the job stays queued, unsent.
+    "prompt not valid UTF-8": "prompt = '\\xfffe'::bytea",
 }
 
 
