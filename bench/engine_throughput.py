@@ -34,7 +34,8 @@ Throughput is useful generated tokens / wall time. With `--repeat N` the systems
 round-robin rounds (genq, static, CB, forward-only, then again), so each meets the same spells of
 background load, and the fastest pass of each counts; beside it we print the share of the
 machine's CPU that other processes used during that pass (from /proc/stat): near 0% means a clean
-measurement. Correctness is checked cheaply: the greedy
+measurement. On a shared machine, `--wait-quiet S` waits (up to S seconds) before each pass until
+other processes leave the CPU idle. Correctness is checked cheaply: the greedy
 tokens of the first few requests from genq (and from transformers CB) are compared with an
 unpadded single-request `model.generate()`; float32 on random weights may flip a near-tie after
 many steps, so the fraction of matching prefix tokens is reported instead of failing.
@@ -414,6 +415,19 @@ class Interference:
             self.share = max(0.0, (busy - self.busy0) - (own - self.own0)) / (wall * (os.cpu_count() or 1))
 
 
+def wait_for_quiet(max_wait: float, threshold: float = 0.15, window: float = 3.0) -> float:
+    """Wait (at most max_wait seconds) until other processes use < threshold of the CPU over two windows
+    in a row. Returns the seconds waited. A no-op where /proc/stat is missing or max_wait is 0."""
+    t0, quiet = time.perf_counter(), 0
+    while quiet < 2 and time.perf_counter() - t0 < max_wait:
+        with Interference() as load:
+            time.sleep(window)
+        if load.share is None:
+            break
+        quiet = quiet + 1 if load.share < threshold else 0
+    return time.perf_counter() - t0
+
+
 def _busy_seconds():
     try:
         fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -428,7 +442,7 @@ def _own_seconds():
     return t.user + t.system
 
 
-def run_passes(systems: dict, repeat: int, useful: int, on_first=None) -> dict:
+def run_passes(systems: dict, repeat: int, useful: int, on_first=None, quiet_wait: float = 0.0) -> dict:
     """Round-robin passes (genq, static, cb, forward; again...): each system meets the same spells of
     background load. Returns {key: {"times": [...], "others": [...], "tokens": first pass tokens}}."""
     results = {key: dict(times=[], others=[], tokens=None) for key in systems}
@@ -436,6 +450,8 @@ def run_passes(systems: dict, repeat: int, useful: int, on_first=None) -> dict:
         for key, system in systems.items():
             if on_first is not None:
                 on_first(key, system)
+            if quiet_wait:
+                wait_for_quiet(quiet_wait)
             with tqdm(total=useful, desc=f"{system.label} {k + 1}/{repeat}", unit="tok") as pbar, \
                     Interference() as load:
                 elapsed, tokens = system.run(pbar)
@@ -476,6 +492,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1, help="timed passes per system; the fastest counts")
+    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
+                    help="before each pass wait up to S seconds for other processes to leave the CPU idle")
     ap.add_argument("--check", type=int, default=4, help="requests compared with single-request generate()")
     ap.add_argument("--skip", default="", help="comma-separated systems to skip: genq,static,cb,forward")
     ap.add_argument("--json", help="write the figures to this file")
@@ -518,7 +536,7 @@ def main(argv=None):
                 genq = systems.get("genq")
                 system.set_schedule(genq.steps if genq is not None else None, useful)
 
-        results = run_passes(systems, args.repeat, useful, before)
+        results = run_passes(systems, args.repeat, useful, before, args.wait_quiet)
 
     for key, res in results.items():
         best = min(range(len(res["times"])), key=res["times"].__getitem__)
@@ -554,13 +572,13 @@ def main(argv=None):
 def report(fig):
     names = [("genq", "genq engine"), ("hf_generate_static", f"HF generate() static x{STATIC_BATCH}"),
              ("hf_generate_batch", "HF generate_batch (CB)"), ("forward_only", "forward-only limit")]
-    print(f"\n{'system':<30}{'tok/s':>10}{'seconds':>10}   passes (s)      other processes' CPU share")
+    print(f"\n{'system':<30}{'tok/s':>10}{'seconds':>10}   {'passes (s)':<22}other processes' CPU share")
     for key, label in names:
         if key in fig:
             f = fig[key]
             other = "-" if f["others_cpu_share"] is None else f"{f['others_cpu_share']:.0%}"
             passes = " ".join(f"{t:.1f}" for t in f["passes"])
-            print(f"{label:<30}{f['tok_s']:>10.1f}{f['seconds']:>10.2f}   {passes:<16}{other}")
+            print(f"{label:<30}{f['tok_s']:>10.1f}{f['seconds']:>10.2f}   {passes:<22}{other}")
     ratios = {}
     if "genq" in fig:
         for key, label in (("hf_generate_batch", "genq / generate_batch"), ("forward_only", "genq / forward-only"),
