@@ -193,7 +193,9 @@ def test_lapsed_lease_stale_attempt_aborts_and_one_result_is_written(settings, s
     celery = make_celery(st)
     counts = reconcile(sessions, celery, st)  # the real reconciler: requeue + send
     celery.close()
-    assert counts["requeued"] == 1, counts
+    # >= 1: the database is shared by the session's tests, whose killed workers may leave lapsed leases too;
+    # that this job was the one requeued is checked next (claimed again: attempt 2)
+    assert counts["requeued"] >= 1, counts
     wait_for(lambda: job_rows(sessions, [job_id])[job_id]["attempts"] == 2, 10, "the job claimed again")
     try:
         done = wait_for(lambda: all_finished(sessions, [job_id]), 60, "the job finished")[job_id]

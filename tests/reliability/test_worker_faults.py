@@ -10,6 +10,10 @@ from batching import Engine, EngineConfig, SamplingParams
 from tests.reliability.conftest import FINISHED, Reconciler, job_rows, stack_settings, wait_for
 
 
+# long enough that jobs are still running when the test kills or stops the worker, however fast the machine
+LONG_JOB_TOKENS = 800
+
+
 def bodies(n_low: int, n_urgent: int, max_tokens: int) -> list[dict]:
     """Greedy and seeded jobs: `n_low` at priority 9, then `n_urgent` at priority 0 (they preempt)."""
     out = []
@@ -49,12 +53,14 @@ def succeeded_lines(logs: str, job_id: str) -> int:
 
 def test_kill_9_mid_generation_resumes_every_job_exactly_once(settings, sessions, new_key, api, make_worker,
                                                                figures):
-    st = stack_settings(settings, lease_seconds=2.0, progress_interval=0.2, max_num_seqs=6, block_size=4,
-                        num_device_blocks=64, num_host_blocks=256, reconcile_interval=0.5)
+    # jobs long enough to be in flight at the kill on a fast, idle machine too; 6 sequences growing to
+    # ~815 tokens need ~300 blocks of 16, the pool has 200: they preempt each other as well as for urgent jobs
+    st = stack_settings(settings, lease_seconds=2.0, progress_interval=0.2, max_num_seqs=6, block_size=16,
+                        num_device_blocks=200, num_host_blocks=1024, reconcile_interval=0.5)
     client, headers = api(st), {"Authorization": f"Bearer {new_key()}"}
     worker = make_worker(st, concurrency=10)
     worker.start()
-    jobs = bodies(6, 4, max_tokens=96)
+    jobs = bodies(6, 4, max_tokens=LONG_JOB_TOKENS)
     ids = submit_all(client, headers, jobs[:6])
     wait_for(lambda: sum(bool(r["tokens"]) for r in job_rows(sessions, ids).values()) >= 6, 60, "6 jobs decoding")
     ids += submit_all(client, headers, jobs[6:])  # urgent: they preempt (swap out) low-priority ones
@@ -113,7 +119,7 @@ def test_sigterm_hands_running_jobs_back_and_another_worker_resumes_them(setting
     client, headers = api(st), {"Authorization": f"Bearer {new_key()}"}
     first = make_worker(st, concurrency=6)
     first.start()
-    jobs = bodies(8, 0, max_tokens=96)
+    jobs = bodies(8, 0, max_tokens=LONG_JOB_TOKENS)
     ids = submit_all(client, headers, jobs)
     wait_for(lambda: sum(bool(r["tokens"]) for r in job_rows(sessions, ids).values()) >= 6, 60, "6 jobs decoding")
     stop_s = first.terminate()
