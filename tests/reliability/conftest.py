@@ -321,3 +321,13 @@ def through(proxy: TcpProxy, database_url: str) -> str:
     from sqlalchemy.engine import make_url
 
     return make_url(database_url).set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+
+
+def submit(client, headers, bodies: list[dict]) -> list[str]:
+    """POST each body to /jobs (each must be accepted); the new jobs' ids in order."""
+    ids = []
+    for body in bodies:
+        r = client.post("/jobs", json=body, headers=headers)
+        assert r.status_code == 202, r.json
+        ids.append(r.json["id"])
+    return ids

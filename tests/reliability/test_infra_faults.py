@@ -12,7 +12,15 @@ from sqlalchemy import text as sql
 
 from batching import Engine, EngineConfig, SamplingParams
 from jobstore.dispatch import make_celery
-from tests.reliability.conftest import FINISHED, Reconciler, job_rows, stack_settings, through, wait_for
+from tests.reliability.conftest import (
+    FINISHED,
+    Reconciler,
+    job_rows,
+    stack_settings,
+    submit,
+    through,
+    wait_for,
+)
 from workers.reconciler import reconcile
 
 LONG = {"prompt": "Lease test: the cat over the mud 3", "max_tokens": 1500, "temperature": 0.9, "top_p": 0.95,
@@ -36,15 +44,6 @@ def offline(settings):
         return [o.token_ids for o in engine.generate([b["prompt"] for b in bodies], params)]
 
     return run
-
-
-def submit(client, headers, bodies: list[dict]) -> list[str]:
-    ids = []
-    for body in bodies:
-        r = client.post("/jobs", json=body, headers=headers)
-        assert r.status_code == 202, r.json
-        ids.append(r.json["id"])
-    return ids
 
 
 def count(logs: str, pattern: str) -> int:

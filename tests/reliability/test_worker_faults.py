@@ -7,8 +7,7 @@ import re
 import time
 
 from batching import Engine, EngineConfig, SamplingParams
-from tests.reliability.conftest import FINISHED, Reconciler, job_rows, stack_settings, wait_for
-
+from tests.reliability.conftest import FINISHED, Reconciler, job_rows, stack_settings, submit, wait_for
 
 # long enough that jobs are still running when the test kills or stops the worker, however fast the machine
 LONG_JOB_TOKENS = 800
@@ -33,15 +32,6 @@ def expected(settings, jobs: list[dict]):
     return [o.token_ids for o in engine.generate([b["prompt"] for b in jobs], params)]
 
 
-def submit_all(client, headers, jobs: list[dict]) -> list[str]:
-    ids = []
-    for body in jobs:
-        r = client.post("/jobs", json=body, headers=headers)
-        assert r.status_code == 202, r.json
-        ids.append(r.json["id"])
-    return ids
-
-
 def engine_stats(celery) -> dict:
     replies = celery.control.broadcast("engine_stats", reply=True, timeout=3)
     return next(iter(replies[0].values())) if replies else {}
@@ -61,9 +51,9 @@ def test_kill_9_mid_generation_resumes_every_job_exactly_once(settings, sessions
     worker = make_worker(st, concurrency=10)
     worker.start()
     jobs = bodies(6, 4, max_tokens=LONG_JOB_TOKENS)
-    ids = submit_all(client, headers, jobs[:6])
+    ids = submit(client, headers, jobs[:6])
     wait_for(lambda: sum(bool(r["tokens"]) for r in job_rows(sessions, ids).values()) >= 6, 60, "6 jobs decoding")
-    ids += submit_all(client, headers, jobs[6:])  # urgent: they preempt (swap out) low-priority ones
+    ids += submit(client, headers, jobs[6:])  # urgent: they preempt (swap out) low-priority ones
     celery = client.application.extensions["genq"].celery
     stats = wait_for(lambda: (s := engine_stats(celery)).get("num_preemptions", 0) >= 2 and s, 60, "preemptions")
     rows = job_rows(sessions, ids)
@@ -120,7 +110,7 @@ def test_sigterm_hands_running_jobs_back_and_another_worker_resumes_them(setting
     first = make_worker(st, concurrency=6)
     first.start()
     jobs = bodies(8, 0, max_tokens=LONG_JOB_TOKENS)
-    ids = submit_all(client, headers, jobs)
+    ids = submit(client, headers, jobs)
     wait_for(lambda: sum(bool(r["tokens"]) for r in job_rows(sessions, ids).values()) >= 6, 60, "6 jobs decoding")
     stop_s = first.terminate()
     after_stop = job_rows(sessions, ids)
