@@ -53,6 +53,7 @@ import json
 import os
 import platform
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -428,6 +429,22 @@ def wait_for_quiet(max_wait: float, threshold: float = 0.15, window: float = 3.0
     return time.perf_counter() - t0
 
 
+def code_version() -> dict:
+    """The commit the figures belong to: HEAD, the last commit touching batching/, uncommitted changes."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    return dict(head=git("rev-parse", "--short", "HEAD"),
+                batching_commit=git("log", "-1", "--format=%h", "--", "batching"),
+                batching_dirty=bool(git("status", "--porcelain", "--", "batching")))
+
+
 def _busy_seconds():
     try:
         fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -512,7 +529,7 @@ def main(argv=None):
           f"({platform.processor() or platform.machine()}, {os.cpu_count()} CPUs)")
 
     fig = dict(requests=n, useful_tokens=useful, threads=torch.get_num_threads(), device=args.device,
-               load_avg_start=os.getloadavg(), repeat=args.repeat,
+               load_avg_start=os.getloadavg(), repeat=args.repeat, code=code_version(),
                quick=args.quick, model=MODEL_KWARGS, budget=BUDGET, max_num_seqs=MAX_NUM_SEQS)
     with tempfile.TemporaryDirectory(prefix="genq-bench-") as model_dir:
         build_model_dir(model_dir, args.seed)
@@ -591,6 +608,7 @@ def report(fig):
     if "hf_generate_batch" in fig:
         cb = fig["hf_generate_batch"]
         print(f"HF CB: attn={cb['attn_implementation']} {cb['config']}; prefix match {cb['prefix_match']:.1%}")
+    print(f"code: {fig['code']}")
     print("load average (1/5/15 min) at start {:.1f}/{:.1f}/{:.1f}, at end {:.1f}/{:.1f}/{:.1f}".format(
         *fig["load_avg_start"], *fig["load_avg_end"]))
     if "forward_only" in fig:

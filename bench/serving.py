@@ -69,7 +69,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from anywhere without installing
 
 from batching import Engine, EngineConfig, SamplingParams  # noqa: E402
-from bench.engine_throughput import Interference, build_model_dir, wait_for_quiet  # noqa: E402
+from bench.engine_throughput import Interference, build_model_dir, code_version, wait_for_quiet  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_PNG = str(BENCH_DIR / "out" / "serving.png")
@@ -505,6 +505,8 @@ def main(argv=None):
     targets["idle_others_cpu_share"] = idle_load.share if idle_load is not None else None
     print_report(results, targets, idle_full)
     load = (load_start, os.getloadavg())
+    code = code_version()
+    print(f"code: {code}")
     print("load average (1/5/15 min) at start {:.1f}/{:.1f}/{:.1f}, at end {:.1f}/{:.1f}/{:.1f}".format(*load[0], *load[1]))
     print(f"total wall time {time.perf_counter() - t_start:.0f}s")
 
@@ -518,7 +520,7 @@ def main(argv=None):
         fig = dict(duration=duration, rate=args.rate, burst_every=args.burst_every, requests=counts,
                    model=model_kwargs, budget=BUDGET, block_size=BLOCK_SIZE, device_blocks=args.device_blocks,
                    host_blocks=args.host_blocks, threads=torch.get_num_threads(), device=args.device,
-                   load_avg=load, idle_ttft=idle, idle_full_steps=idle_full, targets=targets,
+                   load_avg=load, code=code, idle_ttft=idle, idle_full_steps=idle_full, targets=targets,
                    configs={k: {kk: vv for kk, vv in v.items() if kk not in ("_raw", "requests", "steps")}
                             for k, v in results.items()},
                    trace={k: dict(requests=v["requests"], steps=v["steps"]) for k, v in results.items()},
