@@ -510,7 +510,7 @@ def main(argv=None):
     print("load average (1/5/15 min) at start {:.1f}/{:.1f}/{:.1f}, at end {:.1f}/{:.1f}/{:.1f}".format(*load[0], *load[1]))
     print(f"total wall time {time.perf_counter() - t_start:.0f}s")
 
-    png = Path(args.png)
+    png = Path(args.png if not (args.quick and args.png == DEFAULT_PNG) else DEFAULT_PNG.replace(".png", "_quick.png"))
     plot(results, targets, idle, png)
     print(f"wrote {png}")
     if not args.quick and args.png == DEFAULT_PNG:
