@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import text as sql
 
 from jobstore.dispatch import make_celery
 from jobstore.settings import Settings
@@ -28,6 +29,16 @@ FINISHED = ("succeeded", "failed", "cancelled")
 FIGURES = ROOT / "bench" / "out" / "reliability.json"
 
 
+@pytest.fixture(autouse=True)
+def no_leftover_jobs(sessions) -> None:
+    """Every test starts with no live job in the session's database: earlier tests leave queued or
+    running jobs whose workers are gone, and a test's reconciler would otherwise send them to its
+    own worker (taking its slots). Only this test session's private database is touched."""
+    with sessions.begin() as s:
+        s.execute(sql("UPDATE jobs SET status = 'cancelled', finished_at = now(), lease_expires_at = NULL "
+                      "WHERE status IN ('queued', 'running')"))
+
+
 class Worker:
     """`celery -A workers worker --pool threads` in its own process group; start, kill -9, SIGTERM, restart."""
 
@@ -35,17 +46,19 @@ class Worker:
         self.settings, self.log_dir, self.concurrency = settings, log_dir, concurrency
         self.proc: subprocess.Popen | None = None
         self.logs: list[Path] = []
+        self.node = ""   # this worker's Celery node name (new at each start)
 
     def start(self, timeout: float = 180) -> float:
         """Start a worker and wait until it is ready; returns the seconds that took."""
         log = self.log_dir / f"worker-{len(self.logs)}-{uuid.uuid4().hex[:6]}.log"
         self.logs.append(log)
         started = time.monotonic()
+        self.node = f"rel-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
         with log.open("w") as out:
             self.proc = subprocess.Popen(
                 [BIN / "celery", "-A", "workers", "worker", "--pool", "threads", "--concurrency",
                  str(self.concurrency), "-Q", "generate", "--loglevel", "INFO", "--without-mingle",
-                 "--without-gossip", "-n", f"rel-{uuid.uuid4().hex[:6]}@%h"],
+                 "--without-gossip", "-n", self.node],
                 cwd=ROOT, env=settings_env(self.settings), stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True)
         while " ready." not in log.read_text():
@@ -53,6 +66,13 @@ class Worker:
             assert time.monotonic() - started < timeout, f"worker not ready:\n{log.read_text()[-5000:]}"
             time.sleep(0.1)
         return time.monotonic() - started
+
+    def engine_stats(self, celery) -> dict:
+        """This worker's engine.stats(). Other workers of the test session share the broker, so the
+        request is addressed to this node only (and returns at its reply, not after the timeout)."""
+        replies = celery.control.broadcast("engine_stats", reply=True, timeout=5, limit=1, destination=[self.node])
+        assert replies, f"no engine_stats reply from {self.node}"
+        return replies[0][self.node]
 
     def kill9(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
