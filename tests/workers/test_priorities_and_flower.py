@@ -44,11 +44,13 @@ def test_priority_0_is_taken_first_then_fifo_within_a_priority(queued, redis_cli
     assert taken == [ids[i] for i in order]
 
 
-def test_flower_requires_a_login_and_shows_lengths_per_priority(queued):
+@pytest.mark.parametrize("conf", [["--conf=workers/flowerconfig.py"], []], ids=["procfile", "contract-command"])
+def test_flower_requires_a_login_and_shows_lengths_per_priority(queued, conf):
+    """Both the Procfile's command and the plain contract command `celery -A workers flower`."""
     settings, _, _ = queued
     port = free_port()
     env = {**settings_env(settings), "FLOWER_PORT": str(port), "FLOWER_BASIC_AUTH": "ops:secret"}
-    flower = subprocess.Popen([BIN / "celery", "-A", "workers", "flower", "--conf=workers/flowerconfig.py"],
+    flower = subprocess.Popen([BIN / "celery", "-A", "workers", "flower", *conf],
                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}/api/queues/length"
     try:
