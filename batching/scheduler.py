@@ -36,10 +36,6 @@ class SchedulerOutput:
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs and not self.swap_out and not self.swap_in
-
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):

@@ -82,11 +82,6 @@ class Sequence:
         return self.num_computed_tokens == len(self.token_ids) - 1 and self.num_output_tokens > 0
 
     @property
-    def urgency(self) -> tuple[int, float]:
-        """Sort key: smaller is more urgent (priority 0 first, then earlier arrival)."""
-        return (self.priority, self.arrival_time)
-
-    @property
     def finished(self) -> bool:
         return self.status >= SequenceStatus.FINISHED_STOPPED
 
