@@ -27,4 +27,4 @@ RUN pip install --no-deps . \
 
 USER genq
 EXPOSE 8000 5555
-CMD ["gunicorn", "--bind", "0.0.0.0:8000", "--threads", "8", "--access-logfile", "-", "webapi:create_app()"]
+CMD ["gunicorn", "--bind", "0.0.0.0:8000", "webapi:create_app()"]

@@ -7,7 +7,8 @@
 2. Engine alone: the same jobs (same prompts, priorities, arrival times and output lengths) replayed
    into batching.Engine in this process; per-job latency = finish - arrival. The system's overhead
    (HTTP + Redis + Postgres + the worker's threads) is the median per-job latency difference.
-3. Submission rate: with the worker stopped, POST /jobs (max_tokens 1) is offered at rising rates;
+3. Submission rate: with the worker stopped, POST /jobs (max_tokens 1) is offered at rising rates by a
+   lean asyncio client (bench/http_load.py: it shares the 2 cores with the API, so it must cost little);
    the highest rate accepted with < 1% errors (and >= 95% of it actually answered) is reported.
 
     .venv/bin/python bench/e2e.py --quick          # smoke run, ~1.5 min
@@ -35,6 +36,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import http_load  # noqa: E402
 from bench.stack import bench_settings, local_stack  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -157,32 +159,9 @@ def run_engine_alone(settings, jobs: list[dict], results: list[dict]) -> list[di
 # --- 3. the API's submission rate ---------------------------------------------------------------------
 
 def offer(stack, rate: float, seconds: float) -> dict:
-    """Open loop: POST /jobs `rate` times a second for `seconds`; counts of accepted and failed."""
-    local = threading.local()
-    results: list[tuple[bool, float]] = []
-    body = {"prompt": "rate test", "max_tokens": 1, "priority": 5}
-
-    def post(_):
-        if not hasattr(local, "s"):
-            local.s = requests.Session()
-        started = time.monotonic()
-        try:
-            ok = local.s.post(stack.url + "/jobs", json=body, headers=stack.headers, timeout=5).status_code == 202
-        except requests.RequestException:
-            ok = False
-        results.append((ok, time.monotonic() - started))
-
-    n = int(rate * seconds)
-    t0 = time.monotonic()
-    with ThreadPoolExecutor(64) as pool:
-        for i in range(n):
-            time.sleep(max(0.0, t0 + i / rate - time.monotonic()))
-            pool.submit(post, i)
-    elapsed = time.monotonic() - t0
-    accepted = sum(ok for ok, _ in results)
-    return {"offered": rate, "sent": n, "accepted": accepted, "errors": n - accepted,
-            "accepted_per_s": accepted / elapsed, "p50_ms": 1000 * pct([s for _, s in results], 50),
-            "p99_ms": 1000 * pct([s for _, s in results], 99)}
+    """Open loop: POST /jobs `rate` times a second for `seconds`, from bench/http_load.py's lean client."""
+    return http_load.offer(stack.url, "/jobs", {"prompt": "rate test", "max_tokens": 1, "priority": 5},
+                           stack.headers, rate=rate, seconds=seconds)
 
 
 def ramp(stack, rates: list[float], seconds: float) -> tuple[list[dict], float]:
@@ -294,7 +273,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: fewer jobs, shorter ramp")
     parser.add_argument("--rate", type=float, default=1.0, help="job arrivals per second (default 1)")
     parser.add_argument("--jobs", type=int, help="jobs in the workload (default 120; --quick 20)")
-    parser.add_argument("--api-workers", type=int, default=4, help="gunicorn workers (default 4)")
+    parser.add_argument("--api-workers", type=int, help="gunicorn workers (default: gunicorn.conf.py's)")
     parser.add_argument("--concurrency", type=int, default=8, help="worker task threads = engine max_num_seqs")
     parser.add_argument("--ramp", default=None, help="offered submission rates, e.g. 100,200,300,400")
     parser.add_argument("--ramp-seconds", type=float, default=None, help="seconds per ramp step (default 4)")
@@ -304,7 +283,7 @@ def main() -> None:
     ramp_seconds = args.ramp_seconds or (2.0 if args.quick else 4.0)
     OUT.mkdir(exist_ok=True)
     print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs; {n} jobs at {args.rate}/s, "
-          f"gunicorn x{args.api_workers}, worker concurrency {args.concurrency}")
+          f"gunicorn x{args.api_workers or 'gunicorn.conf.py'}, worker concurrency {args.concurrency}")
 
     jobs = workload(n, args.rate)
     settings = bench_settings(max_num_seqs=args.concurrency)

@@ -1,6 +1,6 @@
 """A throw-away genq stack for benchmarks: a fresh database, the API under gunicorn, one Celery worker.
 
-    with local_stack(api_workers=4, concurrency=8) as stack:
+    with local_stack(bench_settings(), log_dir=Path("bench/out/logs")) as stack:
         requests.post(stack.url + "/jobs", json=..., headers=stack.headers)
         requests.get(stack.worker_metrics_url)
 
@@ -61,8 +61,10 @@ def bench_settings(**overrides) -> Settings:
 
 
 @contextmanager
-def local_stack(settings: Settings, *, api_workers: int = 4, concurrency: int = 8, log_dir: Path) -> Iterator[Stack]:
-    """Build the database, start gunicorn and the worker, wait until both answer; tear all down after."""
+def local_stack(settings: Settings, *, api_workers: int | None = None, api_threads: int | None = None,
+                access_log: bool = False, concurrency: int = 8, log_dir: Path) -> Iterator[Stack]:
+    """Build the database, start gunicorn (gunicorn.conf.py, unless `api_workers` / `api_threads` say
+    otherwise) and the worker, wait until both answer; tear all down after."""
     log_dir.mkdir(parents=True, exist_ok=True)
     api_port, metrics_port = free_port(), free_port()
     env = {**settings_env(settings), "WORKER_METRICS_PORT": str(metrics_port), "WORKER_METRICS_ADDRESS": "127.0.0.1"}
@@ -76,8 +78,10 @@ def local_stack(settings: Settings, *, api_workers: int = 4, concurrency: int = 
         with make_session_factory(engine).begin() as session:
             key = create_key(session, "bench")
         engine.dispose()
-        api = _start([BIN / "gunicorn", "--bind", f"127.0.0.1:{api_port}", "--workers", str(api_workers),
-                      "--log-level", "warning", "webapi:create_app()"], env, log_dir / "api.log")
+        sizes = [*(["--workers", str(api_workers)] if api_workers else []),
+                 *(["--threads", str(api_threads)] if api_threads else [])]
+        api = _start([BIN / "gunicorn", "--bind", f"127.0.0.1:{api_port}", *sizes, "--log-level", "warning",
+                      "webapi:create_app()"], {**env, "API_ACCESS_LOG": "-" if access_log else ""}, log_dir / "api.log")
         cleanup.callback(_stop, api)
         worker = _start([BIN / "celery", "-A", "workers", "worker", "--pool", "threads", "--concurrency",
                          str(concurrency), "-Q", "generate", "--loglevel", "WARNING", "--without-mingle",

@@ -14,19 +14,22 @@ The caller owns the transaction: these functions never commit.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 
-from sqlalchemy import func, select, text, tuple_, update
+from sqlalchemy import Connection, bindparam, func, inspect, select, text, tuple_, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 from jobstore.models import Job, JobStatus
 
 ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING)
+JOBS = Job.__table__
+_ATTRIBUTE = {attr.columns[0].key: attr.key for attr in inspect(Job).column_attrs}  # "metadata" -> "metadata_"
 RECONCILER_LOCK = 0x67656E71  # pg advisory lock id ("genq") taken by the reconciler
 
 
@@ -39,28 +42,56 @@ def request_fingerprint(request: Mapping) -> str:
     return hashlib.sha256(json.dumps(request, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def create_job(session: Session, tenant_id: uuid.UUID, request: Mapping, *, prompt_tokens: int | None = None,
-               idempotency_key: str | None = None) -> tuple[Job, bool]:
-    """Insert a queued job from a validated request; returns (job, created).
+def create_job(db: Session | Connection, tenant_id: uuid.UUID, request: Mapping, *, prompt_tokens: int | None = None,
+               idempotency_key: str | None = None, max_queued: int | None = None) -> tuple[Job | None, bool]:
+    """Insert a queued job from a validated request, in one statement; returns (job, created).
 
-    With an `idempotency_key` already used by this tenant, returns that job (created=False), or raises
-    IdempotencyConflict when its request differed.
+    - With `max_queued`, the job is inserted only while the tenant has fewer queued jobs; at the cap
+      this returns (None, False). The count and the insert are one statement, so concurrent
+      submissions of one tenant can overshoot the cap by at most their number.
+    - With an `idempotency_key` this tenant used before, returns that job (created=False), or raises
+      IdempotencyConflict when its request differed. A known key wins over the cap.
+
+    `db` may be a Session or a Core Connection (the API uses an autocommit connection: no BEGIN, no
+    COMMIT round trip). The returned Job is a plain object, attached to no session.
     """
-    fingerprint = request_fingerprint(request) if idempotency_key else None
-    values = {("metadata_" if k == "metadata" else k): v for k, v in request.items()}
-    stmt = insert(Job).values(tenant_id=tenant_id, status=JobStatus.QUEUED, prompt_tokens=prompt_tokens,
-                              idempotency_key=idempotency_key, request_hash=fingerprint, **values)
-    if idempotency_key:
-        stmt = stmt.on_conflict_do_nothing(index_elements=["tenant_id", "idempotency_key"],
-                                           index_where=text("idempotency_key IS NOT NULL"))
-    job = session.scalars(stmt.returning(Job)).one_or_none()
-    if job is not None:
-        return job, True
-    existing = session.scalars(
-        select(Job).where(Job.tenant_id == tenant_id, Job.idempotency_key == idempotency_key)).one()
-    if existing.request_hash != fingerprint:
+    values = dict(request, tenant_id=tenant_id, status=JobStatus.QUEUED, prompt_tokens=prompt_tokens,
+                  idempotency_key=idempotency_key,
+                  request_hash=request_fingerprint(request) if idempotency_key else None)
+    if max_queued is not None:
+        values["max_queued"] = max_queued
+    row = db.execute(_insert_job(tuple(values)), values).one_or_none()
+    if row is not None:
+        return _job_from_row(row), True
+    existing = job_for_key(db, tenant_id, idempotency_key) if idempotency_key else None
+    if existing is None:
+        if max_queued is None:
+            raise AssertionError("an insert without a cap or a key returned no row")
+        return None, False  # the tenant is at its cap
+    if existing.request_hash != values["request_hash"]:
         raise IdempotencyConflict(idempotency_key)
     return existing, False
+
+
+@functools.lru_cache(maxsize=16)
+def _insert_job(names: tuple[str, ...]):
+    """The INSERT for a job with these column values (and "max_queued": the cap), built once per shape.
+
+    Capped: INSERT INTO jobs (...) SELECT :values... WHERE (the tenant's queued jobs) < :max_queued.
+    An Idempotency-Key already used inserts nothing (the partial unique index; NULL keys never clash).
+    """
+    columns = [name for name in names if name != "max_queued"]
+    if "max_queued" in names:
+        queued = (select(func.count()).select_from(JOBS)
+                  .where(JOBS.c.tenant_id == bindparam("tenant_id"), JOBS.c.status == JobStatus.QUEUED)
+                  .scalar_subquery())
+        values = select(*[bindparam(name, type_=JOBS.c[name].type) for name in columns])
+        stmt = insert(JOBS).from_select(columns, values.where(queued < bindparam("max_queued")))
+    else:
+        stmt = insert(JOBS).values({name: bindparam(name, type_=JOBS.c[name].type) for name in columns})
+    return (stmt.on_conflict_do_nothing(index_elements=["tenant_id", "idempotency_key"],
+                                        index_where=text("idempotency_key IS NOT NULL"))
+            .returning(*JOBS.c))
 
 
 def check_job_row(job: Job, max_model_len: int | None = None) -> None:
@@ -90,10 +121,11 @@ def check_job_row(job: Job, max_model_len: int | None = None) -> None:
                          f"max_model_len {max_model_len}")
 
 
-def job_for_key(session: Session, tenant_id: uuid.UUID, idempotency_key: str) -> Job | None:
-    """The tenant's job created with this Idempotency-Key, if any."""
-    return session.scalars(
-        select(Job).where(Job.tenant_id == tenant_id, Job.idempotency_key == idempotency_key)).one_or_none()
+def job_for_key(db: Session | Connection, tenant_id: uuid.UUID, idempotency_key: str) -> Job | None:
+    """The tenant's job created with this Idempotency-Key, if any (a plain Job, attached to no session)."""
+    row = db.execute(select(*JOBS.c).where(JOBS.c.tenant_id == tenant_id,
+                                            JOBS.c.idempotency_key == idempotency_key)).one_or_none()
+    return None if row is None else _job_from_row(row)
 
 
 def get_job(session: Session, job_id: uuid.UUID, tenant_id: uuid.UUID | None = None) -> Job | None:
@@ -179,19 +211,6 @@ def release_job(session: Session, job_id: uuid.UUID, worker_id: str, *, token_id
                           output_text=text)
 
 
-def queued_count(session: Session, tenant_id: uuid.UUID | None = None) -> int:
-    """Queued jobs of `tenant_id` (all tenants if None)."""
-    stmt = select(func.count()).select_from(Job).where(Job.status == JobStatus.QUEUED)
-    if tenant_id is not None:
-        stmt = stmt.where(Job.tenant_id == tenant_id)
-    return session.scalar(stmt)
-
-
-def lock_tenant(session: Session, tenant_id: uuid.UUID) -> None:
-    """Serialize this tenant's submissions until the transaction ends (so its queued-job cap is exact)."""
-    session.execute(select(func.pg_advisory_xact_lock(RECONCILER_LOCK, func.hashtext(str(tenant_id)))))
-
-
 def forget_sent(session: Session, sent_before_seconds: float = 0.0) -> int:
     """Mark queued jobs sent to Redis more than `sent_before_seconds` ago as never sent, so the reconciler
     sends them again (Redis lost its data, or the message went missing); returns how many."""
@@ -228,6 +247,16 @@ def unsent_jobs(session: Session, grace_seconds: float, limit: int = 1000) -> li
 def try_reconciler_lock(session: Session) -> bool:
     """Take the reconciler's transaction-scoped lock; False if another reconciler holds it."""
     return session.scalar(select(func.pg_try_advisory_xact_lock(RECONCILER_LOCK)))
+
+
+def queued_total(db: Session | Connection) -> int:
+    """Queued jobs of all tenants."""
+    return db.execute(select(func.count()).select_from(JOBS).where(JOBS.c.status == JobStatus.QUEUED)).scalar_one()
+
+
+def _job_from_row(row) -> Job:
+    """A Job (transient, in no session) from a row of all the jobs table's columns."""
+    return Job(**{_ATTRIBUTE.get(key, key): value for key, value in row._mapping.items()})
 
 
 def _lease(lease_seconds: float):

@@ -154,4 +154,6 @@ class Job(Base):
         Index("ix_jobs_running_lease", "lease_expires_at", postgresql_where=text("status = 'running'")),
         Index("ix_jobs_queued_unsent", "created_at",
               postgresql_where=text("status = 'queued' AND enqueued_at IS NULL")),
+        # POST /jobs: the queued-job caps count this (small) index, not the whole table
+        Index("ix_jobs_queued_tenant", "tenant_id", postgresql_where=text("status = 'queued'")),
     )

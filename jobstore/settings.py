@@ -45,6 +45,7 @@ class Settings:
     max_queued_per_tenant: int = 1000  # a tenant with this many queued jobs gets 429 on POST /jobs
     max_queued_jobs: int = 20000  # all tenants together: beyond this many queued jobs, POST /jobs answers 429
     rate_limit: str = "50/second;2000/minute"  # per API key, Flask-Limiter syntax; counters live in Redis
+    auth_cache_seconds: float = 5.0  # an API process trusts a key it looked up for this long (revocation lag)
     log_level: str = "INFO"
 
     @classmethod

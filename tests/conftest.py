@@ -113,7 +113,7 @@ def app(settings: Settings, database: str, redis_client):
 
     app = create_app(settings)
     yield app
-    app.extensions["genq"].engine.dispose()
+    app.extensions["genq"].close()
 
 
 @pytest.fixture()

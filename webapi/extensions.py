@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import hashlib
+import math
+import time
 from dataclasses import dataclass
 
 from celery import Celery
 from flask import Flask, current_app, g, request
-from flask_limiter import Limiter
+from flask_limiter import Limiter, RateLimitExceeded
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobstore.db import make_engine, make_session_factory
 from jobstore.dispatch import make_celery
 from jobstore.settings import Settings
+from webapi.errors import error_response
+from webapi.key_cache import KeyCache
+from webapi.queue_size import QueueSize
+from webapi.sent_marks import SentMarks
 
 
 @dataclass
@@ -23,6 +29,16 @@ class Services:
     sessions: sessionmaker[Session]
     celery: Celery  # sends jobs only; workers/celery.py is the consuming app
     limiter: Limiter  # per-key rate limits on /jobs, counted in Redis
+    autocommit: Engine  # the same pool, each statement its own transaction (POST /jobs' single insert)
+    key_cache: KeyCache  # API keys looked up in the last few seconds
+    sent_marks: SentMarks  # jobs sent to Redis, recorded in Postgres in batches
+    queue_size: QueueSize  # all tenants' queued jobs, counted at most once a second
+
+
+    def close(self) -> None:
+        """Record the pending "sent" marks, then close every database connection (tests, shutdown)."""
+        self.sent_marks.close()
+        self.engine.dispose()
 
 
 def init_extensions(app: Flask, settings: Settings) -> None:
@@ -31,11 +47,25 @@ def init_extensions(app: Flask, settings: Settings) -> None:
         rate_limit_key, app=app, storage_uri=settings.redis_url, key_prefix=f"{settings.redis_key_prefix}ratelimit",
         default_limits=[settings.rate_limit], default_limits_exempt_when=lambda: request.blueprint != "jobs",
         storage_options={"socket_timeout": 2, "socket_connect_timeout": 2},
-        headers_enabled=True,  # X-RateLimit-* and Retry-After on a 429
+        headers_enabled=False,  # X-RateLimit-* on every answer would cost a second Redis call per request
         swallow_errors=True, in_memory_fallback_enabled=True,  # Redis down: count in memory, never a 500
     )
-    app.extensions["genq"] = Services(settings, engine, make_session_factory(engine), make_celery(settings), limiter)
+    sessions = make_session_factory(engine)
+    app.extensions["genq"] = Services(settings, engine, sessions, make_celery(settings), limiter,
+                                      engine.execution_options(isolation_level="AUTOCOMMIT"),
+                                      KeyCache(settings.auth_cache_seconds), SentMarks(sessions), QueueSize(engine))
     app.teardown_appcontext(_close_session)
+    app.register_error_handler(RateLimitExceeded, _rate_limited)
+
+
+def _rate_limited(exc: RateLimitExceeded):
+    """429 naming the limit, with Retry-After: the seconds until the limit's window resets."""
+    try:
+        retry_after = max(1, math.ceil(services().limiter.current_limit.reset_at - time.time()))
+    except Exception:  # noqa: BLE001 - Redis just went away: any sensible wait will do
+        retry_after = 1
+    return error_response(429, "too_many_requests", f"rate limit exceeded: {exc.description}",
+                          {"Retry-After": str(retry_after)})
 
 
 def rate_limit_key() -> str:

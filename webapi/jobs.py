@@ -36,15 +36,19 @@ def create_job(body: JobCreate):
     """Submit a job; it is queued at once and runs in priority order (0 first)."""
     prompt_tokens = check_model_limits(body)
     key = idempotency_key()
-    try:
-        jobs.lock_tenant(db(), current_tenant().id)  # one submission of this tenant at a time: exact caps
-        if key is None or jobs.job_for_key(db(), current_tenant().id, key) is None:
-            check_queue_caps()
-        job, created = jobs.create_job(db(), current_tenant().id, body.model_dump(), prompt_tokens=prompt_tokens,
-                                       idempotency_key=key)
-        db().commit()
-    except jobs.IdempotencyConflict:
-        raise APIError(422, "idempotency_key_reused", "Idempotency-Key: already used with a different body") from None
+    settings = services().settings
+    with services().autocommit.connect() as conn:  # one INSERT: the tenant's cap is checked inside it
+        if key is None or jobs.job_for_key(conn, current_tenant().id, key) is None:  # a retry is not a new job
+            check_not_overloaded()
+        try:
+            job, created = jobs.create_job(conn, current_tenant().id, body.model_dump(), prompt_tokens=prompt_tokens,
+                                           idempotency_key=key, max_queued=settings.max_queued_per_tenant)
+        except jobs.IdempotencyConflict:
+            raise APIError(422, "idempotency_key_reused",
+                           "Idempotency-Key: already used with a different body") from None
+    if job is None:
+        raise APIError(429, "too_many_queued_jobs", f"you have {settings.max_queued_per_tenant} jobs queued, the "
+                       "most allowed; retry when some have started", {"Retry-After": "5"})
     if created:
         enqueue(job)
     return JobOut.from_job(job).model_dump(mode="json"), 202, {"Location": url_for("jobs.get_job", job_id=job.id)}
@@ -89,13 +93,9 @@ def owned_job(job: Job | None) -> Job:
     return job
 
 
-def check_queue_caps() -> None:
-    """429 with Retry-After when the tenant, or everyone together, has too many jobs waiting."""
-    settings = services().settings
-    if jobs.queued_count(db(), current_tenant().id) >= settings.max_queued_per_tenant:
-        raise APIError(429, "too_many_queued_jobs", f"you have {settings.max_queued_per_tenant} jobs queued, the "
-                       "most allowed; retry when some have started", {"Retry-After": "5"})
-    if jobs.queued_count(db()) >= settings.max_queued_jobs:
+def check_not_overloaded() -> None:
+    """429 with Retry-After when all tenants together have MAX_QUEUED_JOBS queued (counted once a second)."""
+    if services().queue_size.get() >= services().settings.max_queued_jobs:
         raise APIError(429, "overloaded", "the service has too many jobs queued; retry later", {"Retry-After": "10"})
 
 
@@ -122,14 +122,16 @@ def check_model_limits(body: JobCreate) -> int:
 
 
 def enqueue(job: Job) -> None:
-    """Send the job to Redis; if Redis is down the reconciler sends it later (the job is in Postgres)."""
+    """Send the committed job to Redis; if Redis is down the reconciler sends it later (it is in Postgres).
+
+    The send is recorded (enqueued_at) in batches, off the request path: webapi/sent_marks.py."""
     try:
         send_job(services().celery, job.id, job.priority)
     except (KombuError, RedisError, OSError) as exc:
         log.warning("job %s stays queued unsent (the reconciler will send it): %s", job.id, exc)
         return
-    jobs.mark_enqueued(db(), [job.id])
-    db().commit()
+    services().sent_marks.add(job.id)
+    services().queue_size.accepted()
     JOBS_SUBMITTED.labels(priority=str(job.priority)).inc()
     log.info("job %s queued for tenant %s with priority %d", job.id, current_tenant().name, job.priority)
 

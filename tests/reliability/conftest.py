@@ -164,7 +164,7 @@ def api(database, redis_client):
 
     yield make
     for app in apps:
-        app.extensions["genq"].engine.dispose()
+        app.extensions["genq"].close()
         app.extensions["genq"].celery.close()
 
 

@@ -177,7 +177,7 @@ def test_job_survives_redis_being_down(settings, sessions, auth):
 
     app = create_app(dataclasses.replace(settings, redis_url="redis://127.0.0.1:1/0"))
     r = submit(app.test_client(), auth())
-    app.extensions["genq"].engine.dispose()
+    app.extensions["genq"].close()
     assert r.status_code == 202 and r.json["status"] == "queued"
     with sessions.begin() as s:
         assert jobs.get_job(s, uuid.UUID(r.json["id"])).enqueued_at is None  # left for the reconciler

@@ -18,7 +18,7 @@ def test_healthz_and_api_answer_503_when_postgres_is_down(settings, auth):
     client = app.test_client()
     health = client.get("/healthz")
     jobs = client.get("/jobs", headers={"Authorization": "Bearer gq_whatever"})
-    app.extensions["genq"].engine.dispose()
+    app.extensions["genq"].close()
     assert health.status_code == 503 and health.json["error"] == {"code": "unavailable",
                                                                    "message": "database unavailable"}
     assert jobs.status_code == 503 and jobs.headers["Retry-After"]
@@ -27,7 +27,7 @@ def test_healthz_and_api_answer_503_when_postgres_is_down(settings, auth):
 def test_healthz_503_when_redis_is_down(settings, database):
     app = create_app(dataclasses.replace(settings, redis_url="redis://127.0.0.1:1/0"))
     r = app.test_client().get("/healthz")
-    app.extensions["genq"].engine.dispose()
+    app.extensions["genq"].close()
     assert r.status_code == 503 and r.json["error"]["message"] == "broker unavailable"
 
 

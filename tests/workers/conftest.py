@@ -85,7 +85,7 @@ def worker_stack(settings: Settings, new_key, log_dir: Path, *, concurrency: int
         except subprocess.TimeoutExpired:
             worker.kill()
             worker.wait()
-        app.extensions["genq"].engine.dispose()
+        app.extensions["genq"].close()
         celery.close()
 
 
