@@ -22,6 +22,7 @@ class EngineConfig:
     max_model_len: int | None = None      # None: the model's max_position_embeddings
     preemption_mode: str = "swap"
     enable_chunked_prefill: bool = True
+    attention_aware_chunks: bool = True  # a chunk deep in a long prompt counts its attention against the budget
     memory_utilization: float = 0.9      # share of free device memory the KV cache may take when sizing
     seed: int = 0                        # base of the random seeds of unseeded sampled requests
     revision: str | None = None          # model revision for HF ids
@@ -47,6 +48,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if not isinstance(self.enable_chunked_prefill, bool):
             raise ValueError(f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}")
+        if not isinstance(self.attention_aware_chunks, bool):
+            raise ValueError(f"attention_aware_chunks must be True or False, got {self.attention_aware_chunks!r}")
         if (isinstance(self.memory_utilization, bool) or not isinstance(self.memory_utilization, (int, float))
                 or not 0.0 < self.memory_utilization <= 1.0):
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization!r}")

@@ -17,7 +17,14 @@ from batching.block_manager import BlockManager, blocks_for
 from batching.config import EngineConfig
 from batching.kv_cache import KVCache
 from batching.model_runner import ModelRunner
-from batching.models import load_model, load_model_config, load_tokenizer_for, resolve_device, resolve_dtype
+from batching.models import (
+    attention_context_per_token,
+    load_model,
+    load_model_config,
+    load_tokenizer_for,
+    resolve_device,
+    resolve_dtype,
+)
 from batching.outputs import RequestOutput
 from batching.sampler import Sampler
 from batching.sampling_params import SamplingParams
@@ -50,7 +57,7 @@ class Engine:
         self.kv_cache = KVCache(num_layers, num_kv_heads, head_dim, config.block_size, num_device_blocks,
                                 num_host_blocks, self.dtype, self.device)
         self.block_manager = BlockManager(num_device_blocks, num_host_blocks, config.block_size)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.block_manager, attention_context_per_token(self.model))
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device)
         self.sampler = Sampler()
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)

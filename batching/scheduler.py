@@ -2,7 +2,10 @@
 
 A step is filled in stall-free order (Sarathi-Serve): one decode token for every running sequence,
 then, priority class by priority class (0 first), the next chunks of that class's prefills in
-progress, then its sequences that are not running (swapped out or waiting) by arrival. Before
+progress, then its sequences that are not running (swapped out or waiting) by arrival. A step carries
+the prefill chunks of one class only, the most urgent that can run: an urgent request's prefill runs
+in a short step (decodes + its chunk), not one padded with less urgent prompts, so its first token
+comes sooner; the budget left over waits one step. Before
 filling, `_make_room_for_urgent` preempts running sequences that are strictly less urgent than one
 that cannot otherwise start (swapped, waiting) or take its next prefill chunk. Admissions never skip
 ahead: none starts behind a more urgent sequence that cannot, or behind one preempted in this step.
@@ -11,6 +14,7 @@ ahead: none starts behind a more urgent sequence that cannot, or behind one pree
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 from batching.block_manager import BlockManager, blocks_for
@@ -27,6 +31,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host block, device block)
     preempted: list[Sequence] = field(default_factory=list)
+    prefill_priority: int | None = None  # the class whose prefill chunks this step carries (one class a step)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         self.seqs.append(seq)
@@ -38,7 +43,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, context_per_token: float | None = None):
+        """`context_per_token`: how many tokens of context one token's attention must span to cost as much
+        as the rest of its forward pass (the model's linear layers); see `_chunk`. None: chunks cost their
+        token count only."""
+        self.context_per_token = context_per_token if config.attention_aware_chunks else None
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
@@ -117,8 +126,12 @@ class Scheduler:
                 return
             if seq in out.preempted:        # no ping-pong within one step
                 continue
+            if out.prefill_priority is not None and seq.priority > out.prefill_priority:
+                return   # an urgent prefill runs in a short step: no less urgent chunk rides along
             if seq.status == SequenceStatus.RUNNING:
                 budget -= self._schedule_chunk(seq, out, budget)
+                if seq in out.seqs:
+                    out.prefill_priority = seq.priority
             elif admitting:
                 if any(_urgency(v) < _urgency(seq) for v in out.preempted):
                     # a sequence preempted in this step keeps its place: nobody behind it starts
@@ -129,11 +142,13 @@ class Scheduler:
                 # strict order: nobody starts ahead of the most urgent sequence that cannot start
                 admitting = n > 0
                 budget -= n
+                if n:
+                    out.prefill_priority = seq.priority
 
     def _schedule_chunk(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int:
-        """The next chunk of a prefill in progress; returns its token count."""
+        """The next chunk of a prefill in progress; returns the budget it took."""
         bm = self.block_manager
-        n = min(seq.num_uncomputed_tokens, budget, bm.max_tokens_allocatable(seq))
+        n = min(self._chunk(seq, budget)[0], bm.max_tokens_allocatable(seq))
         if n == 0:
             # pool exhausted: a prefill that cannot move while others hold all blocks would
             # deadlock, so the least urgent unscheduled running sequence (maybe this one) yields
@@ -141,21 +156,49 @@ class Scheduler:
             self._preempt(victim, out)
             if victim is seq:
                 return 0
-            n = min(seq.num_uncomputed_tokens, budget, bm.max_tokens_allocatable(seq))
+            n = min(self._chunk(seq, budget)[0], bm.max_tokens_allocatable(seq))
             if n == 0:
                 return 0
         bm.allocate(seq, n)
         out.add(seq, n)
-        return n
+        return self._chunk_cost(seq, n, budget)
+
+    def _chunk(self, seq: Sequence, budget: int) -> tuple[int, int]:
+        """(tokens, budget taken) of `seq`'s next prefill chunk within `budget`.
+
+        A prefill token costs its share of the linear layers plus attention over everything before
+        it, and late in a long prompt the attention dominates: a budget of plain tokens makes those
+        chunks run far longer than early ones (the slowest steps set the time between tokens of every
+        decode in the batch). With `context_per_token` = C, a chunk of n tokens starting at position s
+        costs n * (1 + (s + n/2) / C) token-equivalents: the budget buys steps of even duration.
+        At least one token always fits, so a prefill never stalls."""
+        n = min(seq.num_uncomputed_tokens, budget)
+        if self.context_per_token is None or n <= 1:
+            return n, n
+        c, start = self.context_per_token, seq.num_computed_tokens
+        # largest n with n^2 / (2C) + n (1 + start / C) <= budget (rounded, as _chunk_cost rounds)
+        b = 1 + start / c
+        fits = int((math.sqrt(b * b + 2 * (budget + 0.5) / c) - b) * c)
+        n = max(1, min(n, fits))
+        return n, self._chunk_cost(seq, n, budget)
+
+    def _chunk_cost(self, seq: Sequence, n: int, budget: int) -> int:
+        """The budget taken by `n` prefill tokens of `seq` starting at its computed position (see `_chunk`)."""
+        if self.context_per_token is None:
+            return n
+        start = seq.num_computed_tokens   # advanced only after the step runs
+        return min(budget, max(n, round(n * (1 + (start + n / 2) / self.context_per_token))))
 
     def _admit(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int:
-        """Swap in or start a not-running sequence with its first chunk; returns its tokens (0: cannot)."""
+        """Swap in or start a not-running sequence with its first chunk; returns the budget it took (0: cannot)."""
         bm = self.block_manager
         if len(self.running) >= self.max_num_seqs:
             return 0
         n = self._first_chunk(seq, budget, first_prefill=all(k == 1 for k in out.num_scheduled_tokens))
         if n == 0:
             return 0
+        if self.chunked_prefill:
+            n = min(n, self._chunk(seq, budget)[0])
         if seq.status == SequenceStatus.SWAPPED:
             extra = blocks_for(seq.num_computed_tokens + n, bm.block_size) - len(seq.host_block_table)
             if not bm.can_swap_in(seq, extra):
@@ -176,7 +219,7 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         out.add(seq, n)
-        return n
+        return self._chunk_cost(seq, n, budget) if self.chunked_prefill else n
 
     def _reserve(self, out: SchedulerOutput) -> int:
         """Blocks a new prefill leaves free for growing decodes, unless this step's admissions were
@@ -209,14 +252,18 @@ class Scheduler:
         slots = self.max_num_seqs - len(self.running)
         budget = self.max_num_batched_tokens - len(decodes)
         first_prefill = True
+        prefill_priority = None   # as in the fill: one class of prefills a step
         for cand in self._prefill_order():
             if budget <= 0:
                 return
             if cand in out.preempted:
                 continue
+            if prefill_priority is not None and cand.priority > prefill_priority:
+                return
             running = cand.status == SequenceStatus.RUNNING
+            cost = None
             if self.chunked_prefill or running:
-                n = min(cand.num_uncomputed_tokens, budget)
+                n, cost = self._chunk(cand, budget)
             else:
                 n = cand.num_uncomputed_tokens
                 if n > budget and not first_prefill:
@@ -243,13 +290,16 @@ class Scheduler:
                 capacity = (len(cand.block_table) + max(free, 0)) * bm.block_size - cand.num_computed_tokens
                 n = min(n, capacity)
                 free -= bm.num_new_blocks(cand, n)
-                budget -= n
+                budget -= self._chunk_cost(cand, n, budget) if n > 0 else 0
+                if n > 0:
+                    prefill_priority = cand.priority
                 continue
             if (slots < 1 or free < need + reserve):
                 return   # strict priority: nobody behind `cand` may preempt for it
             free -= need
             slots -= 1
-            budget -= n
+            budget -= cost if cost is not None else n
+            prefill_priority = cand.priority
 
     def _least_urgent_running(self, exclude: list[Sequence], less_urgent_than: Sequence | None = None):
         """The victim rule: highest priority number, latest arrival among equals."""

@@ -9,7 +9,8 @@
 A worker changes a running job only while it holds the lease (`worker_id` matches); every write it
 makes renews the lease. When a call returns False the job is no longer the worker's (cancelled, or
 its lease expired and the job went back to the queue), and the worker must stop working on it.
-The caller owns the transaction: these functions never commit.
+The caller owns the transaction: these functions never commit. The worker runs them on an autocommit
+connection (each one statement); the reconciler in a transaction.
 """
 
 from __future__ import annotations
@@ -128,12 +129,14 @@ def job_for_key(db: Session | Connection, tenant_id: uuid.UUID, idempotency_key:
     return None if row is None else _job_from_row(row)
 
 
-def get_job(session: Session, job_id: uuid.UUID, tenant_id: uuid.UUID | None = None) -> Job | None:
-    """The job, or None when it does not exist or belongs to another tenant."""
-    stmt = select(Job).where(Job.id == job_id)
+def get_job(db: Session | Connection, job_id: uuid.UUID, tenant_id: uuid.UUID | None = None) -> Job | None:
+    """The job as stored now (a plain Job, attached to no session), or None when it does not exist or
+    belongs to another tenant."""
+    stmt = select(*JOBS.c).where(JOBS.c.id == job_id)
     if tenant_id is not None:
-        stmt = stmt.where(Job.tenant_id == tenant_id)
-    return session.scalars(stmt.execution_options(populate_existing=True)).one_or_none()
+        stmt = stmt.where(JOBS.c.tenant_id == tenant_id)
+    row = db.execute(stmt).one_or_none()
+    return None if row is None else _job_from_row(row)
 
 
 def list_jobs(session: Session, tenant_id: uuid.UUID, *, status: JobStatus | None = None, limit: int = 20,
@@ -147,66 +150,67 @@ def list_jobs(session: Session, tenant_id: uuid.UUID, *, status: JobStatus | Non
     return list(session.scalars(stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)))
 
 
-def mark_enqueued(session: Session, job_ids: Sequence[uuid.UUID]) -> None:
+def mark_enqueued(db: Session | Connection, job_ids: Sequence[uuid.UUID]) -> None:
     """Record that a message for these queued jobs went to Redis."""
-    session.execute(update(Job).where(Job.id.in_(job_ids), Job.status == JobStatus.QUEUED)
-                    .values(enqueued_at=func.now()))
+    db.execute(update(JOBS).where(JOBS.c.id.in_(job_ids), JOBS.c.status == JobStatus.QUEUED)
+               .values(enqueued_at=func.now()))
 
 
-def claim_job(session: Session, job_id: uuid.UUID, worker_id: str, lease_seconds: float) -> Job | None:
-    """queued → running for `worker_id` with a fresh lease; None if the job is not queued."""
-    return session.scalars(
-        update(Job).where(Job.id == job_id, Job.status == JobStatus.QUEUED)
+def claim_job(db: Session | Connection, job_id: uuid.UUID, worker_id: str, lease_seconds: float) -> Job | None:
+    """queued → running for `worker_id` with a fresh lease; the job (a plain Job), or None if it is not queued."""
+    row = db.execute(
+        update(JOBS).where(JOBS.c.id == job_id, JOBS.c.status == JobStatus.QUEUED)
         .values(status=JobStatus.RUNNING, worker_id=worker_id, lease_expires_at=_lease(lease_seconds),
-                started_at=func.coalesce(Job.started_at, func.now()), attempts=Job.attempts + 1)
-        .returning(Job).execution_options(populate_existing=True)
+                started_at=func.coalesce(JOBS.c.started_at, func.now()), attempts=JOBS.c.attempts + 1)
+        .returning(*JOBS.c)
     ).one_or_none()
+    return None if row is None else _job_from_row(row)
 
 
-def renew_lease(session: Session, job_id: uuid.UUID, worker_id: str, lease_seconds: float) -> bool:
+def renew_lease(db: Session | Connection, job_id: uuid.UUID, worker_id: str, lease_seconds: float) -> bool:
     """Extend the worker's lease; False if the job is no longer the worker's."""
-    return _update_leased(session, job_id, worker_id, lease_expires_at=_lease(lease_seconds))
+    return _update_leased(db, job_id, worker_id, lease_expires_at=_lease(lease_seconds))
 
 
-def save_progress(session: Session, job_id: uuid.UUID, worker_id: str, lease_seconds: float, *,
+def save_progress(db: Session | Connection, job_id: uuid.UUID, worker_id: str, lease_seconds: float, *,
                   token_ids: Sequence[int], text: str, first_token_at: datetime | None = None) -> bool:
     """Store the tokens generated so far and renew the lease; False if the job is no longer the worker's."""
-    return _update_leased(session, job_id, worker_id, lease_expires_at=_lease(lease_seconds),
+    return _update_leased(db, job_id, worker_id, lease_expires_at=_lease(lease_seconds),
                           output_token_ids=list(token_ids), output_text=text,
                           first_token_at=func.coalesce(Job.first_token_at, first_token_at))
 
 
-def finish_job(session: Session, job_id: uuid.UUID, worker_id: str, *, token_ids: Sequence[int], text: str,
+def finish_job(db: Session | Connection, job_id: uuid.UUID, worker_id: str, *, token_ids: Sequence[int], text: str,
                finish_reason: str, prompt_tokens: int, first_token_at: datetime | None = None) -> bool:
     """running → succeeded with the full output; False if the job is no longer the worker's."""
-    return _update_leased(session, job_id, worker_id, status=JobStatus.SUCCEEDED, finished_at=func.now(),
+    return _update_leased(db, job_id, worker_id, status=JobStatus.SUCCEEDED, finished_at=func.now(),
                           lease_expires_at=None, output_token_ids=list(token_ids), output_text=text,
                           finish_reason=finish_reason, prompt_tokens=prompt_tokens,
                           first_token_at=func.coalesce(Job.first_token_at, first_token_at))
 
 
-def fail_job(session: Session, job_id: uuid.UUID, worker_id: str, *, code: str, message: str) -> bool:
+def fail_job(db: Session | Connection, job_id: uuid.UUID, worker_id: str, *, code: str, message: str) -> bool:
     """running → failed with an error; False if the job is no longer the worker's."""
-    return _update_leased(session, job_id, worker_id, status=JobStatus.FAILED, finished_at=func.now(),
+    return _update_leased(db, job_id, worker_id, status=JobStatus.FAILED, finished_at=func.now(),
                           lease_expires_at=None, error_code=code, error_message=message)
 
 
-def cancel_job(session: Session, job_id: uuid.UUID, tenant_id: uuid.UUID) -> Job | None:
+def cancel_job(db: Session | Connection, job_id: uuid.UUID, tenant_id: uuid.UUID) -> Job | None:
     """queued/running → cancelled; returns the job as it now is (any status), None if not the tenant's."""
-    job = session.scalars(
-        update(Job).where(Job.id == job_id, Job.tenant_id == tenant_id, Job.status.in_(ACTIVE))
+    row = db.execute(
+        update(JOBS).where(JOBS.c.id == job_id, JOBS.c.tenant_id == tenant_id, JOBS.c.status.in_(ACTIVE))
         .values(status=JobStatus.CANCELLED, finished_at=func.now(), lease_expires_at=None,
-                finish_reason=func.coalesce(Job.finish_reason, "abort"))
-        .returning(Job).execution_options(populate_existing=True)
+                finish_reason=func.coalesce(JOBS.c.finish_reason, "abort"))
+        .returning(*JOBS.c)
     ).one_or_none()
-    return job or get_job(session, job_id, tenant_id)
+    return _job_from_row(row) if row is not None else get_job(db, job_id, tenant_id)
 
 
-def release_job(session: Session, job_id: uuid.UUID, worker_id: str, *, token_ids: Sequence[int],
+def release_job(db: Session | Connection, job_id: uuid.UUID, worker_id: str, *, token_ids: Sequence[int],
                 text: str) -> bool:
     """running → queued, keeping the tokens so far and dropping the lease, so that another worker resumes
     the job at once (a worker shutting down hands its jobs back). False if the job is no longer the worker's."""
-    return _update_leased(session, job_id, worker_id, status=JobStatus.QUEUED, worker_id=None,
+    return _update_leased(db, job_id, worker_id, status=JobStatus.QUEUED, worker_id=None,
                           lease_expires_at=None, enqueued_at=None, output_token_ids=list(token_ids),
                           output_text=text)
 
@@ -263,10 +267,9 @@ def _lease(lease_seconds: float):
     return func.now() + timedelta(seconds=lease_seconds)
 
 
-def _update_leased(session: Session, job_id: uuid.UUID, worker_id: str, /, **values) -> bool:
+def _update_leased(db: Session | Connection, job_id: uuid.UUID, worker_id: str, /, **values) -> bool:
     """Apply `values` to a running job leased by `worker_id`; True if it was."""
-    result = session.execute(
-        update(Job).where(Job.id == job_id, Job.status == JobStatus.RUNNING, Job.worker_id == worker_id)
-        .values(**values).execution_options(synchronize_session=False)
-    )
+    result = db.execute(
+        update(JOBS).where(JOBS.c.id == job_id, JOBS.c.status == JobStatus.RUNNING, JOBS.c.worker_id == worker_id)
+        .values(**values))
     return result.rowcount == 1

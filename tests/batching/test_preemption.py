@@ -130,8 +130,9 @@ def test_urgent_request_preempts_swapped_in_order(make_engine):
     prompts = random_prompts(43, [6, 6, 6, 6, 6, 6, 6, 6, 6])
     for req_id, prio, t in [("p3", 3, 1.0), ("p9-early", 9, 2.0), ("p9-late", 9, 3.0), ("p7", 7, 4.0)]:
         engine.add_request(req_id, prompts.pop(), greedy(30), priority=prio, arrival_time=t)
-    engine.step()
-    engine.step()
+    for _ in range(3):   # one priority class of prefills a step: p3, then p7, then both p9s
+        engine.step()
+    assert all(engine.requests[r].status == SequenceStatus.RUNNING for r in ("p3", "p9-early", "p9-late", "p7"))
     expected_victims = ["p9-late", "p9-early", "p7", "p3"]
     for k, victim in enumerate(expected_victims):
         engine.add_request(f"urgent{k}", prompts.pop(), greedy(30), priority=0, arrival_time=10.0 + k)
@@ -212,3 +213,31 @@ def test_preempted_sequence_keeps_arrival_time_and_place(make_engine, llama_path
     assert results["b"].num_preemptions == 1
     for req_id, prompt, n in [("a", a, 30), ("b", b, 12), ("c", c, 4), ("d", d, 4)]:
         assert results[req_id].token_ids == reference(llama_path, tuple(prompt), n)
+
+
+def test_an_urgent_prefill_runs_in_a_short_step(make_engine, llama_path, reference):
+    """A step that carries an urgent prefill carries no less urgent prefill chunk: only the decodes and the
+    urgent chunk, so the urgent first token is not held back by a budget padded with bulk prompt tokens.
+    The bulk prompt's chunks resume in the next step, and every output stays exact."""
+    engine = make_engine(block_size=4, num_device_blocks=200, max_num_batched_tokens=32, max_num_seqs=8,
+                         attention_aware_chunks=False)   # plain token budget: the chunk sizes below are exact
+    short = random_prompts(44, [5, 5])
+    long_prompt, urgent = random_prompts(45, [150])[0], random_prompts(46, [7])[0]
+    for k, prompt in enumerate(short):
+        engine.add_request(f"bulk-decode-{k}", prompt, greedy(40), priority=9)
+    engine.step()                                      # both short prompts prefilled
+    engine.add_request("bulk-long", long_prompt, greedy(4), priority=9)
+    engine.step()                                      # 2 decodes + a 30-token chunk of the long prompt
+    assert engine.stats()["last_step_num_tokens"] == 32
+    engine.add_request("urgent", urgent, greedy(4), priority=0)
+    outs = {o.request_id: o for o in engine.step()}
+    assert len(outs["urgent"].token_ids) == 1          # its first token, from this very step
+    assert engine.stats()["last_step_num_tokens"] == 2 + 7, "a bulk chunk rode along with the urgent prefill"
+    assert engine.requests["bulk-long"].num_computed_tokens == 30
+    engine.step()                                      # 3 decodes + the next bulk chunk
+    assert engine.stats()["last_step_num_tokens"] == 32
+    assert engine.requests["bulk-long"].num_computed_tokens == 59
+    finished = run_to_completion(engine)
+    for req_id, prompt, n in [("bulk-decode-0", short[0], 40), ("bulk-decode-1", short[1], 40),
+                              ("bulk-long", long_prompt, 4), ("urgent", urgent, 4)]:
+        assert finished[req_id].token_ids == reference(llama_path, tuple(prompt), n), req_id

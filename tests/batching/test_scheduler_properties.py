@@ -167,10 +167,10 @@ def test_sequence_preempted_for_blocks_keeps_its_place():
     sched = Scheduler(config, BlockManager(5, 0, 4))
     long = Sequence("long", [5] * 17, SamplingParams(max_tokens=1, temperature=0), 1, 0, arrival_time=1.0)
     short = Sequence("short", [5], SamplingParams(max_tokens=1, temperature=0), 1, 0, arrival_time=2.0)
-    urgent = Sequence("urgent", [5], SamplingParams(max_tokens=4, temperature=0), 0, 0, arrival_time=3.0)
+    urgent = Sequence("urgent", [5], SamplingParams(max_tokens=6, temperature=0), 0, 0, arrival_time=3.0)
     for seq in (long, short, urgent):
         sched.add(seq)
-    for _ in range(3):
+    for _ in range(4):   # urgent alone (one class of prefills a step), then urgent's decodes + long's chunks
         run_fake_step(sched)
     out = run_fake_step(sched)            # the pool is full: "long" yields its blocks
     assert out.preempted == [long]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
 
 import pytest
@@ -181,3 +182,60 @@ def test_job_survives_redis_being_down(settings, sessions, auth):
     assert r.status_code == 202 and r.json["status"] == "queued"
     with sessions.begin() as s:
         assert jobs.get_job(s, uuid.UUID(r.json["id"])).enqueued_at is None  # left for the reconciler
+
+
+def test_a_send_is_recorded_in_batches_and_flushed_on_close(settings, sessions, auth):
+    """enqueued_at is written by the per-process flusher within about a second; close() writes what is left."""
+    from webapi import create_app
+
+    app = create_app(settings)
+    client, headers = app.test_client(), auth()
+    first = uuid.UUID(submit(client, headers).json["id"])
+    wait = 0.0
+    while wait < 5.0:
+        with sessions.begin() as s:
+            if jobs.get_job(s, first).enqueued_at is not None:
+                break
+        time.sleep(0.05)
+        wait += 0.05
+    assert wait < 5.0, "the flusher did not record the send"
+    second = uuid.UUID(submit(client, headers).json["id"])
+    app.extensions["genq"].close()  # at once, without waiting for the flusher's next round
+    with sessions.begin() as s:
+        assert jobs.get_job(s, second).enqueued_at is not None
+
+
+def test_a_revoked_key_stops_working_after_the_auth_cache_time(settings, sessions, new_key):
+    from sqlalchemy import func, update
+
+    from jobstore.keys import hash_key
+    from jobstore.models import ApiKey
+    from webapi import create_app
+
+    app = create_app(dataclasses.replace(settings, auth_cache_seconds=0.5))
+    client, key = app.test_client(), new_key()
+    headers = {"Authorization": f"Bearer {key}"}
+    assert client.get("/jobs", headers=headers).status_code == 200
+    with sessions.begin() as s:
+        s.execute(update(ApiKey).where(ApiKey.key_hash == hash_key(key)).values(revoked_at=func.now()))
+    assert client.get("/jobs", headers=headers).status_code == 200  # still trusted: looked up < 0.5 s ago
+    time.sleep(0.6)
+    assert client.get("/jobs", headers=headers).status_code == 401
+    uncached = create_app(dataclasses.replace(settings, auth_cache_seconds=0))
+    assert uncached.test_client().get("/jobs", headers=headers).status_code == 401
+    app.extensions["genq"].close()
+    uncached.extensions["genq"].close()
+
+
+def test_the_per_tenant_cap_is_checked_inside_the_insert(settings, auth):
+    """At the cap nothing is inserted (the count and the insert are one statement); other tenants go on."""
+    from webapi import create_app
+
+    app = create_app(dataclasses.replace(settings, max_queued_per_tenant=2))
+    client, headers = app.test_client(), auth()
+    codes = [submit(client, headers).status_code for _ in range(4)]
+    assert codes == [202, 202, 429, 429]
+    listed = client.get("/jobs?status=queued", headers=headers).json["jobs"]
+    assert len(listed) == 2
+    assert submit(client, auth()).status_code == 202
+    app.extensions["genq"].close()

@@ -1,0 +1,58 @@
+"""Attention-aware chunk sizing (Scheduler._chunk): a chunk deep in a long prompt, whose attention spans
+more context, gets fewer tokens of the budget, so full steps take about the same time."""
+
+from __future__ import annotations
+
+import pytest
+
+from batching import EngineConfig, SamplingParams
+from batching.block_manager import BlockManager
+from batching.scheduler import Scheduler
+from batching.sequence import Sequence
+from tests.batching.test_scheduler_properties import run_fake_step
+
+BUDGET = 64
+
+
+def chunks_of_a_long_prompt(context_per_token: float | None, aware: bool = True) -> list[int]:
+    config = EngineConfig(block_size=4, num_device_blocks=200, num_host_blocks=0, max_num_batched_tokens=BUDGET,
+                          attention_aware_chunks=aware)
+    sched = Scheduler(config, BlockManager(200, 0, 4), context_per_token)
+    sched.add(Sequence("long", [5] * 600, SamplingParams(max_tokens=1, temperature=0), 5, 0, arrival_time=1.0))
+    sizes = []
+    while sched.has_unfinished():
+        out = run_fake_step(sched)
+        sizes.extend(out.num_scheduled_tokens)
+    return sizes
+
+
+def cost(start: int, n: int, c: float) -> float:
+    return n * (1 + (start + n / 2) / c)
+
+
+def test_chunks_shrink_as_the_context_grows_and_each_costs_about_the_budget():
+    c = 200.0
+    sizes = chunks_of_a_long_prompt(c)
+    assert sum(sizes) == 600
+    assert sizes[0] == 56                                  # 56 * (1 + 28/200) = 63.8; 57 would cost 65.1
+    assert all(a >= b for a, b in zip(sizes, sizes[1:]))  # later chunks attend over more: fewer tokens
+    assert sizes[-2] < BUDGET / 3
+    start = 0
+    for n in sizes[:-1]:                                   # every chunk but the last fills the budget, no more
+        assert round(cost(start, n, c)) <= BUDGET < round(cost(start, n + 1, c)), (start, n)
+        start += n
+
+
+@pytest.mark.parametrize("c", [None, 1e12])
+def test_plain_token_budget_without_a_cost_model(c):
+    assert chunks_of_a_long_prompt(c)[:-1] == [BUDGET] * (600 // BUDGET)
+
+
+def test_switched_off_by_the_config():
+    assert chunks_of_a_long_prompt(200.0, aware=False)[:-1] == [BUDGET] * (600 // BUDGET)
+
+
+def test_a_chunk_always_makes_progress():
+    """Even when one token's attention costs more than the whole budget, a prefill moves a token a step."""
+    sizes = chunks_of_a_long_prompt(0.5)
+    assert sum(sizes) == 600 and min(sizes) >= 1
