@@ -32,7 +32,7 @@ class Services:
     autocommit: Engine  # the same pool, each statement its own transaction (POST /jobs' single insert)
     key_cache: KeyCache  # API keys looked up in the last few seconds
     sent_marks: SentMarks  # jobs sent to Redis, recorded in Postgres in batches
-    queue_size: QueueSize  # all tenants' queued jobs, counted at most once a second
+    queue_size: QueueSize  # queued jobs per tenant and in all, counted at most once a second
 
 
     def close(self) -> None:

@@ -36,13 +36,15 @@ def create_job(body: JobCreate):
     """Submit a job; it is queued at once and runs in priority order (0 first)."""
     prompt_tokens = check_model_limits(body)
     key = idempotency_key()
-    settings = services().settings
-    with services().autocommit.connect() as conn:  # one INSERT: the tenant's cap is checked inside it
-        if key is None or jobs.job_for_key(conn, current_tenant().id, key) is None:  # a retry is not a new job
+    settings, tenant_id = services().settings, current_tenant().id
+    cap = settings.max_queued_per_tenant
+    with services().autocommit.connect() as conn:  # one INSERT; near its cap, the tenant's count is inside it
+        if key is None or jobs.job_for_key(conn, tenant_id, key) is None:  # a retry is not a new job
             check_not_overloaded()
+        near_cap = services().queue_size.of(tenant_id) >= cap // 2  # below: see webapi/queue_size.py
         try:
-            job, created = jobs.create_job(conn, current_tenant().id, body.model_dump(), prompt_tokens=prompt_tokens,
-                                           idempotency_key=key, max_queued=settings.max_queued_per_tenant)
+            job, created = jobs.create_job(conn, tenant_id, body.model_dump(), prompt_tokens=prompt_tokens,
+                                           idempotency_key=key, max_queued=cap if near_cap else None)
         except jobs.IdempotencyConflict:
             raise APIError(422, "idempotency_key_reused",
                            "Idempotency-Key: already used with a different body") from None
@@ -95,7 +97,7 @@ def owned_job(job: Job | None) -> Job:
 
 def check_not_overloaded() -> None:
     """429 with Retry-After when all tenants together have MAX_QUEUED_JOBS queued (counted once a second)."""
-    if services().queue_size.get() >= services().settings.max_queued_jobs:
+    if services().queue_size.total() >= services().settings.max_queued_jobs:
         raise APIError(429, "overloaded", "the service has too many jobs queued; retry later", {"Retry-After": "10"})
 
 
@@ -131,7 +133,7 @@ def enqueue(job: Job) -> None:
         log.warning("job %s stays queued unsent (the reconciler will send it): %s", job.id, exc)
         return
     services().sent_marks.add(job.id)
-    services().queue_size.accepted()
+    services().queue_size.accepted(job.tenant_id)
     JOBS_SUBMITTED.labels(priority=str(job.priority)).inc()
     log.info("job %s queued for tenant %s with priority %d", job.id, current_tenant().name, job.priority)
 
