@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 
-from sqlalchemy import Connection, bindparam, func, inspect, select, text, tuple_, update
+from sqlalchemy import Connection, Interval, bindparam, func, inspect, select, text, tuple_, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -158,13 +158,19 @@ def mark_enqueued(db: Session | Connection, job_ids: Sequence[uuid.UUID]) -> Non
 
 def claim_job(db: Session | Connection, job_id: uuid.UUID, worker_id: str, lease_seconds: float) -> Job | None:
     """queued → running for `worker_id` with a fresh lease; the job (a plain Job), or None if it is not queued."""
-    row = db.execute(
-        update(JOBS).where(JOBS.c.id == job_id, JOBS.c.status == JobStatus.QUEUED)
-        .values(status=JobStatus.RUNNING, worker_id=worker_id, lease_expires_at=_lease(lease_seconds),
-                started_at=func.coalesce(JOBS.c.started_at, func.now()), attempts=JOBS.c.attempts + 1)
-        .returning(*JOBS.c)
-    ).one_or_none()
+    row = db.execute(_claim_statement(), {"job": job_id, "worker": worker_id,
+                                          "lease": timedelta(seconds=lease_seconds)}).one_or_none()
     return None if row is None else _job_from_row(row)
+
+
+@functools.cache
+def _claim_statement():
+    """Built once: the claim is on every job's path from the queue to the engine."""
+    return (update(JOBS).where(JOBS.c.id == bindparam("job"), JOBS.c.status == JobStatus.QUEUED)
+            .values(status=JobStatus.RUNNING, worker_id=bindparam("worker"),
+                    lease_expires_at=func.now() + bindparam("lease", type_=Interval()),
+                    started_at=func.coalesce(JOBS.c.started_at, func.now()), attempts=JOBS.c.attempts + 1)
+            .returning(*JOBS.c))
 
 
 def renew_lease(db: Session | Connection, job_id: uuid.UUID, worker_id: str, lease_seconds: float) -> bool:
@@ -175,18 +181,45 @@ def renew_lease(db: Session | Connection, job_id: uuid.UUID, worker_id: str, lea
 def save_progress(db: Session | Connection, job_id: uuid.UUID, worker_id: str, lease_seconds: float, *,
                   token_ids: Sequence[int], text: str, first_token_at: datetime | None = None) -> bool:
     """Store the tokens generated so far and renew the lease; False if the job is no longer the worker's."""
-    return _update_leased(db, job_id, worker_id, lease_expires_at=_lease(lease_seconds),
-                          output_token_ids=list(token_ids), output_text=text,
-                          first_token_at=func.coalesce(Job.first_token_at, first_token_at))
+    return db.execute(_progress_statement(), {
+        "job": job_id, "worker": worker_id, "lease": timedelta(seconds=lease_seconds), "tokens": list(token_ids),
+        "text": text, "first": first_token_at}).rowcount == 1
 
 
 def finish_job(db: Session | Connection, job_id: uuid.UUID, worker_id: str, *, token_ids: Sequence[int], text: str,
                finish_reason: str, prompt_tokens: int, first_token_at: datetime | None = None) -> bool:
     """running → succeeded with the full output; False if the job is no longer the worker's."""
-    return _update_leased(db, job_id, worker_id, status=JobStatus.SUCCEEDED, finished_at=func.now(),
-                          lease_expires_at=None, output_token_ids=list(token_ids), output_text=text,
-                          finish_reason=finish_reason, prompt_tokens=prompt_tokens,
-                          first_token_at=func.coalesce(Job.first_token_at, first_token_at))
+    return db.execute(_finish_statement(), {
+        "job": job_id, "worker": worker_id, "tokens": list(token_ids), "text": text, "reason": finish_reason,
+        "prompt_count": prompt_tokens, "first": first_token_at}).rowcount == 1
+
+
+def _leased(**values):
+    """UPDATE of a running job leased by :worker (bind parameters :job, :worker)."""
+    return (update(JOBS).where(JOBS.c.id == bindparam("job"), JOBS.c.status == JobStatus.RUNNING,
+                               JOBS.c.worker_id == bindparam("worker")).values(**values))
+
+
+@functools.cache
+def _progress_statement():
+    """Built once: every running job writes its progress every PROGRESS_INTERVAL."""
+    return _leased(lease_expires_at=func.now() + bindparam("lease", type_=Interval()),
+                   output_token_ids=bindparam("tokens", type_=JOBS.c.output_token_ids.type),
+                   output_text=bindparam("text", type_=JOBS.c.output_text.type),
+                   first_token_at=func.coalesce(JOBS.c.first_token_at,
+                                                bindparam("first", type_=JOBS.c.first_token_at.type)))
+
+
+@functools.cache
+def _finish_statement():
+    """Built once: every job ends with it."""
+    return _leased(status=JobStatus.SUCCEEDED, finished_at=func.now(), lease_expires_at=None,
+                   output_token_ids=bindparam("tokens", type_=JOBS.c.output_token_ids.type),
+                   output_text=bindparam("text", type_=JOBS.c.output_text.type),
+                   finish_reason=bindparam("reason", type_=JOBS.c.finish_reason.type),
+                   prompt_tokens=bindparam("prompt_count", type_=JOBS.c.prompt_tokens.type),
+                   first_token_at=func.coalesce(JOBS.c.first_token_at,
+                                                bindparam("first", type_=JOBS.c.first_token_at.type)))
 
 
 def fail_job(db: Session | Connection, job_id: uuid.UUID, worker_id: str, *, code: str, message: str) -> bool:
