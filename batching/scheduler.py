@@ -31,7 +31,6 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host block, device block)
     preempted: list[Sequence] = field(default_factory=list)
-    prefill_priority: int | None = None  # the class whose prefill chunks this step carries (one class a step)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         self.seqs.append(seq)
@@ -121,17 +120,19 @@ class Scheduler:
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:
         admitting = True
+        prefill_priority = None   # the class whose chunks this step carries: one class a step
         for seq in self._prefill_order():
             if budget <= 0:
                 return
             if seq in out.preempted:        # no ping-pong within one step
                 continue
-            if out.prefill_priority is not None and seq.priority > out.prefill_priority:
+            if prefill_priority is not None and seq.priority > prefill_priority:
                 return   # an urgent prefill runs in a short step: no less urgent chunk rides along
             if seq.status == SequenceStatus.RUNNING:
-                budget -= self._schedule_chunk(seq, out, budget)
-                if seq in out.seqs:
-                    out.prefill_priority = seq.priority
+                taken = self._schedule_chunk(seq, out, budget)
+                budget -= taken
+                if taken:
+                    prefill_priority = seq.priority
             elif admitting:
                 if any(_urgency(v) < _urgency(seq) for v in out.preempted):
                     # a sequence preempted in this step keeps its place: nobody behind it starts
@@ -143,12 +144,12 @@ class Scheduler:
                 admitting = n > 0
                 budget -= n
                 if n:
-                    out.prefill_priority = seq.priority
+                    prefill_priority = seq.priority
 
     def _schedule_chunk(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int:
         """The next chunk of a prefill in progress; returns the budget it took."""
         bm = self.block_manager
-        n = min(self._chunk(seq, budget)[0], bm.max_tokens_allocatable(seq))
+        n = min(self._chunk(seq, budget), bm.max_tokens_allocatable(seq))
         if n == 0:
             # pool exhausted: a prefill that cannot move while others hold all blocks would
             # deadlock, so the least urgent unscheduled running sequence (maybe this one) yields
@@ -156,15 +157,15 @@ class Scheduler:
             self._preempt(victim, out)
             if victim is seq:
                 return 0
-            n = min(self._chunk(seq, budget)[0], bm.max_tokens_allocatable(seq))
+            n = min(self._chunk(seq, budget), bm.max_tokens_allocatable(seq))
             if n == 0:
                 return 0
         bm.allocate(seq, n)
         out.add(seq, n)
         return self._chunk_cost(seq, n, budget)
 
-    def _chunk(self, seq: Sequence, budget: int) -> tuple[int, int]:
-        """(tokens, budget taken) of `seq`'s next prefill chunk within `budget`.
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of `seq`'s next prefill chunk within `budget` (the budget they take: `_chunk_cost`).
 
         A prefill token costs its share of the linear layers plus attention over everything before
         it, and late in a long prompt the attention dominates: a budget of plain tokens makes those
@@ -174,13 +175,12 @@ class Scheduler:
         At least one token always fits, so a prefill never stalls."""
         n = min(seq.num_uncomputed_tokens, budget)
         if self.context_per_token is None or n <= 1:
-            return n, n
+            return n
         c, start = self.context_per_token, seq.num_computed_tokens
         # largest n with n^2 / (2C) + n (1 + start / C) <= budget (rounded, as _chunk_cost rounds)
         b = 1 + start / c
         fits = int((math.sqrt(b * b + 2 * (budget + 0.5) / c) - b) * c)
-        n = max(1, min(n, fits))
-        return n, self._chunk_cost(seq, n, budget)
+        return max(1, min(n, fits))
 
     def _chunk_cost(self, seq: Sequence, n: int, budget: int) -> int:
         """The budget taken by `n` prefill tokens of `seq` starting at its computed position (see `_chunk`)."""
@@ -198,7 +198,7 @@ class Scheduler:
         if n == 0:
             return 0
         if self.chunked_prefill:
-            n = min(n, self._chunk(seq, budget)[0])
+            n = min(n, self._chunk(seq, budget))
         if seq.status == SequenceStatus.SWAPPED:
             extra = blocks_for(seq.num_computed_tokens + n, bm.block_size) - len(seq.host_block_table)
             if not bm.can_swap_in(seq, extra):
@@ -261,9 +261,8 @@ class Scheduler:
             if prefill_priority is not None and cand.priority > prefill_priority:
                 return
             running = cand.status == SequenceStatus.RUNNING
-            cost = None
             if self.chunked_prefill or running:
-                n, cost = self._chunk(cand, budget)
+                n = self._chunk(cand, budget)
             else:
                 n = cand.num_uncomputed_tokens
                 if n > budget and not first_prefill:
@@ -290,7 +289,7 @@ class Scheduler:
                 capacity = (len(cand.block_table) + max(free, 0)) * bm.block_size - cand.num_computed_tokens
                 n = min(n, capacity)
                 free -= bm.num_new_blocks(cand, n)
-                budget -= self._chunk_cost(cand, n, budget) if n > 0 else 0
+                budget -= self._chunk_cost(cand, n, budget)
                 if n > 0:
                     prefill_priority = cand.priority
                 continue
@@ -298,7 +297,7 @@ class Scheduler:
                 return   # strict priority: nobody behind `cand` may preempt for it
             free -= need
             slots -= 1
-            budget -= cost if cost is not None else n
+            budget -= self._chunk_cost(cand, n, budget) if self.chunked_prefill else n
             prefill_priority = cand.priority
 
     def _least_urgent_running(self, exclude: list[Sequence], less_urgent_than: Sequence | None = None):

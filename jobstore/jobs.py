@@ -303,7 +303,4 @@ def _lease(lease_seconds: float):
 
 def _update_leased(db: Session | Connection, job_id: uuid.UUID, worker_id: str, /, **values) -> bool:
     """Apply `values` to a running job leased by `worker_id`; True if it was."""
-    result = db.execute(
-        update(JOBS).where(JOBS.c.id == job_id, JOBS.c.status == JobStatus.RUNNING, JOBS.c.worker_id == worker_id)
-        .values(**values))
-    return result.rowcount == 1
+    return db.execute(_leased(**values), {"job": job_id, "worker": worker_id}).rowcount == 1

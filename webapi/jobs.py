@@ -36,8 +36,7 @@ def create_job(body: JobCreate):
     """Submit a job; it is queued at once and runs in priority order (0 first)."""
     prompt_tokens = check_model_limits(body)
     key = idempotency_key()
-    settings, tenant_id = services().settings, current_tenant().id
-    cap = settings.max_queued_per_tenant
+    tenant_id, cap = current_tenant().id, services().settings.max_queued_per_tenant
     with services().autocommit.connect() as conn:  # one INSERT; near its cap, the tenant's count is inside it
         if key is None or jobs.job_for_key(conn, tenant_id, key) is None:  # a retry is not a new job
             check_not_overloaded()
@@ -49,7 +48,7 @@ def create_job(body: JobCreate):
             raise APIError(422, "idempotency_key_reused",
                            "Idempotency-Key: already used with a different body") from None
     if job is None:
-        raise APIError(429, "too_many_queued_jobs", f"you have {settings.max_queued_per_tenant} jobs queued, the "
+        raise APIError(429, "too_many_queued_jobs", f"you have {cap} jobs queued, the "
                        "most allowed; retry when some have started", {"Retry-After": "5"})
     if created:
         enqueue(job)

@@ -56,3 +56,21 @@ def test_a_chunk_always_makes_progress():
     """Even when one token's attention costs more than the whole budget, a prefill moves a token a step."""
     sizes = chunks_of_a_long_prompt(0.5)
     assert sum(sizes) == 600 and min(sizes) >= 1
+
+
+def test_the_models_cost_constant_is_its_linear_weights_over_attention_per_key(llama_path):
+    """C = (linear weights of one decoder layer) / (2 x heads x head_dim): for a Llama layer that is
+    (q + k + v + o projections + the 3 MLP matrices) over the multiply-adds of q.k and p.v per key."""
+    from transformers import AutoModelForCausalLM
+
+    from batching.models import attention_context_per_token
+
+    model = AutoModelForCausalLM.from_pretrained(llama_path)
+    mc = model.config
+    head_dim = mc.hidden_size // mc.num_attention_heads
+    q_o = 2 * mc.hidden_size * mc.num_attention_heads * head_dim
+    k_v = 2 * mc.hidden_size * mc.num_key_value_heads * head_dim
+    mlp = 3 * mc.hidden_size * mc.intermediate_size
+    expected = (q_o + k_v + mlp) / (2 * mc.num_attention_heads * head_dim)
+    # the norms (a few hidden-sized vectors per layer) are counted too: within 2%
+    assert attention_context_per_token(model) == pytest.approx(expected, rel=0.02)
