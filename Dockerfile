@@ -11,6 +11,11 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /app
 
+# a C++ compiler: the engine builds its CPU paged-attention kernel on first use (without one it
+# falls back to the slower torch path and says so in the log)
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 # torch first: the largest layer, rebuilt only when TORCH_INDEX_URL changes
 RUN pip install --index-url "$TORCH_INDEX_URL" "torch>=2.4"
 

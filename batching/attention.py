@@ -3,7 +3,9 @@
 The model's own attention modules compute q/k/v (and RoPE) and call `paged_attention`. It writes the
 step's new K/V into cache slots, then attends each sequence's queries over its cached context.
 Per-step metadata arrives explicitly through the forward's kwargs (`genq_attn=`), never as a global.
-Decode tokens (one query per sequence) are attended in a few batched calls, grouped by context\nlength so little padding is gathered; prefill chunks one by one.
+Decode tokens (one query per sequence) are attended in a few batched calls, grouped by context
+length so little padding is gathered, or on the CPU by a kernel that reads the paged blocks in place
+(batching/cpu_attention.py); prefill chunks one by one.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from batching.cpu_attention import PagedDecodeKernel
 from batching.kv_cache import KVCache
 
 ATTENTION_NAME = "genq_paged"
@@ -56,6 +59,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor              # [T] cache slot of every packed token
     decodes: list[DecodeGroup]              # single-query rows come first in the packed batch
     prefills: list[PrefillChunk]
+    decode_kernel: PagedDecodeKernel | None = None   # attends decodes in place (CPU); None: gather + matmul
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -74,6 +78,12 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     q = query[0].transpose(0, 1)                                       # [T, H, D]
     out = torch.empty_like(q)
     for group in meta.decodes:
+        if meta.decode_kernel is not None:
+            meta.decode_kernel.decode(q[group.start:group.end], meta.kv_cache.k_blocks[layer],
+                                      meta.kv_cache.v_blocks[layer], group.block_ids, group.width,
+                                      group.context_lens, out[group.start:group.end], scale, softcap,
+                                      s_aux, sliding_window)
+            continue
         n = group.end - group.start
         kd, vd = meta.kv_cache.gather(layer, group.block_ids)          # [Hkv, n * L, D]
         kd, vd = kd.view(kd.shape[0], n, -1, kd.shape[-1]), vd.view(vd.shape[0], n, -1, vd.shape[-1])

@@ -23,6 +23,7 @@ class EngineConfig:
     preemption_mode: str = "swap"
     enable_chunked_prefill: bool = True
     attention_aware_chunks: bool = True  # a chunk deep in a long prompt counts its attention against the budget
+    cpu_attention_kernel: bool = True    # CPU: attend decodes in place with csrc/paged_decode.cpp (built on first use)
     memory_utilization: float = 0.9      # share of free device memory the KV cache may take when sizing
     seed: int = 0                        # base of the random seeds of unseeded sampled requests
     revision: str | None = None          # model revision for HF ids
@@ -50,6 +51,8 @@ class EngineConfig:
             raise ValueError(f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}")
         if not isinstance(self.attention_aware_chunks, bool):
             raise ValueError(f"attention_aware_chunks must be True or False, got {self.attention_aware_chunks!r}")
+        if not isinstance(self.cpu_attention_kernel, bool):
+            raise ValueError(f"cpu_attention_kernel must be True or False, got {self.cpu_attention_kernel!r}")
         if (isinstance(self.memory_utilization, bool) or not isinstance(self.memory_utilization, (int, float))
                 or not 0.0 < self.memory_utilization <= 1.0):
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization!r}")

@@ -13,8 +13,10 @@ import random
 import time
 from collections.abc import Sequence as Seq
 
+from batching import cpu_attention
 from batching.block_manager import BlockManager, blocks_for
 from batching.config import EngineConfig
+from batching.cpu_attention import PagedDecodeKernel
 from batching.kv_cache import KVCache
 from batching.model_runner import ModelRunner
 from batching.models import (
@@ -58,7 +60,8 @@ class Engine:
                                 num_host_blocks, self.dtype, self.device)
         self.block_manager = BlockManager(num_device_blocks, num_host_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager, attention_context_per_token(self.model))
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device,
+                                  self._decode_kernel())
         self.sampler = Sampler()
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
 
@@ -247,6 +250,12 @@ class Engine:
         c["last_step_num_tokens"] = sched.total_num_scheduled_tokens
         c["last_step_num_seqs"] = len(sched.seqs)
         c["last_step_time_s"] = seconds
+
+    def _decode_kernel(self) -> PagedDecodeKernel | None:
+        if not (self.config.cpu_attention_kernel and self.device.type == "cpu"):
+            return None
+        kernel = cpu_attention.load()
+        return kernel if kernel is not None and kernel.supports(self.dtype, self.device) else None
 
     def _warm_up(self) -> None:
         """One tiny request through the real path: proves the model works with paged attention."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from batching.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from batching.cpu_attention import PagedDecodeKernel
 from batching.kv_cache import KVCache
 from batching.scheduler import SchedulerOutput
 from batching.sequence import Sequence
@@ -22,11 +23,13 @@ class ModelInput:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCache, block_size: int, device: torch.device):
+    def __init__(self, model, kv_cache: KVCache, block_size: int, device: torch.device,
+                 decode_kernel: PagedDecodeKernel | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
+        self.decode_kernel = decode_kernel   # reads ragged contexts in place: no padding, one group
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
@@ -63,8 +66,9 @@ class ModelRunner:
             if pos + 1 == seq.num_tokens:
                 logits_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
-        decodes = [self._decode_group(singles, start, end) for start, end in group_by_length(
-            [s.num_computed_tokens + 1 for s, _ in singles])]
+        lengths = [s.num_computed_tokens + 1 for s, _ in singles]
+        groups = group_by_length(lengths) if self.decode_kernel is None else [(0, len(singles))] if singles else []
+        decodes = [self._decode_group(singles, start, end) for start, end in groups]
 
         # prefill chunks: rows [start, end) each
         prefills: list[PrefillChunk] = []
@@ -83,7 +87,7 @@ class ModelRunner:
         attn = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
-            decodes=decodes, prefills=prefills,
+            decodes=decodes, prefills=prefills, decode_kernel=self.decode_kernel,
         )
         return ModelInput(
             input_ids=torch.tensor([input_ids], device=self.device),

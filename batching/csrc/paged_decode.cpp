@@ -1,0 +1,154 @@
+// Paged decode attention on the CPU: one query per sequence, attended straight from the paged pool.
+//
+// The torch path gathers every sequence's K/V blocks into a contiguous buffer before a batched
+// matmul, which writes and re-reads the whole context in every layer of every step; on a CPU that
+// copy costs more than the attention itself. Here each (sequence, KV head) reads its blocks in
+// place, once, for all the query heads that share the KV head (GQA), with an exact softmax.
+//
+// Layouts (elements, row-major, head_dim contiguous everywhere):
+//   k_pool, v_pool : [num_kv_heads, num_blocks, block_size, head_dim], one layer of the pool
+//   q, out         : [n, num_heads, head_dim] with strides (q_sn, q_sh) and (o_sn, o_sh)
+//   tables         : [n, width] block ids;  lens: [n] context lengths (the query's own token included)
+//   sinks          : [num_heads] or null (attention sinks); softcap <= 0: none; window <= 0: none
+//
+// No torch headers: batching/cpu_attention.py builds it at run time with the system compiler in
+// well under a second and calls it through ctypes on the tensors' memory.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// exp(x) for the softmax's x <= 0, written so that the compiler vectorizes loops over it (std::exp
+// is a scalar libm call): x = n ln2 + r with |r| <= ln2/2, exp(r) by its Taylor polynomial (degree 7
+// for float, 13 for double: truncation under an ulp), then 2^n through the exponent bits. Below
+// the clamp the true value is under 2e-38 (float) / 3e-308 (double): nothing beside the max's
+// exp(0) = 1 in the sum.
+constexpr double kInverse[] = {0, 1, 1 / 2., 1 / 3., 1 / 4., 1 / 5., 1 / 6., 1 / 7., 1 / 8., 1 / 9.,
+                               1 / 10., 1 / 11., 1 / 12., 1 / 13.};
+template <typename T> struct ExpConstants;
+template <> struct ExpConstants<float> {
+    using Bits = int32_t;
+    static constexpr int degree = 7, mantissa_bits = 23, bias = 127;
+    static constexpr float lowest = -87.0f;
+};
+template <> struct ExpConstants<double> {
+    using Bits = int64_t;
+    static constexpr int degree = 13, mantissa_bits = 52, bias = 1023;
+    static constexpr double lowest = -708.0;
+};
+
+template <typename T>
+inline T exp_nonpositive(T x) {
+    using C = ExpConstants<T>;
+    x = x < C::lowest ? C::lowest : x;
+    const T n = std::floor(x * T(1.4426950408889634) + T(0.5));
+    const T r = (x - n * T(0.693145751953125)) - n * T(1.428606820309417232e-06);   // ln2 = hi + lo
+    T p = T(1);
+    for (int k = C::degree; k >= 1; k--) p = T(1) + p * r * T(kInverse[k]);          // Horner on 1/k!
+    const typename C::Bits bits = (static_cast<typename C::Bits>(n) + C::bias) << C::mantissa_bits;
+    T scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+template <typename T>
+void attend_one(const T *q, int64_t q_sh, const T *kh, const T *vh, const int64_t *table,
+                int64_t len, int64_t first, int64_t rep, int64_t D, int64_t block_size, T scale,
+                T softcap, const T *sinks, T *out, int64_t o_sh, std::vector<T> &scores,
+                std::vector<T> &acc, std::vector<T> &denom_inv) {
+    const int64_t span = len - first;
+    scores.resize(rep * span);
+    acc.assign(rep * D, T(0));
+    denom_inv.resize(rep);
+    // scores[r][t] = q_r . k_t * scale, soft-capped; block by block, each read once for every head
+    for (int64_t b = first / block_size; b * block_size < len; b++) {
+        const int64_t t0 = std::max(first, b * block_size), t1 = std::min(len, (b + 1) * block_size);
+        const T *kblock = kh + (table[b] * block_size - b * block_size) * D;
+        for (int64_t t = t0; t < t1; t++) {
+            const T *krow = kblock + t * D;
+            for (int64_t r = 0; r < rep; r++) {
+                const T *qr = q + r * q_sh;
+                T s = 0;
+#pragma omp simd reduction(+ : s)
+                for (int64_t d = 0; d < D; d++) s += qr[d] * krow[d];
+                scores[r * span + (t - first)] = s * scale;
+            }
+        }
+    }
+    // softmax per query head; a sink is one more logit that takes mass but has no value
+    for (int64_t r = 0; r < rep; r++) {
+        T *sr = scores.data() + r * span;
+        if (softcap > 0)
+            for (int64_t t = 0; t < span; t++) sr[t] = std::tanh(sr[t] / softcap) * softcap;
+        T m = sinks ? sinks[r] : sr[0];
+#pragma omp simd reduction(max : m)
+        for (int64_t t = 0; t < span; t++) m = sr[t] > m ? sr[t] : m;
+        T sum = sinks ? exp_nonpositive(sinks[r] - m) : T(0);
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < span; t++) {
+            sr[t] = exp_nonpositive(sr[t] - m);
+            sum += sr[t];
+        }
+        denom_inv[r] = T(1) / sum;
+    }
+    // out_r = sum_t p[r][t] v_t / sum
+    for (int64_t b = first / block_size; b * block_size < len; b++) {
+        const int64_t t0 = std::max(first, b * block_size), t1 = std::min(len, (b + 1) * block_size);
+        const T *vblock = vh + (table[b] * block_size - b * block_size) * D;
+        for (int64_t t = t0; t < t1; t++) {
+            const T *vrow = vblock + t * D;
+            for (int64_t r = 0; r < rep; r++) {
+                const T p = scores[r * span + (t - first)];
+                T *ar = acc.data() + r * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) ar[d] += p * vrow[d];
+            }
+        }
+    }
+    for (int64_t r = 0; r < rep; r++)
+        for (int64_t d = 0; d < D; d++) out[r * o_sh + d] = acc[r * D + d] * denom_inv[r];
+}
+
+template <typename T>
+void paged_decode(const T *q, int64_t q_sn, int64_t q_sh, const T *k_pool, const T *v_pool,
+                  const int64_t *tables, int64_t width, const int64_t *lens, T *out, int64_t o_sn,
+                  int64_t o_sh, int64_t n, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                  int64_t block_size, int64_t num_blocks, double scale, double softcap,
+                  const T *sinks, int64_t window, int num_threads) {
+    const int64_t rep = num_heads / num_kv_heads;
+    const int64_t head_stride = num_blocks * block_size * head_dim;
+#pragma omp parallel num_threads(num_threads)
+    {
+        std::vector<T> scores, acc, denom_inv;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < n * num_kv_heads; item++) {
+            const int64_t i = item / num_kv_heads, g = item % num_kv_heads;
+            const int64_t len = lens[i];
+            const int64_t first = window > 0 && len > window ? len - window : 0;
+            attend_one<T>(q + i * q_sn + g * rep * q_sh, q_sh, k_pool + g * head_stride,
+                          v_pool + g * head_stride, tables + i * width, len, first, rep, head_dim,
+                          block_size, T(scale), T(softcap), sinks ? sinks + g * rep : nullptr,
+                          out + i * o_sn + g * rep * o_sh, o_sh, scores, acc, denom_inv);
+        }
+    }
+}
+
+}  // namespace
+
+#define GENQ_EXPORT(NAME, T)                                                                       \
+    extern "C" void NAME(const T *q, int64_t q_sn, int64_t q_sh, const T *k_pool, const T *v_pool, \
+                         const int64_t *tables, int64_t width, const int64_t *lens, T *out,        \
+                         int64_t o_sn, int64_t o_sh, int64_t n, int64_t num_heads,                 \
+                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size,               \
+                         int64_t num_blocks, double scale, double softcap, const T *sinks,         \
+                         int64_t window, int num_threads) {                                        \
+        paged_decode<T>(q, q_sn, q_sh, k_pool, v_pool, tables, width, lens, out, o_sn, o_sh, n,    \
+                        num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, softcap, \
+                        sinks, window, num_threads);                                               \
+    }
+
+GENQ_EXPORT(genq_paged_decode_f32, float)
+GENQ_EXPORT(genq_paged_decode_f64, double)

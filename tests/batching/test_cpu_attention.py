@@ -1,0 +1,138 @@
+"""The CPU paged-decode kernel against a plain per-sequence attention, and its build and fallback."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from batching import Engine, EngineConfig, SamplingParams, cpu_attention
+
+
+def reference_decode(q, k_pool, v_pool, tables, lens, scale, softcap=None, sinks=None, window=None):
+    """q: [n, H, D]; pools: [Hkv, blocks, bs, D]; tables: [n, width]. One sequence and head at a time."""
+    n, num_heads, _ = q.shape
+    rep = num_heads // k_pool.shape[0]
+    out = torch.empty_like(q)
+    for i in range(n):
+        length = int(lens[i])
+        for h in range(num_heads):
+            g = h // rep
+            k = k_pool[g, tables[i]].flatten(0, 1)[:length]          # [L, D]
+            v = v_pool[g, tables[i]].flatten(0, 1)[:length]
+            scores = k @ q[i, h] * scale
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            if window is not None:
+                scores[: max(0, length - window)] = float("-inf")
+            if sinks is not None:
+                scores = torch.cat([scores, sinks[h].reshape(1).to(scores.dtype)])
+            probs = torch.softmax(scores, dim=0)[:length]
+            out[i, h] = probs @ v
+    return out
+
+
+def random_case(dtype, block_size, num_heads, num_kv_heads, lens, head_dim=32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-length // block_size) for length in lens)
+    num_blocks = len(lens) * width + 3
+    k_pool = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen, dtype=dtype)
+    v_pool = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen, dtype=dtype)
+    # scattered, non-overlapping blocks per sequence; padding entries point at block 0
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(lens), width, dtype=torch.long)
+    used = 0
+    for i, length in enumerate(lens):
+        need = -(-length // block_size)
+        tables[i, :need] = order[used:used + need]
+        used += need
+    # q as the model hands it over: a [T, H, D] view of a [H, T, D] tensor
+    q = torch.randn(num_heads, len(lens), head_dim, generator=gen, dtype=dtype).transpose(0, 1)
+    return q, k_pool, v_pool, tables, torch.tensor(lens, dtype=torch.long)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    loaded = cpu_attention.load()
+    assert loaded is not None, "the kernel must build here (a C++ compiler is on this machine)"
+    return loaded
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("variant", [{}, {"softcap": 5.0}, {"window": 7}, {"sinks": True}])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_matches_plain_attention(kernel, dtype, tol, block_size, num_heads, num_kv_heads, variant, threads):
+    lens = [1, 2, 16, 17, 33, 100, 5]
+    q, k_pool, v_pool, tables, context_lens = random_case(dtype, block_size, num_heads, num_kv_heads, lens)
+    sinks = torch.randn(num_heads, dtype=torch.float32) if variant.get("sinks") else None
+    softcap, window = variant.get("softcap"), variant.get("window")
+    out = torch.full_like(q, float("nan"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernel.decode(q, k_pool.flatten(2), v_pool.flatten(2), tables.flatten(), tables.shape[1],
+                      context_lens, out, 0.3, softcap, sinks, window)
+    finally:
+        torch.set_num_threads(before)
+    expected = reference_decode(q, k_pool, v_pool, tables, context_lens, 0.3, softcap, sinks, window)
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+
+
+def test_kernel_takes_float_types_on_cpu_only(kernel):
+    assert kernel.supports(torch.float32, torch.device("cpu"))
+    assert kernel.supports(torch.float64, torch.device("cpu"))
+    assert not kernel.supports(torch.bfloat16, torch.device("cpu"))
+    assert not kernel.supports(torch.float32, torch.device("cuda"))
+
+
+def test_the_engine_attends_decodes_with_the_kernel_on_cpu(checkpoint, monkeypatch):
+    """On by default, and really called in a step: the torch gather path is not silently taken."""
+    engine = Engine(EngineConfig(model=checkpoint("llama"), dtype="float64", device="cpu"))
+    assert engine.runner.decode_kernel is not None
+    calls = []
+    real_decode = cpu_attention.PagedDecodeKernel.decode
+    monkeypatch.setattr(cpu_attention.PagedDecodeKernel, "decode",
+                        lambda self, *a, **k: calls.append(1) or real_decode(self, *a, **k))
+    engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert calls, "a decode step did not go through the kernel"
+    off = Engine(EngineConfig(model=checkpoint("llama"), dtype="float64", device="cpu",
+                              cpu_attention_kernel=False))
+    assert off.runner.decode_kernel is None
+
+
+def test_kernel_path_and_torch_path_give_the_same_tokens(checkpoint, reference):
+    """The torch path (what CUDA runs) stays exact on the CPU too, beside the kernel."""
+    from tests.batching.test_exactness import assert_matches_reference
+
+    for on in (True, False):
+        assert_matches_reference(checkpoint("gemma2"), reference, max_num_batched_tokens=64, block_size=16,
+                                 max_num_seqs=64, cpu_attention_kernel=on)
+
+
+def test_a_failed_build_falls_back_to_torch_with_a_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setenv("GENQ_KERNEL_CACHE", str(tmp_path))
+    cpu_attention.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="batching.cpu_attention"):
+            assert cpu_attention.load() is None
+        assert "unavailable" in caplog.text and "torch path" in caplog.text
+        assert not list(tmp_path.glob("*.so"))
+    finally:
+        cpu_attention.load.cache_clear()
+
+
+def test_the_build_is_cached_by_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("GENQ_KERNEL_CACHE", str(tmp_path))
+    cpu_attention.load.cache_clear()
+    try:
+        first = cpu_attention._build()
+        mtime = first.stat().st_mtime_ns
+        assert cpu_attention._build() == first and first.stat().st_mtime_ns == mtime   # not rebuilt
+        assert [p.name for p in tmp_path.iterdir()] == [first.name]                    # no temp files left
+    finally:
+        cpu_attention.load.cache_clear()
+
