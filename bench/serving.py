@@ -55,6 +55,7 @@ latency distributions in bench/out/serving.png (copied to bench/serving.png for 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -494,6 +495,8 @@ def main(argv=None):
             host = opts.pop("num_host_blocks", args.host_blocks)
             engine = make_engine(model_dir, args.device, args.device_blocks, host, **opts)
             warm_up(engine, 8192)
+            gc.collect()
+            gc.freeze()   # as the worker does once its engine is built (workers/engine_host.py)
             if name == "prio_swap":
                 urgent = [a.prompt for a in trace if a.cls == "urgent"][:args.idle_samples]
                 if args.wait_quiet:

@@ -9,6 +9,7 @@ and publishes each step's outputs to the requests' handles, on which the task th
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import threading
@@ -97,6 +98,11 @@ class EngineHost:
             self._startup_error = exc
             self._ready.set()
             return
+        # The process's long-lived heap (Celery, SQLAlchemy, transformers, the model) leaves the
+        # collector's sight: a full collection no longer walks it, so its pauses (100-250 ms in
+        # bench/serving.py before this) no longer land inside engine steps.
+        gc.collect()
+        gc.freeze()
         self._ready.set()
         log.info("engine ready: %s", engine.config)
         while self._apply_commands(engine, block=not engine.has_unfinished_requests()):
