@@ -55,7 +55,6 @@ latency distributions in bench/out/serving.png (copied to bench/serving.png for 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
@@ -74,6 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from anywhe
 
 from batching import Engine, EngineConfig, SamplingParams  # noqa: E402
 from bench.engine_throughput import Interference, build_model_dir, code_version, wait_for_quiet  # noqa: E402
+from workers.process_tuning import settle_for_serving  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_PNG = str(BENCH_DIR / "out" / "serving.png")
@@ -463,7 +463,9 @@ def main(argv=None):
     ap.add_argument("--burst-every", type=float, default=5.0, help="seconds between long-prompt bursts")
     ap.add_argument("--device-blocks", type=int, default=192, help="device KV pool, blocks of 16 tokens")
     ap.add_argument("--host-blocks", type=int, default=2048, help="host KV pool for swap configs")
-    ap.add_argument("--idle-samples", type=int, default=16, help="urgent prompts timed on an idle engine")
+    ap.add_argument("--idle-samples", type=int, default=None,
+                    help="urgent prompts timed on an idle engine (default: all of the trace's, so that both "
+                         "p99s are over the same prompts)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                     help="before each run wait up to S seconds for other processes to leave the CPU idle")
@@ -495,10 +497,9 @@ def main(argv=None):
             host = opts.pop("num_host_blocks", args.host_blocks)
             engine = make_engine(model_dir, args.device, args.device_blocks, host, **opts)
             warm_up(engine, 8192)
-            gc.collect()
-            gc.freeze()   # as the worker does once its engine is built (workers/engine_host.py)
+            settle_for_serving()   # as the worker does once its engine is built (workers/engine_host.py)
             if name == "prio_swap":
-                urgent = [a.prompt for a in trace if a.cls == "urgent"][:args.idle_samples]
+                urgent = [a.prompt for a in trace if a.cls == "urgent"][:args.idle_samples]   # None: all
                 if args.wait_quiet:
                     wait_for_quiet(args.wait_quiet)
                 with Interference() as idle_load:

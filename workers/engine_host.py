@@ -9,7 +9,6 @@ and publishes each step's outputs to the requests' handles, on which the task th
 
 from __future__ import annotations
 
-import gc
 import logging
 import queue
 import threading
@@ -18,7 +17,7 @@ from concurrent.futures import Future
 from datetime import datetime, timezone
 
 from batching import Engine, RequestOutput, SamplingParams
-from workers import metrics
+from workers import metrics, process_tuning
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +97,7 @@ class EngineHost:
             self._startup_error = exc
             self._ready.set()
             return
-        # The process's long-lived heap (Celery, SQLAlchemy, transformers, the model) leaves the
-        # collector's sight: a full collection no longer walks it, so its pauses (100-250 ms in
-        # bench/serving.py before this) no longer land inside engine steps.
-        gc.collect()
-        gc.freeze()
+        process_tuning.settle_for_serving()   # even steps: no GC walks of this heap, no mmap churn
         self._ready.set()
         log.info("engine ready: %s", engine.config)
         while self._apply_commands(engine, block=not engine.has_unfinished_requests()):
