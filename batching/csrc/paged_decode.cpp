@@ -54,6 +54,18 @@ inline T exp_nonpositive(T x) {
     return p * scale;
 }
 
+// fn(t, row) for the positions t in [first, len) of one sequence and KV head, block by block: `head`
+// is that head's pool, `table` the sequence's block ids, `row` the position's head_dim values.
+template <typename T, typename Fn>
+inline void for_each_row(const T *head, const int64_t *table, int64_t first, int64_t len, int64_t block_size,
+                         int64_t D, Fn &&fn) {
+    for (int64_t b = first / block_size; b * block_size < len; b++) {
+        const T *block = head + table[b] * block_size * D;
+        const int64_t t0 = std::max(first, b * block_size), t1 = std::min(len, (b + 1) * block_size);
+        for (int64_t t = t0; t < t1; t++) fn(t, block + (t - b * block_size) * D);
+    }
+}
+
 template <typename T>
 void attend_one(const T *q, int64_t q_sh, const T *kh, const T *vh, const int64_t *table,
                 int64_t len, int64_t first, int64_t rep, int64_t D, int64_t block_size, T scale,
@@ -63,21 +75,16 @@ void attend_one(const T *q, int64_t q_sh, const T *kh, const T *vh, const int64_
     scores.resize(rep * span);
     acc.assign(rep * D, T(0));
     denom_inv.resize(rep);
-    // scores[r][t] = q_r . k_t * scale, soft-capped; block by block, each read once for every head
-    for (int64_t b = first / block_size; b * block_size < len; b++) {
-        const int64_t t0 = std::max(first, b * block_size), t1 = std::min(len, (b + 1) * block_size);
-        const T *kblock = kh + (table[b] * block_size - b * block_size) * D;
-        for (int64_t t = t0; t < t1; t++) {
-            const T *krow = kblock + t * D;
-            for (int64_t r = 0; r < rep; r++) {
-                const T *qr = q + r * q_sh;
-                T s = 0;
+    // scores[r][t] = q_r . k_t * scale (soft-capped below); each key read once for every head
+    for_each_row(kh, table, first, len, block_size, D, [&](int64_t t, const T *krow) {
+        for (int64_t r = 0; r < rep; r++) {
+            const T *qr = q + r * q_sh;
+            T s = 0;
 #pragma omp simd reduction(+ : s)
-                for (int64_t d = 0; d < D; d++) s += qr[d] * krow[d];
-                scores[r * span + (t - first)] = s * scale;
-            }
+            for (int64_t d = 0; d < D; d++) s += qr[d] * krow[d];
+            scores[r * span + (t - first)] = s * scale;
         }
-    }
+    });
     // softmax per query head; a sink is one more logit that takes mass but has no value
     for (int64_t r = 0; r < rep; r++) {
         T *sr = scores.data() + r * span;
@@ -95,19 +102,14 @@ void attend_one(const T *q, int64_t q_sh, const T *kh, const T *vh, const int64_
         denom_inv[r] = T(1) / sum;
     }
     // out_r = sum_t p[r][t] v_t / sum
-    for (int64_t b = first / block_size; b * block_size < len; b++) {
-        const int64_t t0 = std::max(first, b * block_size), t1 = std::min(len, (b + 1) * block_size);
-        const T *vblock = vh + (table[b] * block_size - b * block_size) * D;
-        for (int64_t t = t0; t < t1; t++) {
-            const T *vrow = vblock + t * D;
-            for (int64_t r = 0; r < rep; r++) {
-                const T p = scores[r * span + (t - first)];
-                T *ar = acc.data() + r * D;
+    for_each_row(vh, table, first, len, block_size, D, [&](int64_t t, const T *vrow) {
+        for (int64_t r = 0; r < rep; r++) {
+            const T p = scores[r * span + (t - first)];
+            T *ar = acc.data() + r * D;
 #pragma omp simd
-                for (int64_t d = 0; d < D; d++) ar[d] += p * vrow[d];
-            }
+            for (int64_t d = 0; d < D; d++) ar[d] += p * vrow[d];
         }
-    }
+    });
     for (int64_t r = 0; r < rep; r++)
         for (int64_t d = 0; d < D; d++) out[r * o_sh + d] = acc[r * D + d] * denom_inv[r];
 }
