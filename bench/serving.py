@@ -28,6 +28,12 @@ request was preempted (its `num_preemptions` grew) is a "resume gap": it is repo
 out of TBT (it measures preemption, not batching). "During bursts" = gaps that overlap a burst
 window, from the burst's arrival to the first token of its last long prompt.
 
+Threads: by default the engine gets one core less than the machine has (1 of 2 here). A step's
+intra-op threads meet at a barrier after every op, so one that loses its core for a moment (to the
+trace driver, the OS, another tenant) stretches the whole step; with a core left over, step times are
+steadier. The trace is open-loop and the engine keeps up with it either way (the same ~555 tok/s with
+1 or 2 threads); `--threads 2` gives the all-cores figures (bench/RESULTS.md has both).
+
 Each run also records the share of the machine's CPU used by other processes while it ran
 ("others" column; near 0% = undisturbed): the machine these run on may be shared. `--wait-quiet S`
 waits (up to S seconds) before each run until other processes leave the CPU idle.
@@ -456,7 +462,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="short trace, smoke run")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) - 1),
+                    help="torch intra-op threads (default: one core less than the machine has; see the docstring)")
     ap.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small")
     ap.add_argument("--duration", type=float, help="seconds of arrivals (default 45; 10 with --quick)")
     ap.add_argument("--rate", type=float, default=8.0, help="short requests per second (Poisson)")
