@@ -13,14 +13,13 @@ import random
 import time
 from collections.abc import Sequence as Seq
 
-from batching import cpu_attention
+from batching import cpu_attention, step_cost
 from batching.block_manager import BlockManager, blocks_for
 from batching.config import EngineConfig
 from batching.cpu_attention import PagedDecodeKernel
 from batching.kv_cache import KVCache
 from batching.model_runner import ModelRunner
 from batching.models import (
-    attention_context_per_token,
     load_model,
     load_model_config,
     load_tokenizer_for,
@@ -33,6 +32,7 @@ from batching.sampling_params import SamplingParams
 from batching.scheduler import Scheduler, SchedulerOutput
 from batching.sequence import FINISH_REASONS, Sequence, SequenceStatus
 from batching.sizing import size_pools
+from batching.step_cost import attention_context_per_token
 from batching.stopping import StopChecker
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class Engine:
                                 num_host_blocks, self.dtype, self.device)
         self.block_manager = BlockManager(num_device_blocks, num_host_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager, attention_context_per_token(self.model))
+        self.step_costs = step_cost.StepCostModel()   # prices the budget from the steps' own times
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device,
                                   self._decode_kernel())
         self.sampler = Sampler()
@@ -71,8 +72,9 @@ class Engine:
         self._seed_rng = random.Random(config.seed)
         self._counters = dict(num_steps=0, num_prompt_tokens_computed=0, num_generated_tokens=0,
                               num_aborted=0, step_time_s=0.0, last_step_num_tokens=0,
-                              last_step_num_seqs=0, last_step_time_s=0.0)
+                              last_step_budget_used=0, last_step_num_seqs=0, last_step_time_s=0.0)
         self._warm_up()
+        self.step_costs = step_cost.StepCostModel()   # the warm-up's first steps are not typical ones
         log.info("engine ready: %s on %s/%s, %d device + %d host KV blocks of %d tokens, max_model_len %d",
                  config.model, self.device, str(self.dtype).removeprefix("torch."), num_device_blocks,
                  num_host_blocks, config.block_size, self.max_model_len)
@@ -134,10 +136,16 @@ class Engine:
         """Run one batch; returns the outputs of requests that changed (new tokens, finished, aborted)."""
         started = time.perf_counter()
         sched = self.scheduler.schedule()
+        make_up = step_cost.features(sched.seqs, sched.num_scheduled_tokens)
         logits, sample_seqs = self.runner.execute(sched)
         tokens = self.sampler(logits, sample_seqs) if sample_seqs else []
         outputs = self._postprocess(sched, sample_seqs, tokens)
-        self._record_step(sched, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self._record_step(sched, seconds)
+        if sched.seqs and (costs := self.step_costs.record(make_up, seconds)) is not None:
+            log.log(logging.DEBUG if self.scheduler.costs.decode_tokens != 1.0 else logging.INFO,
+                    "step costs fitted on the last steps: %s", costs)
+            self.scheduler.set_costs(costs)
         return outputs
 
     def _postprocess(self, sched: SchedulerOutput, sample_seqs: list[Sequence], tokens: list[int]):
@@ -248,6 +256,7 @@ class Engine:
         c["num_steps"] += 1
         c["step_time_s"] += seconds
         c["last_step_num_tokens"] = sched.total_num_scheduled_tokens
+        c["last_step_budget_used"] = self.scheduler.last_budget_used   # tokens, priced (step_cost.py)
         c["last_step_num_seqs"] = len(sched.seqs)
         c["last_step_time_s"] = seconds
 

@@ -149,17 +149,3 @@ def build_tiny_llama(model_config):
 
 def load_tokenizer_for(config: EngineConfig):
     return load_tokenizer(config.model, config.revision, config.trust_remote_code)
-
-
-def attention_context_per_token(model) -> float:
-    """How many tokens of context one token's attention must span to cost as much as the rest of its
-    forward pass: the decoder's linear weights per layer (one multiply-add each per token) over the
-    attention's multiply-adds per key (q·k and p·v for every head). The scheduler sizes prefill chunks
-    with it (Scheduler._chunk). About 1,400 for a 256-wide model, about 12,000 for a 7B one."""
-    mc = model.config
-    weights = model.num_parameters(exclude_embeddings=True)
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    if head is not None and embed is not None and head.weight is not embed.weight:
-        weights -= head.weight.numel()   # the LM head runs once per sampled row, not per token
-    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-    return weights / mc.num_hidden_layers / (2 * mc.num_attention_heads * head_dim)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from batching.block_manager import BlockManager, blocks_for
 from batching.config import EngineConfig
 from batching.sequence import Sequence, SequenceStatus
+from batching.step_cost import StepCosts
 
 
 @dataclass(slots=True)
@@ -45,13 +46,15 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, context_per_token: float | None = None):
         """`context_per_token`: how many tokens of context one token's attention must span to cost as much
         as the rest of its forward pass (the model's linear layers); see `_chunk`. None: chunks cost their
-        token count only."""
-        self.context_per_token = context_per_token if config.attention_aware_chunks else None
+        token count only. `set_costs` replaces it with prices fitted on real steps (step_cost.py)."""
+        self.cost_aware = config.attention_aware_chunks
+        self.costs = StepCosts(context_per_token=context_per_token if self.cost_aware else None)
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
         self.swap_enabled = config.preemption_mode == "swap"
         self.block_manager = block_manager
+        self.last_budget_used = 0   # of the last schedule(): decodes' charge + chunks' costs
         # keep free a few blocks when admitting without preemption, so running decodes can grow
         self.watermark_blocks = max(1, block_manager.num_device_blocks // 100)
         self.waiting: list[Sequence] = []   # sorted by urgency
@@ -89,14 +92,38 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._make_room_for_urgent(out)
-        budget = self._schedule_decodes(out, self.max_num_batched_tokens)
-        self._schedule_prefills(out, budget)
+        budget = self._schedule_decodes(out)
+        self.last_budget_used = self.max_num_batched_tokens - self._schedule_prefills(out, budget)
         return out
 
-    def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
+    def set_costs(self, costs: StepCosts) -> None:
+        """Prices fitted on the engine's steps (step_cost.StepCostModel); ignored with cost-aware
+        budgets off (`attention_aware_chunks=False`: plain token counts)."""
+        if self.cost_aware:
+            self.costs = costs
+
+    @property
+    def context_per_token(self) -> float | None:
+        return self.costs.context_per_token
+
+    def _decode_cost(self, seq: Sequence) -> float:
+        """A decode's share of the budget: its token and row work, plus reading its context."""
+        c = self.costs.decode_context_per_token
+        return self.costs.decode_tokens + (seq.num_computed_tokens / c if c else 0.0)
+
+    def _prefill_budget(self, num_decodes: int, decode_cost: float) -> int:
+        """What the decodes leave of the budget for prefill chunks. Priced decodes take at most half
+        the budget (beyond that, many long contexts): prefills keep the other half, so admissions,
+        urgent ones first, never wait for decodes to finish."""
+        charge = max(num_decodes, min(round(decode_cost), self.max_num_batched_tokens // 2))
+        return self.max_num_batched_tokens - charge
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> int:
+        """A token for every running decode (up to the budget in tokens); returns the prefill budget."""
         bm = self.block_manager
+        tokens, cost = 0, 0.0
         for seq in sorted((s for s in self.running if s.is_decoding), key=_urgency):
-            if budget == 0:
+            if tokens == self.max_num_batched_tokens:
                 break
             if seq.status != SequenceStatus.RUNNING:   # preempted earlier in this loop
                 continue
@@ -108,8 +135,9 @@ class Scheduler:
             if seq.status == SequenceStatus.RUNNING:
                 bm.allocate(seq, 1)
                 out.add(seq, 1)
-                budget -= 1
-        return budget
+                tokens += 1
+                cost += self._decode_cost(seq)
+        return self._prefill_budget(tokens, cost)
 
     def _prefill_order(self) -> list[Sequence]:
         """Who gets the budget left after decodes: by priority; within a priority, prefills in progress
@@ -118,16 +146,17 @@ class Scheduler:
         prefilling = [s for s in self.running if not s.is_decoding]
         return sorted(prefilling + self.swapped + self.waiting, key=_prefill_key)
 
-    def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> int:
+        """Chunks of one priority class within `budget`; returns the budget left."""
         admitting = True
         prefill_priority = None   # the class whose chunks this step carries: one class a step
         for seq in self._prefill_order():
             if budget <= 0:
-                return
+                return budget
             if seq in out.preempted:        # no ping-pong within one step
                 continue
             if prefill_priority is not None and seq.priority > prefill_priority:
-                return   # an urgent prefill runs in a short step: no less urgent chunk rides along
+                return budget   # an urgent prefill runs in a short step: no less urgent chunk rides along
             if seq.status == SequenceStatus.RUNNING:
                 taken = self._schedule_chunk(seq, out, budget)
                 budget -= taken
@@ -145,6 +174,7 @@ class Scheduler:
                 budget -= n
                 if n:
                     prefill_priority = seq.priority
+        return budget
 
     def _schedule_chunk(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int:
         """The next chunk of a prefill in progress; returns the budget it took."""
@@ -174,20 +204,30 @@ class Scheduler:
         costs n * (1 + (s + n/2) / C) token-equivalents: the budget buys steps of even duration.
         At least one token always fits, so a prefill never stalls."""
         n = min(seq.num_uncomputed_tokens, budget)
-        if self.context_per_token is None or n <= 1:
+        if not self.cost_aware or n <= 1:
             return n
         c, start = self.context_per_token, seq.num_computed_tokens
-        # largest n with n^2 / (2C) + n (1 + start / C) <= budget (rounded, as _chunk_cost rounds)
-        b = 1 + start / c
-        fits = int((math.sqrt(b * b + 2 * (budget + 0.5) / c) - b) * c)
+        room = budget - self._context_cost(seq) + 0.5   # as _chunk_cost rounds
+        if c is None:
+            fits = int(room)
+        else:
+            # largest n with n^2 / (2C) + n (1 + start / C) <= room
+            b = 1 + start / c
+            fits = int((math.sqrt(b * b + 2 * max(0.0, room) / c) - b) * c)
         return max(1, min(n, fits))
+
+    def _context_cost(self, seq: Sequence) -> float:
+        """What a chunk pays for the context it attends over, whatever its own length (gathering it)."""
+        c = self.costs.chunk_context_per_token
+        return seq.num_computed_tokens / c if c else 0.0
 
     def _chunk_cost(self, seq: Sequence, n: int, budget: int) -> int:
         """The budget taken by `n` prefill tokens of `seq` starting at its computed position (see `_chunk`)."""
-        if self.context_per_token is None:
+        if not self.cost_aware:
             return n
-        start = seq.num_computed_tokens   # advanced only after the step runs
-        return min(budget, max(n, round(n * (1 + (start + n / 2) / self.context_per_token))))
+        start, c = seq.num_computed_tokens, self.context_per_token   # advanced only after the step runs
+        cost = n * (1 + (start + n / 2) / c if c else 1) + self._context_cost(seq)
+        return min(budget, max(n, round(cost)))
 
     def _admit(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int:
         """Swap in or start a not-running sequence with its first chunk; returns the budget it took (0: cannot)."""
@@ -250,7 +290,9 @@ class Scheduler:
         # blocks that running decodes will take this step stay reserved for them
         free = bm.num_free_device_blocks - sum(1 for s in decodes if bm.num_new_blocks(s, 1))
         slots = self.max_num_seqs - len(self.running)
-        budget = self.max_num_batched_tokens - len(decodes)
+        decode_cost = sum(self._decode_cost(s) for s in decodes)
+        num_decodes, taken = len(decodes), 0   # taken: budget of the chunks counted so far
+        budget = self._prefill_budget(num_decodes, decode_cost)
         first_prefill = True
         prefill_priority = None   # as in the fill: one class of prefills a step
         for cand in self._prefill_order():
@@ -278,8 +320,9 @@ class Scheduler:
                 victim = self._least_urgent_running(exclude=out.seqs, less_urgent_than=cand)
                 if victim is None:
                     break
-                if victim in decodes:   # its decode token and its reserved block come back too
-                    budget += 1
+                if victim in decodes:   # its decode's budget and its reserved block come back too
+                    num_decodes, decode_cost = num_decodes - 1, decode_cost - self._decode_cost(victim)
+                    budget = self._prefill_budget(num_decodes, decode_cost) - taken
                     free += 1 if bm.num_new_blocks(victim, 1) else 0
                 free += len(victim.block_table)
                 slots += 1
@@ -289,7 +332,8 @@ class Scheduler:
                 capacity = (len(cand.block_table) + max(free, 0)) * bm.block_size - cand.num_computed_tokens
                 n = min(n, capacity)
                 free -= bm.num_new_blocks(cand, n)
-                budget -= self._chunk_cost(cand, n, budget)
+                cost = self._chunk_cost(cand, n, budget)
+                budget, taken = budget - cost, taken + cost
                 if n > 0:
                     prefill_priority = cand.priority
                 continue
@@ -297,7 +341,8 @@ class Scheduler:
                 return   # strict priority: nobody behind `cand` may preempt for it
             free -= need
             slots -= 1
-            budget -= self._chunk_cost(cand, n, budget) if self.chunked_prefill else n
+            cost = self._chunk_cost(cand, n, budget) if self.chunked_prefill else n
+            budget, taken = budget - cost, taken + cost
             prefill_priority = cand.priority
 
     def _least_urgent_running(self, exclude: list[Sequence], less_urgent_than: Sequence | None = None):

@@ -63,7 +63,7 @@ def test_the_models_cost_constant_is_its_linear_weights_over_attention_per_key(l
     (q + k + v + o projections + the 3 MLP matrices) over the multiply-adds of q.k and p.v per key."""
     from transformers import AutoModelForCausalLM
 
-    from batching.models import attention_context_per_token
+    from batching.step_cost import attention_context_per_token
 
     model = AutoModelForCausalLM.from_pretrained(llama_path)
     mc = model.config
