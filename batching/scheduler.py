@@ -9,6 +9,10 @@ comes sooner; the budget left over waits one step. Before
 filling, `_make_room_for_urgent` preempts running sequences that are strictly less urgent than one
 that cannot otherwise start (swapped, waiting) or take its next prefill chunk. Admissions never skip
 ahead: none starts behind a more urgent sequence that cannot, or behind one preempted in this step.
+
+The budget is priced, not counted (with `attention_aware_chunks`): a chunk pays for its attention and
+its context, a decode for its row work and its context, at `StepCosts` prices that the engine fits on
+its own step times (step_cost.py); until then a chunk pays for its attention only and a decode 1.
 """
 
 from __future__ import annotations
