@@ -21,7 +21,6 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -109,8 +108,7 @@ def _build() -> Path:
 def _cache_dir() -> Path:
     if path := os.environ.get("GENQ_KERNEL_CACHE"):
         return Path(path)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "genq" / f"py{sys.version_info.major}{sys.version_info.minor}"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "genq"
 
 
 def _cpu_signature() -> str:

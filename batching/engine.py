@@ -60,7 +60,8 @@ class Engine:
                                 num_host_blocks, self.dtype, self.device)
         self.block_manager = BlockManager(num_device_blocks, num_host_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager, attention_context_per_token(self.model))
-        self.step_costs = step_cost.StepCostModel()   # prices the budget from the steps' own times
+        # prices the budget from the steps' own times; None while warming up, and with plain token budgets
+        self.step_costs: step_cost.StepCostModel | None = None
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device,
                                   self._decode_kernel())
         self.sampler = Sampler()
@@ -74,7 +75,8 @@ class Engine:
                               num_aborted=0, step_time_s=0.0, last_step_num_tokens=0,
                               last_step_budget_used=0, last_step_num_seqs=0, last_step_time_s=0.0)
         self._warm_up()
-        self.step_costs = step_cost.StepCostModel()   # the warm-up's first steps are not typical ones
+        if self.scheduler.cost_aware:
+            self.step_costs = step_cost.StepCostModel()
         log.info("engine ready: %s on %s/%s, %d device + %d host KV blocks of %d tokens, max_model_len %d",
                  config.model, self.device, str(self.dtype).removeprefix("torch."), num_device_blocks,
                  num_host_blocks, config.block_size, self.max_model_len)
@@ -136,14 +138,15 @@ class Engine:
         """Run one batch; returns the outputs of requests that changed (new tokens, finished, aborted)."""
         started = time.perf_counter()
         sched = self.scheduler.schedule()
-        make_up = step_cost.features(sched.seqs, sched.num_scheduled_tokens)
+        pricing = self.step_costs is not None and bool(sched.seqs)
+        make_up = step_cost.features(sched.seqs, sched.num_scheduled_tokens) if pricing else None
         logits, sample_seqs = self.runner.execute(sched)
         tokens = self.sampler(logits, sample_seqs) if sample_seqs else []
         outputs = self._postprocess(sched, sample_seqs, tokens)
         seconds = time.perf_counter() - started
         self._record_step(sched, seconds)
-        if sched.seqs and (costs := self.step_costs.record(make_up, seconds)) is not None:
-            log.log(logging.DEBUG if self.scheduler.costs.decode_tokens != 1.0 else logging.INFO,
+        if pricing and (costs := self.step_costs.record(make_up, seconds)) is not None:
+            log.log(logging.INFO if self.step_costs.num_fits == 1 else logging.DEBUG,
                     "step costs fitted on the last steps: %s", costs)
             self.scheduler.set_costs(costs)
         return outputs

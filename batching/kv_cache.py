@@ -68,7 +68,7 @@ class KVCache:
         """Copy device blocks to host blocks: mapping = [(device block, host block), ...]."""
         if not mapping:
             return
-        if self.copy_stream is None and self.device.type == "cpu":
+        if self.copy_stream is None:   # no CUDA: both pools are host memory
             _copy_runs(self.device_cache, self.host_cache, mapping)
             return
         src = torch.tensor([d for d, _ in mapping], device=self.device)
@@ -81,7 +81,7 @@ class KVCache:
         """Copy host blocks to device blocks: mapping = [(host block, device block), ...]."""
         if not mapping:
             return
-        if self.copy_stream is None and self.device.type == "cpu":
+        if self.copy_stream is None:   # no CUDA: both pools are host memory
             _copy_runs(self.host_cache, self.device_cache, mapping)
             return
         src = torch.tensor([h for h, _ in mapping])

@@ -29,7 +29,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
-        self.decode_kernel = decode_kernel   # reads ragged contexts in place: no padding, one group
+        self.decode_kernel = decode_kernel   # CPU: attends decodes in place (cpu_attention.py)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
@@ -66,8 +66,10 @@ class ModelRunner:
             if pos + 1 == seq.num_tokens:
                 logits_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
-        lengths = [s.num_computed_tokens + 1 for s, _ in singles]
-        groups = group_by_length(lengths) if self.decode_kernel is None else [(0, len(singles))] if singles else []
+        if self.decode_kernel is not None:   # reads each context as it is: one group, no padding
+            groups = [(0, len(singles))] if singles else []
+        else:
+            groups = group_by_length([s.num_computed_tokens + 1 for s, _ in singles])
         decodes = [self._decode_group(singles, start, end) for start, end in groups]
 
         # prefill chunks: rows [start, end) each

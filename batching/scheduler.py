@@ -205,7 +205,8 @@ class Scheduler:
         it, and late in a long prompt the attention dominates: a budget of plain tokens makes those
         chunks run far longer than early ones (the slowest steps set the time between tokens of every
         decode in the batch). With `context_per_token` = C, a chunk of n tokens starting at position s
-        costs n * (1 + (s + n/2) / C) token-equivalents: the budget buys steps of even duration.
+        costs n * (1 + (s + n/2) / C) token-equivalents, plus s / C_ctx for gathering its context once
+        the engine has fitted that price (`StepCosts`): the budget buys steps of even duration.
         At least one token always fits, so a prefill never stalls."""
         n = min(seq.num_uncomputed_tokens, budget)
         if not self.cost_aware or n <= 1:
@@ -230,8 +231,8 @@ class Scheduler:
         if not self.cost_aware:
             return n
         start, c = seq.num_computed_tokens, self.context_per_token   # advanced only after the step runs
-        cost = n * (1 + (start + n / 2) / c if c else 1) + self._context_cost(seq)
-        return min(budget, max(n, round(cost)))
+        attention = n * (start + n / 2) / c if c else 0.0
+        return min(budget, max(n, round(n + attention + self._context_cost(seq))))
 
     def _admit(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int:
         """Swap in or start a not-running sequence with its first chunk; returns the budget it took (0: cannot)."""

@@ -75,6 +75,7 @@ class StepCostModel:
         self._rows: deque[tuple[float, ...]] = deque(maxlen=WINDOW)
         self._seconds: deque[float] = deque(maxlen=WINDOW)
         self._since_fit = 0
+        self.num_fits = 0   # usable fits so far
 
     def record(self, step_features: tuple[float, ...], seconds: float) -> StepCosts | None:
         """Add a step; returns fresh costs when a fit is due and usable, else None."""
@@ -84,7 +85,9 @@ class StepCostModel:
         if len(self._rows) < MIN_STEPS or self._since_fit < REFIT_EVERY:
             return None
         self._since_fit = 0
-        return self.fit()
+        costs = self.fit()
+        self.num_fits += costs is not None
+        return costs
 
     def fit(self) -> StepCosts | None:
         """Least squares with every term non-negative (a term fitted below zero is dropped and the

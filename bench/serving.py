@@ -214,7 +214,7 @@ def drive(engine: Engine, trace: list[Arrival], fcfs: bool, time_cap: float, lab
         end = time.perf_counter() - t0
         st = engine.stats()
         moved = st["num_blocks_swapped_out"] + st["num_blocks_swapped_in"]
-        steps.append(Step(start, end, st["last_step_num_tokens"], st.get("last_step_budget_used", st["last_step_num_tokens"]),
+        steps.append(Step(start, end, st["last_step_num_tokens"], st["last_step_budget_used"],
                           st["device_kv_usage"], st["num_waiting"], st["num_swapped"], moved - swapped_blocks))
         swapped_blocks = moved
         for out in outs:

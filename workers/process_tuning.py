@@ -34,14 +34,16 @@ def settle_for_serving() -> None:
     gc.freeze()
 
 
-def _keep_freed_memory() -> None:
+def _keep_freed_memory() -> bool:
+    """True when glibc took all three settings."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
         mallopt = libc.mallopt
     except (OSError, AttributeError, TypeError):   # not glibc (musl, macOS): nothing to tune
-        return
+        return False
     ok = all(mallopt(param, value) == 1 for param, value in (
         (M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD)))
     if not ok:
         log.warning("malloc tuning was refused; engine steps may be less even")
+    return ok

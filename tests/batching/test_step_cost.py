@@ -129,5 +129,6 @@ def test_the_engine_fits_prices_on_its_steps_and_reports_budget_used(make_engine
 
 def test_an_engine_off_cost_awareness_keeps_plain_tokens(make_engine):
     engine = make_engine(attention_aware_chunks=False)
+    assert engine.step_costs is None                           # nothing timed or fitted in its steps
     engine.scheduler.set_costs(StepCosts(decode_tokens=9.0))
     assert engine.scheduler.costs == StepCosts() and engine.scheduler.context_per_token is None
