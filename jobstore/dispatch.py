@@ -17,14 +17,16 @@ from jobstore.settings import Settings
 QUEUE = "generate"
 TASK = "generate"
 DEFAULT_PRIORITY = 5  # 0 is the most urgent, 9 the least
+PRIORITIES = range(10)
+SEP = ":"
 
 
 def celery_config(settings: Settings) -> dict:
     """Celery settings shared by every process that sends or consumes jobs."""
     transport = {
         "queue_order_strategy": "priority",
-        "priority_steps": list(range(10)),
-        "sep": ":",
+        "priority_steps": list(PRIORITIES),
+        "sep": SEP,
     }
     if settings.redis_key_prefix:
         transport["global_keyprefix"] = settings.redis_key_prefix
@@ -51,3 +53,8 @@ def send_job(app: Celery, job_id: uuid.UUID, priority: int) -> None:
     Sent through the default exchange straight to the queue: kombu's Redis transport then needs no
     lookup of the `generate` exchange's bindings (a Redis round trip per message)."""
     app.send_task(TASK, args=[str(job_id)], exchange="", routing_key=QUEUE, priority=priority)
+
+
+def queue_key(settings: Settings, queue: str, priority: int) -> str:
+    """The Redis list holding `queue`'s messages of `priority` (kombu's naming: the plain name for 0)."""
+    return f"{settings.redis_key_prefix}{queue}{SEP}{priority}" if priority else f"{settings.redis_key_prefix}{queue}"

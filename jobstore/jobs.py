@@ -20,6 +20,7 @@ import hashlib
 import json
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import Connection, Interval, bindparam, func, inspect, select, text, tuple_, update
@@ -173,53 +174,94 @@ def _claim_statement():
             .returning(*JOBS.c))
 
 
-def renew_lease(db: Session | Connection, job_id: uuid.UUID, worker_id: str, lease_seconds: float) -> bool:
-    """Extend the worker's lease; False if the job is no longer the worker's."""
-    return _update_leased(db, job_id, worker_id, lease_expires_at=_lease(lease_seconds))
+@dataclass(frozen=True, slots=True)
+class Output:
+    """What a worker writes of one running job: the tokens and text beyond what the row already holds.
+
+    `kept_tokens` / `kept_text_bytes` say how much of the stored output stays; `new_tokens` / `text_tail`
+    follow it. The write is idempotent (written twice, the row is the same), so a retry after a lost
+    reply cannot duplicate tokens, and each write sends only what is new."""
+
+    job_id: uuid.UUID
+    worker_id: str  # the lease
+    kept_tokens: int
+    new_tokens: Sequence[int]
+    kept_text_bytes: int
+    text_tail: bytes
+    first_token_at: datetime | None = None
+    finish_reason: str | None = None  # with prompt_tokens: the final write
+    prompt_tokens: int | None = None
 
 
-def save_progress(db: Session | Connection, job_id: uuid.UUID, worker_id: str, lease_seconds: float, *,
-                  token_ids: Sequence[int], text: str, first_token_at: datetime | None = None) -> bool:
-    """Store the tokens generated so far and renew the lease; False if the job is no longer the worker's."""
-    return db.execute(_progress_statement(), {
-        "job": job_id, "worker": worker_id, "lease": timedelta(seconds=lease_seconds), "tokens": list(token_ids),
-        "text": text, "first": first_token_at}).rowcount == 1
+def save_progress(db: Session | Connection, outputs: Sequence[Output], lease_seconds: float) -> set[uuid.UUID]:
+    """Append each running job's new tokens and renew its lease, in one statement whatever the number of jobs.
+
+    Returns the ids still leased by the given workers; a job missing from it is no longer its worker's
+    (cancelled, or its lease lapsed and it went back to the queue): the worker must stop working on it."""
+    if not outputs:
+        return set()
+    return set(db.execute(_PROGRESS, dict(_output_params(outputs), lease=lease_seconds)).scalars())
+
+
+def finish_jobs(db: Session | Connection, outputs: Sequence[Output]) -> set[uuid.UUID]:
+    """running → succeeded with the full output (the rows' tokens + the new ones), in one statement;
+    returns the ids that were still their workers'."""
+    if not outputs:
+        return set()
+    params = _output_params(outputs)
+    params.update(reasons=[o.finish_reason for o in outputs], prompt_counts=[o.prompt_tokens for o in outputs])
+    return set(db.execute(_FINISH, params).scalars())
 
 
 def finish_job(db: Session | Connection, job_id: uuid.UUID, worker_id: str, *, token_ids: Sequence[int], text: str,
                finish_reason: str, prompt_tokens: int, first_token_at: datetime | None = None) -> bool:
-    """running → succeeded with the full output; False if the job is no longer the worker's."""
-    return db.execute(_finish_statement(), {
-        "job": job_id, "worker": worker_id, "tokens": list(token_ids), "text": text, "reason": finish_reason,
-        "prompt_count": prompt_tokens, "first": first_token_at}).rowcount == 1
+    """running → succeeded with this whole output; False if the job is no longer the worker's."""
+    output = Output(job_id, worker_id, 0, token_ids, 0, text.encode("utf-8"), first_token_at, finish_reason,
+                    prompt_tokens)
+    return job_id in finish_jobs(db, [output])
+
+
+def _output_params(outputs: Sequence[Output]) -> dict:
+    """Bind parameters of the outputs: one array per field; the new tokens of all jobs back to back in
+    one flat array, job i's at the 1-based slice [lo_i:hi_i]."""
+    flat: list[int] = []
+    lo, hi = [], []
+    for o in outputs:
+        lo.append(len(flat) + 1)
+        flat.extend(o.new_tokens)
+        hi.append(len(flat))
+    return dict(ids=[o.job_id for o in outputs], workers=[o.worker_id for o in outputs],
+                kept=[o.kept_tokens for o in outputs], lo=lo, hi=hi, tokens=flat,
+                text_kept=[o.kept_text_bytes for o in outputs], tails=[o.text_tail for o in outputs],
+                firsts=[o.first_token_at for o in outputs])
+
+
+# One row per job from parallel arrays: the statement's text is the same for 1 job or 500 (planned once).
+_OUTPUT_ROWS = """
+    unnest(CAST(:ids AS uuid[]), CAST(:workers AS varchar[]), CAST(:kept AS integer[]), CAST(:lo AS integer[]),
+           CAST(:hi AS integer[]), CAST(:text_kept AS integer[]), CAST(:tails AS bytea[]),
+           CAST(:firsts AS timestamptz[]){extra})
+      AS v(id, worker, kept, lo, hi, text_kept, tail, first{extra_names})"""
+_APPENDED = """
+    output_token_ids = j.output_token_ids[1:v.kept] || (CAST(:tokens AS integer[]))[v.lo:v.hi],
+    output_text = substring(j.output_text FROM 1 FOR v.text_kept) || v.tail,
+    first_token_at = coalesce(j.first_token_at, v.first),
+    updated_at = now()"""
+_LEASED = "WHERE j.id = v.id AND j.status = 'running' AND j.worker_id = v.worker RETURNING j.id"
+_PROGRESS = text(f"""UPDATE jobs AS j SET {_APPENDED},
+    lease_expires_at = now() + make_interval(secs => CAST(:lease AS double precision))
+    FROM {_OUTPUT_ROWS.format(extra="", extra_names="")} {_LEASED}""")
+_FINISH = text(f"""UPDATE jobs AS j SET {_APPENDED},
+    status = 'succeeded', finished_at = now(), lease_expires_at = NULL,
+    finish_reason = v.reason, prompt_tokens = v.prompt_count
+    FROM {_OUTPUT_ROWS.format(extra=", CAST(:reasons AS varchar[]), CAST(:prompt_counts AS integer[])",
+                              extra_names=", reason, prompt_count")} {_LEASED}""")
 
 
 def _leased(**values):
     """UPDATE of a running job leased by :worker (bind parameters :job, :worker)."""
     return (update(JOBS).where(JOBS.c.id == bindparam("job"), JOBS.c.status == JobStatus.RUNNING,
                                JOBS.c.worker_id == bindparam("worker")).values(**values))
-
-
-@functools.cache
-def _progress_statement():
-    """Built once: every running job writes its progress every PROGRESS_INTERVAL."""
-    return _leased(lease_expires_at=func.now() + bindparam("lease", type_=Interval()),
-                   output_token_ids=bindparam("tokens", type_=JOBS.c.output_token_ids.type),
-                   output_text=bindparam("text", type_=JOBS.c.output_text.type),
-                   first_token_at=func.coalesce(JOBS.c.first_token_at,
-                                                bindparam("first", type_=JOBS.c.first_token_at.type)))
-
-
-@functools.cache
-def _finish_statement():
-    """Built once: every job ends with it."""
-    return _leased(status=JobStatus.SUCCEEDED, finished_at=func.now(), lease_expires_at=None,
-                   output_token_ids=bindparam("tokens", type_=JOBS.c.output_token_ids.type),
-                   output_text=bindparam("text", type_=JOBS.c.output_text.type),
-                   finish_reason=bindparam("reason", type_=JOBS.c.finish_reason.type),
-                   prompt_tokens=bindparam("prompt_count", type_=JOBS.c.prompt_tokens.type),
-                   first_token_at=func.coalesce(JOBS.c.first_token_at,
-                                                bindparam("first", type_=JOBS.c.first_token_at.type)))
 
 
 def fail_job(db: Session | Connection, job_id: uuid.UUID, worker_id: str, *, code: str, message: str) -> bool:
@@ -240,12 +282,16 @@ def cancel_job(db: Session | Connection, job_id: uuid.UUID, tenant_id: uuid.UUID
 
 
 def release_job(db: Session | Connection, job_id: uuid.UUID, worker_id: str, *, token_ids: Sequence[int],
-                text: str) -> bool:
-    """running → queued, keeping the tokens so far and dropping the lease, so that another worker resumes
-    the job at once (a worker shutting down hands its jobs back). False if the job is no longer the worker's."""
-    return _update_leased(db, job_id, worker_id, status=JobStatus.QUEUED, worker_id=None,
-                          lease_expires_at=None, enqueued_at=None, output_token_ids=list(token_ids),
-                          output_text=text)
+                text: str, preempted: bool = False) -> bool:
+    """running → queued, keeping the tokens so far and dropping the lease, so that a worker resumes the job
+    at once: a worker shutting down hands its jobs back, and a full worker hands back its least urgent job
+    when more urgent work waits in Redis (`preempted`: counted in `handbacks`, which bounds how often one
+    job is preempted). False if the job is no longer the worker's."""
+    values = dict(status=JobStatus.QUEUED, worker_id=None, lease_expires_at=None, enqueued_at=None,
+                  output_token_ids=list(token_ids), output_text=text)
+    if preempted:
+        values["handbacks"] = JOBS.c.handbacks + 1
+    return _update_leased(db, job_id, worker_id, **values)
 
 
 def forget_sent(session: Session, sent_before_seconds: float = 0.0) -> int:

@@ -131,6 +131,8 @@ class Job(Base):
     worker_id: Mapped[str | None] = mapped_column(String(255))
     lease_expires_at: Mapped[datetime | None] = _timestamp()
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # times a full worker handed it back for more urgent work (bounded, so a job is not preempted forever)
+    handbacks: Mapped[int] = mapped_column(SmallInteger, default=0, server_default=text("0"))
 
     # timings
     created_at: Mapped[datetime] = _timestamp(server_default=func.now())

@@ -25,7 +25,7 @@ class Settings:
     # --- engine sizes (None: the engine's own default)
     dtype: str = "auto"
     device: str = "auto"
-    max_num_seqs: int = 8
+    max_num_seqs: int | None = None  # None: the engine's default (64)
     max_num_batched_tokens: int | None = None
     block_size: int | None = None
     num_device_blocks: int | None = None
@@ -39,6 +39,11 @@ class Settings:
     resend_after_seconds: float = 3600.0  # a queued job sent this long ago and still not claimed is sent again
     db_retry_seconds: float = 60.0  # a worker retries a failing database write (with backoff) this long
     db_connect_timeout: float = 3.0  # seconds to connect to Postgres before giving up (the API answers 503)
+
+    # --- a worker's intake (workers/intake.py)
+    worker_reserve: int | None = None  # jobs held beyond max_num_seqs, ready to start; None: max(2, max_num_seqs // 8)
+    queue_watch_interval: float = 0.05  # seconds between looks at Redis for more urgent work, while a worker is full
+    max_handbacks: int = 3  # a job is handed back for more urgent work at most this often
 
     # --- the API
     max_body_bytes: int = 1 << 20  # larger request bodies answer 413
@@ -68,6 +73,11 @@ class Settings:
                        block_size=self.block_size, num_device_blocks=self.num_device_blocks,
                        num_host_blocks=self.num_host_blocks)
         return {k: v for k, v in options.items() if v is not None}
+
+    def worker_capacity(self, max_num_seqs: int) -> int:
+        """Jobs a worker holds at most: what its engine runs at once, plus a reserve waiting in the engine."""
+        reserve = self.worker_reserve if self.worker_reserve is not None else max(2, max_num_seqs // 8)
+        return max_num_seqs + reserve
 
 
 def _parse(name: str, raw: str, annotation: str):

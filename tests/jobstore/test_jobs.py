@@ -23,6 +23,11 @@ def tenant_id(sessions):
         return tenant_for_key(s, key).id
 
 
+def progress(job_id, worker: str, tokens: list[int], text: str, kept: int = 0, kept_text: str = "") -> jobs.Output:
+    """An Output appending `tokens` / `text` after the first `kept` tokens and `kept_text`."""
+    return jobs.Output(job_id, worker, kept, tokens, len(kept_text.encode()), text.encode())
+
+
 def create(sessions, tenant_id, **changes):
     with sessions.begin() as s:
         job, created = jobs.create_job(s, tenant_id, {**REQUEST, **changes}, prompt_tokens=10)
@@ -38,9 +43,9 @@ def test_create_claim_progress_finish(sessions, tenant_id):
         assert job.started_at is not None and job.lease_expires_at > job.started_at
         assert jobs.claim_job(s, job_id, "w2", LEASE) is None  # a second message for the job is dropped
     with sessions.begin() as s:
-        assert not jobs.save_progress(s, job_id, "w2", LEASE, token_ids=[9], text="x")  # not w2's lease
-        assert jobs.save_progress(s, job_id, "w1", LEASE, token_ids=[5, 6], text="ab")
-        assert jobs.renew_lease(s, job_id, "w1", LEASE)
+        assert not jobs.save_progress(s, [progress(job_id, "w2", [9], "x")], LEASE)  # not w2's lease
+        assert jobs.save_progress(s, [progress(job_id, "w1", [5, 6], "ab")], LEASE) == {job_id}
+        assert jobs.save_progress(s, [progress(job_id, "w1", [], "", 2, "ab")], LEASE) == {job_id}  # lease only
     with sessions.begin() as s:
         assert jobs.get_job(s, job_id).output_token_ids == [5, 6]
         assert jobs.finish_job(s, job_id, "w1", token_ids=[5, 6, 7], text="abc", finish_reason="length",
@@ -50,7 +55,49 @@ def test_create_claim_progress_finish(sessions, tenant_id):
         assert (job.status, job.output_text, job.finish_reason, job.prompt_tokens) == (
             JobStatus.SUCCEEDED, "abc", "length", 3)
         assert job.finished_at is not None and job.lease_expires_at is None
-        assert not jobs.save_progress(s, job_id, "w1", LEASE, token_ids=[1], text="z")  # finished is final
+        assert not jobs.save_progress(s, [progress(job_id, "w1", [1], "z")], LEASE)  # finished is final
+
+
+def test_progress_of_many_jobs_appends_in_one_idempotent_statement(sessions, tenant_id):
+    ids = [create(sessions, tenant_id) for _ in range(3)]
+    with sessions.begin() as s:
+        for job_id in ids:
+            jobs.claim_job(s, job_id, "w1", LEASE)
+        jobs.cancel_job(s, ids[2], tenant_id)  # taken away from the worker
+    first = [progress(ids[0], "w1", [1, 2], "12"), progress(ids[1], "w1", [], ""), progress(ids[2], "w1", [7], "7")]
+    then = [progress(ids[0], "w1", [3], "3é", 2, "12"), progress(ids[1], "w1", [8, 9], "89")]
+    with sessions.begin() as s:
+        assert jobs.save_progress(s, first, LEASE) == set(ids[:2])
+    for _ in range(2):  # a retry after a lost reply writes the same rows again, duplicating nothing
+        with sessions.begin() as s:
+            assert jobs.save_progress(s, then, LEASE) == set(ids[:2])
+    with sessions.begin() as s:
+        rows = [jobs.get_job(s, job_id) for job_id in ids]
+        assert [(j.output_token_ids, j.output_text) for j in rows] == [([1, 2, 3], "123é"), ([8, 9], "89"), ([], "")]
+    final = [jobs.Output(ids[0], "w1", 3, [4], len("123é".encode()), b"4", None, "length", 10),
+             jobs.Output(ids[1], "w1", 1, [5], 1, b"5", None, "stop", 11)]   # a shorter output replaces the tail
+    with sessions.begin() as s:
+        assert jobs.finish_jobs(s, final) == set(ids[:2])
+        assert jobs.finish_jobs(s, final) == set()  # finished is final
+    with sessions.begin() as s:
+        rows = [jobs.get_job(s, job_id) for job_id in ids[:2]]
+        assert [(j.status, j.output_token_ids, j.output_text, j.finish_reason, j.prompt_tokens) for j in rows] == [
+            (JobStatus.SUCCEEDED, [1, 2, 3, 4], "123é4", "length", 10), (JobStatus.SUCCEEDED, [8, 5], "85", "stop", 11)]
+
+
+def test_release_keeps_tokens_and_counts_preemptions(sessions, tenant_id):
+    job_id = create(sessions, tenant_id)
+    with sessions.begin() as s:
+        jobs.claim_job(s, job_id, "w1", LEASE)
+        assert not jobs.release_job(s, job_id, "w2", token_ids=[1], text="a", preempted=True)  # not w2's
+        assert jobs.release_job(s, job_id, "w1", token_ids=[1, 2], text="ab", preempted=True)
+    with sessions.begin() as s:
+        job = jobs.get_job(s, job_id)
+        assert (job.status, job.worker_id, job.output_token_ids, job.handbacks) == (JobStatus.QUEUED, None, [1, 2], 1)
+        jobs.claim_job(s, job_id, "w2", LEASE)
+        assert jobs.release_job(s, job_id, "w2", token_ids=[1, 2, 3], text="abc")  # at shutdown: not counted
+    with sessions.begin() as s:
+        assert jobs.get_job(s, job_id).handbacks == 1
 
 
 def test_fail(sessions, tenant_id):
@@ -81,7 +128,7 @@ def test_cancel_running_takes_the_job_from_its_worker(sessions, tenant_id):
         job = jobs.cancel_job(s, job_id, tenant_id)
         assert (job.status, job.finish_reason) == (JobStatus.CANCELLED, "abort")
     with sessions.begin() as s:
-        assert not jobs.save_progress(s, job_id, "w1", LEASE, token_ids=[1], text="a")
+        assert not jobs.save_progress(s, [progress(job_id, "w1", [1], "a")], LEASE)
         assert not jobs.finish_job(s, job_id, "w1", token_ids=[1], text="a", finish_reason="stop", prompt_tokens=1)
 
 
@@ -99,7 +146,7 @@ def test_expired_lease_is_requeued_keeping_its_tokens(sessions, tenant_id):
     job_id = create(sessions, tenant_id)
     with sessions.begin() as s:
         jobs.claim_job(s, job_id, "dead-worker", lease_seconds=-1)  # already expired
-        jobs.save_progress(s, job_id, "dead-worker", -1, token_ids=[4, 5], text="45")
+        jobs.save_progress(s, [progress(job_id, "dead-worker", [4, 5], "45")], -1)
     with sessions.begin() as s:
         assert (job_id, 5) in jobs.requeue_expired(s)
     with sessions.begin() as s:
@@ -108,7 +155,7 @@ def test_expired_lease_is_requeued_keeping_its_tokens(sessions, tenant_id):
         assert job_id in [i for i, _ in jobs.unsent_jobs(s, grace_seconds=0)]
         assert jobs.claim_job(s, job_id, "w2", LEASE).attempts == 2
     with sessions.begin() as s:
-        assert not jobs.save_progress(s, job_id, "dead-worker", LEASE, token_ids=[0], text="")
+        assert not jobs.save_progress(s, [progress(job_id, "dead-worker", [0], "")], LEASE)
 
 
 def test_unsent_jobs_wait_for_the_grace_period(sessions, tenant_id):
