@@ -4,7 +4,10 @@ The engine is not thread-safe, so only the engine thread touches it. Celery task
 `submit()` / `abort()`, which put commands on a queue; the engine thread applies them between steps
 and publishes each step's outputs to the requests' handles, on which the task threads wait.
 
-    task thread ──submit/abort──▶ commands ──▶ engine thread: apply, step(), publish ──▶ RequestHandle
+    JobBook ──submit/abort──▶ commands ──▶ engine thread: apply, step(), publish ──▶ RequestHandle ──on_done──▶
+
+A handle holds the request's latest output; `on_done(handle)`, called on the engine thread when the
+request finishes or fails, must be quick (the job book queues the handle for its writer thread).
 """
 
 from __future__ import annotations
@@ -27,25 +30,31 @@ class HostStopped(RuntimeError):
 
 
 class RequestHandle:
-    """What a task thread holds while its request runs: the latest output, and an event when done."""
+    """A request in the engine, as other threads see it: the latest output, and an event when done."""
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, on_done: Callable[[RequestHandle], None] | None = None):
         self.request_id = request_id
         self.output: RequestOutput | None = None
         self.first_token_at: datetime | None = None  # wall clock, when the first token was seen
         self.error: Exception | None = None
         self.done = threading.Event()
+        self._on_done = on_done
 
     def _publish(self, output: RequestOutput) -> None:
         if self.first_token_at is None and output.token_ids:
             self.first_token_at = datetime.now(timezone.utc)
         self.output = output
         if output.finished:
-            self.done.set()
+            self._end()
 
     def _fail(self, error: Exception) -> None:
         self.error = error
+        self._end()
+
+    def _end(self) -> None:
         self.done.set()
+        if self._on_done is not None:
+            self._on_done(self)
 
 
 class EngineHost:
@@ -58,6 +67,7 @@ class EngineHost:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
+        self.config = None  # the engine's EngineConfig, once built
 
     def start(self) -> EngineHost:
         self._thread.start()
@@ -72,9 +82,10 @@ class EngineHost:
         self._thread.join(timeout)
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int,
-               resume_token_ids: list[int] | None = None) -> RequestHandle:
-        """Queue a request for the engine; wait on the returned handle's `done` event."""
-        handle = RequestHandle(request_id)
+               resume_token_ids: list[int] | None = None,
+               on_done: Callable[[RequestHandle], None] | None = None) -> RequestHandle:
+        """Queue a request for the engine; the handle's `done` is set (and `on_done` called) when it ends."""
+        handle = RequestHandle(request_id, on_done)
         self._commands.put(("add", handle, (request_id, prompt, params, priority, resume_token_ids)))
         return handle
 
@@ -98,6 +109,7 @@ class EngineHost:
             self._ready.set()
             return
         process_tuning.settle_for_serving()   # even steps: no GC walks of this heap, no mmap churn
+        self.config = engine.config
         self._ready.set()
         log.info("engine ready: %s", engine.config)
         while self._apply_commands(engine, block=not engine.has_unfinished_requests()):

@@ -3,7 +3,7 @@
 Served on WORKER_METRICS_PORT (default 9808; 0 turns it off) by prometheus_client's own HTTP thread,
 started once per worker process when Celery's worker_init fires, so it answers while the `threads`
 pool runs jobs. The engine thread calls `observe_step()` after every step (it alone may read the
-engine); task threads call `job_done()` when a job ends. Only this module knows the metric names.
+engine); the job book and intake call `job_done()` when the worker's hold on a job ends. Only this module knows the metric names.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from datetime import datetime, timezone
 
 from celery.signals import worker_init
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from workers.outcomes import Outcome
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 9808
@@ -45,10 +47,13 @@ TBT = Histogram("genq_job_time_between_tokens_seconds", "Time between two tokens
                 ["priority"], buckets=_FAST)
 LATENCY = Histogram("genq_job_latency_seconds", "Job submission to its final state (succeeded or failed)",
                     ["priority"], buckets=_LATENCY)
-JOBS = Counter("genq_worker_jobs_total", "Jobs this worker ran to an end, by outcome "
-               "(succeeded, failed, stopped = cancelled or lease lost, handed_back / left = worker shutting down, "
-               "discarded = finished after losing the lease)",
+JOBS = Counter("genq_worker_jobs_total", "Jobs this worker stopped holding, by outcome (workers/outcomes.py: "
+               "succeeded, failed, stopped = cancelled or lease lost, preempted = handed back for a more urgent "
+               "job, handed_back / left = worker shutting down, discarded = finished after losing the lease, "
+               "dropped = message for a job not queued, declined = message sent back while full)",
                ["priority", "outcome"])
+HELD = Gauge("genq_worker_held_jobs", "Jobs this worker holds (in its engine)")
+CAPACITY = Gauge("genq_worker_capacity", "Jobs this worker holds at most before it only takes more urgent ones")
 FAILURES = Counter("genq_job_failures_total", "Jobs failed by this worker, by error code", ["priority", "code"])
 
 # engine counters already seen, so Prometheus counters advance by the difference (engine thread only)
@@ -98,21 +103,23 @@ def _observe_token_gaps(outputs) -> None:
             del _last_token[request_id]
 
 
-def job_done(job, handle, outcome: str) -> str:
-    """When a task ends its job: latency, TTFT and outcome per priority. Returns `outcome` unchanged."""
+def job_done(job, handle, outcome: Outcome, error_code: str | None = None) -> None:
+    """When a worker's hold on a job ends: latency, TTFT and outcome per priority."""
     priority = str(job.priority)
     now = datetime.now(timezone.utc)
-    if outcome.startswith("succeeded") or outcome.startswith("failed"):
+    if outcome in (Outcome.SUCCEEDED, Outcome.FAILED):
         LATENCY.labels(priority).observe((now - job.created_at).total_seconds())
-    if handle.first_token_at is not None and not job.output_token_ids:  # a resumed job's first token is not its TTFT
-        TTFT.labels(priority).observe((handle.first_token_at - job.created_at).total_seconds())
-    kind = outcome.split(" ", 1)[0].rstrip(":")
-    kind = {"left": "left", "handed": "handed_back", "stopped": "stopped", "succeeded": "succeeded",
-            "failed": "failed"}.get(kind, "discarded")
-    JOBS.labels(priority, kind).inc()
-    if kind == "failed":
-        FAILURES.labels(priority, outcome.split("(", 1)[1].split(":", 1)[0]).inc()
-    return outcome
+    first = handle.first_token_at if handle is not None else None
+    if first is not None and not job.output_token_ids:  # a resumed job's first token is not its TTFT
+        TTFT.labels(priority).observe((first - job.created_at).total_seconds())
+    JOBS.labels(priority, outcome.value).inc()
+    if outcome is Outcome.FAILED:
+        FAILURES.labels(priority, error_code or "unknown").inc()
+
+
+def set_intake(held: int, capacity: int) -> None:
+    HELD.set(held)
+    CAPACITY.set(capacity)
 
 
 def start_server(port: int | None = None) -> int | None:

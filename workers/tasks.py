@@ -1,7 +1,9 @@
-"""Thin tasks taking ids; the work is in workers/runner.py and workers/reconciler.py.
+"""Thin tasks taking ids; the work is in workers/intake.py, workers/job_book.py and workers/reconciler.py.
 
-Each worker process has one engine (built when the worker starts, before it takes jobs), one
-database pool and one worker id, which names its leases.
+Each worker process has one engine (built when the worker starts, before it takes jobs), one job book
+(the jobs it holds and their writer thread), one intake, one database pool and one worker id, which
+names its leases. A `generate` task only takes its job in (claims it and hands it to the engine) and
+returns; after every task, `task_postrun` holds the thread until the worker wants another message.
 """
 
 from __future__ import annotations
@@ -13,41 +15,37 @@ import threading
 import uuid
 from functools import cache
 
-from celery.signals import worker_init, worker_shutdown, worker_shutting_down
+from celery.signals import task_postrun, task_prerun, worker_init, worker_shutdown, worker_shutting_down
 from celery.worker.control import inspect_command
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobstore import jobs
 from jobstore.db import make_engine, make_session_factory
 from jobstore.dispatch import DEFAULT_PRIORITY, send_job
 from workers.celery import app, settings
 from workers.engine_host import EngineHost
+from workers.intake import Intake
+from workers.job_book import JobBook
 from workers.reconciler import reconcile
-from workers.runner import DRAINING, Draining, run_job
 
 log = logging.getLogger(__name__)
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-_host_lock = threading.Lock()
+_lock = threading.Lock()
 _host: EngineHost | None = None
+_book: JobBook | None = None
+_intake: Intake | None = None
 
 
 @app.task(name="generate", bind=True)
 def generate(self, job_id: str) -> str:
-    """Run job `job_id` on this process's engine; a job that is not queued is left alone."""
-    try:
-        return run_job(uuid.UUID(job_id), worker_id=WORKER_ID, host=engine_host(), sessions=job_sessions(),
-                       settings=settings, hand_back=hand_back)
-    except Draining:  # taken while shutting down: back to the queue, untouched
-        priority = (self.request.delivery_info or {}).get("priority")
-        send_job(app, uuid.UUID(job_id), DEFAULT_PRIORITY if priority is None else priority)
-        return "not started: the worker is shutting down; sent back to the queue"
+    """Take job `job_id` into this worker's engine (or back to the queue); returns once it is held."""
+    priority = (self.request.delivery_info or {}).get("priority")
+    outcome = intake().take(uuid.UUID(job_id), DEFAULT_PRIORITY if priority is None else priority)
+    return "held" if outcome is None else outcome.value
 
 
-def hand_back(job_id: uuid.UUID, priority: int) -> None:
-    """Send a job handed back at shutdown to the queue, and record that it was sent."""
+def send_back(job_id: uuid.UUID, priority: int) -> None:
+    """Send a job to the queue at its priority (a hand-back or a declined message)."""
     send_job(app, job_id, priority)
-    with job_sessions().begin() as session:
-        jobs.mark_enqueued(session, [job_id])
 
 
 @app.task(name="reconcile")
@@ -77,7 +75,7 @@ def job_sessions() -> sessionmaker[Session]:
 def engine_host() -> EngineHost:
     """This process's EngineHost, built on first use."""
     global _host
-    with _host_lock:
+    with _lock:
         if _host is None:
             from batching import Engine, EngineConfig  # torch is imported by workers only
 
@@ -85,6 +83,20 @@ def engine_host() -> EngineHost:
             log.info("building the engine (worker %s): %s", WORKER_ID, config)
             _host = EngineHost(lambda: Engine(config)).start()
         return _host
+
+
+def intake() -> Intake:
+    """This process's intake and job book, built (with the engine) on first use."""
+    global _book, _intake
+    host = engine_host()
+    with _lock:
+        if _intake is None:
+            _book = JobBook(host, job_sessions(), settings, send_back).start()
+            capacity = settings.worker_capacity(host.config.max_num_seqs)
+            _intake = Intake(_book, job_sessions(), settings, WORKER_ID, send_back, capacity).start()
+            log.info("worker %s holds up to %d jobs (engine max_num_seqs %d)", WORKER_ID, capacity,
+                     host.config.max_num_seqs)
+        return _intake
 
 
 class _HideRoutineReconciles(logging.Filter):
@@ -101,18 +113,35 @@ for _logger in ("celery.worker.strategy", "celery.app.trace"):
 
 @worker_init.connect
 def _build_engine_before_taking_jobs(**_) -> None:
-    engine_host()
+    intake()
+
+
+@task_prerun.connect
+def _message_started(**_) -> None:
+    if _intake is not None:
+        _intake.message_started()
+
+
+@task_postrun.connect
+def _wait_for_room(**_) -> None:
+    """Before the late ack lets Celery fetch the next message: wait until this worker wants one."""
+    if _intake is not None:
+        _intake.wait_for_room()
 
 
 @worker_shutting_down.connect
-def _hand_back_running_jobs(**_) -> None:
-    """Warm shutdown: stop starting jobs, and have each running job save its tokens and go back to the queue."""
-    log.info("worker %s shutting down: handing running jobs back", WORKER_ID)
-    DRAINING.set()
+def _hand_back_held_jobs(**_) -> None:
+    """Warm shutdown: take no more jobs, and hand each held job back (tokens saved) to the queue."""
+    log.info("worker %s shutting down: handing held jobs back", WORKER_ID)
+    if _intake is not None:
+        _intake.close()
+        _book.close()
 
 
 @worker_shutdown.connect
 def _stop_engine(**_) -> None:
+    if _book is not None:
+        _book.join(timeout=30)
     if _host is not None:
         _host.stop()
 
@@ -120,4 +149,9 @@ def _stop_engine(**_) -> None:
 @inspect_command()
 def engine_stats(state) -> dict:
     """`celery -A workers inspect engine_stats`: the engine's running / waiting / swapped counts and more."""
-    return engine_host().stats() if _host is not None else {}
+    if _host is None:
+        return {}
+    stats = _host.stats()
+    if _intake is not None:
+        stats.update(worker_held_jobs=len(_book), worker_capacity=_intake.capacity)
+    return stats

@@ -64,7 +64,7 @@ def exactly_once(logs: str, ids: list[str]) -> int:
 
 def test_redis_restarted_empty_every_queued_job_is_sent_again(settings, sessions, new_key, api, make_worker,
                                                               private_redis, offline, figures):
-    st = stack_settings(settings, redis_url=private_redis.url, max_num_seqs=2, lease_seconds=5.0,
+    st = stack_settings(settings, redis_url=private_redis.url, max_num_seqs=2, worker_reserve=0, lease_seconds=5.0,
                         progress_interval=0.25, reconcile_interval=0.5)
     client, headers = api(st), {"Authorization": f"Bearer {new_key()}"}
     worker = make_worker(st, concurrency=2)

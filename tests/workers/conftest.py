@@ -48,7 +48,7 @@ class Stack:
         raise AssertionError(f"job {job_id} still {job['status']} after {timeout}s; worker log:\n{self.log_text()}")
 
     def engine_stats(self) -> dict:
-        replies = self.celery.control.broadcast("engine_stats", reply=True, timeout=5)
+        replies = self.celery.control.broadcast("engine_stats", reply=True, timeout=5, limit=1)
         assert len(replies) == 1, replies
         return next(iter(replies[0].values()))
 
@@ -57,12 +57,15 @@ class Stack:
 
 
 @contextmanager
-def worker_stack(settings: Settings, new_key, log_dir: Path, *, concurrency: int) -> Iterator[Stack]:
+def worker_stack(settings: Settings, new_key, log_dir: Path, *, max_num_seqs: int, reserve: int | None = None,
+                 concurrency: int = 2) -> Iterator[Stack]:
+    """A worker whose engine runs `max_num_seqs` sequences and holds `reserve` jobs more; `concurrency` is
+    its intake threads (messages taken at once)."""
     from webapi import create_app
 
-    name = f"w{concurrency}-{uuid.uuid4().hex[:6]}"
+    name = f"w{max_num_seqs}-{uuid.uuid4().hex[:6]}"
     settings = dataclasses.replace(settings, redis_key_prefix=f"{settings.redis_key_prefix}{name}:",
-                                   max_num_seqs=concurrency)
+                                   max_num_seqs=max_num_seqs, worker_reserve=reserve)
     log = log_dir / f"{name}.log"
     with log.open("w") as out:
         worker = subprocess.Popen(
@@ -91,15 +94,15 @@ def worker_stack(settings: Settings, new_key, log_dir: Path, *, concurrency: int
 
 @pytest.fixture(scope="session")
 def wide(settings, new_key, tmp_path_factory, redis_client) -> Iterator[Stack]:
-    """A worker holding up to 8 jobs at once (engine max_num_seqs 8)."""
-    with worker_stack(settings, new_key, tmp_path_factory.mktemp("workers"), concurrency=8) as stack:
+    """A worker running 8 sequences at once (engine max_num_seqs 8) and holding 2 more."""
+    with worker_stack(settings, new_key, tmp_path_factory.mktemp("workers"), max_num_seqs=8) as stack:
         yield stack
 
 
 @pytest.fixture(scope="session")
 def narrow(settings, new_key, tmp_path_factory, redis_client) -> Iterator[Stack]:
     """A worker holding one job at a time: the rest wait in Redis, in priority order."""
-    with worker_stack(settings, new_key, tmp_path_factory.mktemp("workers"), concurrency=1) as stack:
+    with worker_stack(settings, new_key, tmp_path_factory.mktemp("workers"), max_num_seqs=1, reserve=0) as stack:
         yield stack
 
 

@@ -83,7 +83,7 @@ def test_expired_lease_is_redispatched_and_resumes_from_persisted_tokens(wide, s
         jobs.mark_enqueued(s, [job.id])
     with sessions.begin() as s:
         jobs.claim_job(s, job.id, "dead-worker", lease_seconds=-1)
-        jobs.save_progress(s, job.id, "dead-worker", -1, token_ids=expected.token_ids[:10], text="")
+        jobs.save_progress(s, [jobs.Output(job.id, "dead-worker", 0, expected.token_ids[:10], 0, b"")], -1)
     assert reconcile(sessions, wide.celery, wide.settings)["requeued"] >= 1
     done = wide.wait(str(job.id))
     assert done["status"] == "succeeded" and done["output"]["token_ids"] == expected.token_ids

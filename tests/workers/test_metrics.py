@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import free_port
 from tests.workers.conftest import worker_stack
 from workers import metrics as worker_metrics
+from workers.outcomes import Outcome
 
 
 def parse(text: str) -> dict:
@@ -34,7 +35,7 @@ def metered(settings, new_key, tmp_path_factory, redis_client):
     small = dataclasses.replace(settings, block_size=16, num_device_blocks=20, num_host_blocks=40, max_model_len=256)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WORKER_METRICS_PORT", str(port))
-        with worker_stack(small, new_key, tmp_path_factory.mktemp("metered"), concurrency=2) as stack:
+        with worker_stack(small, new_key, tmp_path_factory.mktemp("metered"), max_num_seqs=2) as stack:
             stack.metrics_url = f"http://127.0.0.1:{port}/metrics"
             yield stack
 
@@ -144,7 +145,7 @@ def test_failed_jobs_are_counted_by_code():
     handle = SimpleNamespace(first_token_at=None)
     counter = worker_metrics.FAILURES.labels("6", "engine_error")
     before = counter._value.get()
-    assert worker_metrics.job_done(job, handle, "failed (engine_error: boom)") == "failed (engine_error: boom)"
+    worker_metrics.job_done(job, handle, Outcome.FAILED, error_code="engine_error")
     assert counter._value.get() == before + 1
 
 

@@ -1,8 +1,12 @@
-"""A worker holding one job at a time: Redis priority order, and cancellation of running and queued jobs."""
+"""A worker holding one job at a time: queue-level preemption, Redis priority order, and cancellation."""
 
 from __future__ import annotations
 
+import uuid
 from datetime import datetime
+
+from jobstore import jobs
+from tests.workers.test_end_to_end import expected_outputs
 
 LONG = {"prompt": "A long story", "temperature": 0.0}  # greedy: runs to max_tokens, never hits EOS early
 
@@ -11,14 +15,28 @@ def started(job: dict) -> datetime:
     return datetime.fromisoformat(job["started_at"])
 
 
-def test_priority_0_starts_before_earlier_queued_priority_9(narrow):
-    blocker = narrow.submit(**LONG, max_tokens=120)
-    narrow.wait(blocker, until=lambda j: j["status"] == "running")  # the worker is now full
+def finished(job: dict) -> datetime:
+    return datetime.fromisoformat(job["finished_at"])
+
+
+def test_priority_0_takes_the_place_of_a_running_job_which_resumes_token_identical(narrow, sessions, offline_engine):
+    """The worker holds one job. Urgent jobs do not wait in Redis behind it: the running priority-5 job is
+    handed back (tokens kept), the urgent ones run, then it resumes and ends as if never interrupted;
+    priority-9 jobs queued before the urgent ones start after all of them."""
+    body = {**LONG, "max_tokens": 400, "seed": 5, "temperature": 0.9}  # seeded sampling: resumes exactly too
+    blocker = narrow.submit(**body)
+    narrow.wait(blocker, until=lambda j: j["status"] == "running" and len(j["output"]["token_ids"]) >= 8)
     low = [narrow.submit(prompt=f"low {i}", max_tokens=2, priority=9) for i in range(3)]
     high = [narrow.submit(prompt=f"high {i}", max_tokens=2, priority=0) for i in range(2)]
     low_jobs, high_jobs = [narrow.wait(i) for i in low], [narrow.wait(i) for i in high]
-    assert narrow.wait(blocker)["output"]["finish_reason"] == "length"  # it really held the worker throughout
+    done = narrow.wait(blocker)
+    [expected] = expected_outputs(offline_engine, [body])
+    assert done["output"]["token_ids"] == expected.token_ids and done["output"]["text"] == expected.text
+    with sessions.begin() as s:
+        row = jobs.get_job(s, uuid.UUID(blocker))
+    assert (row.handbacks, row.attempts) == (1, 2)  # handed back once, for the urgent jobs
     assert max(map(started, high_jobs)) < min(map(started, low_jobs)), (high_jobs, low_jobs)
+    assert max(finished(j) for j in high_jobs) < finished(done)
 
 
 def test_cancel_running_job_frees_its_slot(narrow):

@@ -1,0 +1,66 @@
+"""The admission rule of queue-level preemption (workers/admission.py): pure, so checked exhaustively."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from workers.admission import Held, admit
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+MAX = 3
+
+
+def held(key, priority, age=0, handbacks=0, pinned=False) -> Held:
+    return Held(key, priority, T0 + timedelta(seconds=age), handbacks, pinned)
+
+
+def test_room_takes_anything():
+    assert admit([held("a", 0)], 9, capacity=2, max_handbacks=MAX).take
+
+
+def test_full_takes_only_strictly_more_urgent_and_hands_back_the_least_urgent_latest():
+    full = [held("a", 9, age=1), held("b", 9, age=2), held("c", 5, age=3)]
+    assert not admit(full, 9, capacity=3, max_handbacks=MAX).take      # equal: never preempts
+    decision = admit(full, 5, capacity=3, max_handbacks=MAX)
+    assert decision.take and decision.victim == "b"                     # least urgent, latest created
+    assert admit(full, 0, capacity=3, max_handbacks=MAX).victim == "b"
+
+
+def test_a_job_at_its_bound_is_not_handed_back_and_does_not_block_urgent_work():
+    full = [held("a", 9, handbacks=MAX), held("b", 5, handbacks=MAX - 1)]
+    decision = admit(full, 7, capacity=2, max_handbacks=MAX)
+    assert decision.take and decision.victim is None                    # "a" rides along, uncounted
+    decision = admit(full, 0, capacity=2, max_handbacks=MAX)
+    assert decision.take and decision.victim is None
+    assert not admit(full, 9, capacity=2, max_handbacks=MAX).take       # not more urgent than "a"
+
+
+def test_a_job_being_claimed_keeps_its_place_and_is_never_the_victim():
+    full = [held("claiming", 9, pinned=True), held("b", 5)]
+    assert admit(full, 0, capacity=2, max_handbacks=MAX).victim == "b"
+    assert not admit([held("claiming", 9, pinned=True)], 0, capacity=1, max_handbacks=MAX).take
+
+
+jobs = st.lists(st.tuples(st.integers(0, 9), st.integers(0, 5), st.integers(0, MAX), st.booleans()), max_size=12)
+
+
+@given(jobs, st.integers(0, 9), st.integers(1, 8))
+def test_the_rule_keeps_its_promises(rows, priority, capacity):
+    slots = [held(i, p, age, hb, pinned) for i, (p, age, hb, pinned) in enumerate(rows)]
+    decision = admit(slots, priority, capacity=capacity, max_handbacks=MAX)
+    counted = [h for h in slots if h.handbacks < MAX or h.priority <= priority]
+    if decision.victim is not None:
+        victim = next(h for h in slots if h.key == decision.victim)
+        assert decision.take and len(counted) >= capacity
+        assert victim.priority > priority and victim.handbacks < MAX and not victim.pinned
+        # no other candidate is less urgent, or as urgent and newer
+        assert all((h.priority, h.created_at) <= (victim.priority, victim.created_at) for h in counted
+                   if h.priority > priority and not h.pinned)
+    elif decision.take:
+        assert len(counted) < capacity
+    else:  # declined: the worker holds `capacity` jobs it counts, none of them both less urgent and movable
+        assert len(counted) >= capacity
+        assert all(h.priority <= priority or h.pinned for h in counted)

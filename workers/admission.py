@@ -1,0 +1,46 @@
+"""Which jobs a full worker takes: the rule of queue-level preemption. Pure; no I/O, no clock.
+
+A worker holds up to `capacity` jobs (its engine's `max_num_seqs` plus a small reserve). When it is
+full, a job offered to it is taken only if it is **strictly more urgent** than a held job that may still
+be handed back; the least urgent of those (the latest created among equals, which has done the least
+work) goes back to the queue to make room. Equal priorities never preempt each other (no thrashing).
+
+A job handed back `max_handbacks` times is never handed back again: it keeps its place, and it does not
+count against a more urgent newcomer either (the worker takes the newcomer beside it). So a job pays for
+at most `max_handbacks` preemptions, and an urgent job is never left in Redis behind it. The overshoot
+is bounded: such jobs are at most the `capacity` jobs held when they reached the bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from datetime import datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """What the rule needs to know of a held job."""
+
+    key: Hashable
+    priority: int          # 0 most urgent
+    created_at: datetime
+    handbacks: int         # times it was handed back for more urgent work so far
+    pinned: bool = False   # being claimed: counted, never handed back
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    take: bool
+    victim: Hashable | None = None  # the held job to hand back to make room
+
+
+def admit(held: Iterable[Held], priority: int, *, capacity: int, max_handbacks: int) -> Admission:
+    """Whether a worker holding `held` takes a job of `priority`, and which held job it hands back for it."""
+    counted = [h for h in held if h.handbacks < max_handbacks or h.priority <= priority]
+    if len(counted) < capacity:
+        return Admission(True)
+    less_urgent = [h for h in counted if h.priority > priority and not h.pinned]  # each below its bound
+    if not less_urgent:
+        return Admission(False)
+    return Admission(True, max(less_urgent, key=lambda h: (h.priority, h.created_at)).key)

@@ -1,0 +1,233 @@
+"""Intake: how a worker takes jobs from Redis. As many as its engine can use, and never less urgent ones
+while more urgent ones wait.
+
+A Celery task thread takes one message (`take`): it claims the job in Postgres and adds it to the job
+book, which submits it to the engine; the task then returns, so holding a job costs no thread. Before the
+thread is given its next message (in `task_postrun`, before the late ack lets Celery fetch another), it
+waits in `wait_for_room` until one of these holds:
+
+- **room**: the worker holds fewer than `capacity` jobs (its engine's `max_num_seqs` plus a small
+  reserve that waits in the engine, ready to start the moment a slot frees);
+- **more urgent work waits in Redis**: a watcher thread reads the lengths of the per-priority lists
+  (one pipelined round trip of `LLEN`s every `queue_watch_interval`) while the worker is full, and
+  releases one thread when a waiting priority would be admitted (workers/admission.py). Celery's
+  consumer takes the most urgent message first; taking it, the worker hands its least urgent held job
+  back to the queue (tokens saved, lease dropped, re-sent at its own priority).
+
+So `--concurrency` is the number of messages a worker takes at once (claims in flight), not how many jobs
+it holds; a few are enough. A message that arrives when it is no longer wanted (another worker took the
+urgent job first) is sent back to the queue unclaimed.
+
+    Redis ──message──▶ take(): claim ─▶ JobBook.add ─▶ engine      watcher: LLEN generate, generate:1..9
+                       wait_for_room() ◀── room or urgent ◀──────────────┘
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from datetime import datetime, timezone
+
+import redis
+from sqlalchemy.orm import Session, sessionmaker
+from tenacity import Retrying, before_sleep_log, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from jobstore import jobs
+from jobstore.dispatch import QUEUE, queue_key
+from jobstore.models import Job, JobStatus
+from jobstore.settings import Settings
+from workers import admission, metrics
+from workers.job_book import DB_DOWN, JobBook
+from workers.outcomes import Outcome
+
+log = logging.getLogger(__name__)
+
+
+class Intake:
+    def __init__(self, book: JobBook, sessions: sessionmaker[Session], settings: Settings, worker_id: str,
+                 send: Callable[[uuid.UUID, int], None], capacity: int):
+        self.capacity = capacity
+        self._book, self._sessions, self._settings = book, sessions, settings
+        self._worker_id, self._send = worker_id, send
+        self._cond = threading.Condition(book.lock)
+        book.on_change = self._changed
+        self._closing = False
+        self._waiting = 0       # task threads in wait_for_room
+        self._released = 0      # threads let go whose next message has not started yet
+        self._urgent: int | None = None  # a waiting priority the watcher found admissible
+        self._claiming: dict[uuid.UUID, admission.Held] = {}  # taken, being claimed: their places are kept
+        self._redis = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        self._watcher = threading.Thread(target=self._watch, name="queue-watcher", daemon=True)
+
+    def start(self) -> Intake:
+        self._watcher.start()
+        return self
+
+    def close(self) -> None:
+        """Stop taking jobs: waiting threads return, messages taken from now on go back unclaimed."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+
+    # --- a task thread's message ---------------------------------------------------------------------
+
+    def message_started(self) -> None:
+        """A task (any) started: one released thread got its message."""
+        with self._cond:
+            self._released = max(0, self._released - 1)
+
+    def take(self, job_id: uuid.UUID, priority: int) -> Outcome | None:
+        """Claim the job and hand it to the engine if the worker should hold it; None when it is held now."""
+        # The lease is held by this claim, not by the process: if the lease lapses (a starved machine) and
+        # the reconciler re-dispatches the job to this same worker, the new claim is another lease, so the
+        # stale one's next write fails, and its request is aborted.
+        lease = f"{self._worker_id}#{uuid.uuid4().hex[:8]}"
+        with self._cond:
+            wanted = not self._closing and self._admit(priority).take
+            if wanted:  # its place is kept while it is claimed
+                self._claiming[lease] = admission.Held(lease, priority, datetime.now(timezone.utc), 0, pinned=True)
+        if not wanted:  # shutting down, or full of work at least as urgent (another worker took what we woke for)
+            self._send(job_id, priority)
+            metrics.JOBS.labels(str(priority), Outcome.DECLINED.value).inc()
+            log.info("job %s sent back to the queue unclaimed (%s)", job_id,
+                     "shutting down" if self._closing else "full of work at least as urgent")
+            return Outcome.DECLINED
+        try:
+            job = self._write(self._claim, job_id, lease)
+            if isinstance(job, str):
+                log.info("job %s dropped (%s)", job_id, job)
+                metrics.JOBS.labels(str(priority), Outcome.DROPPED.value).inc()
+                return Outcome.DROPPED
+            done = self._finish_without_engine(job, lease)
+            if done is not None:
+                return done
+            log.info("job %s claimed: priority %d, attempt %d%s", job_id, job.priority, job.attempts,
+                     f", resuming after {len(job.output_token_ids)} tokens" if job.output_token_ids else "")
+            with self._cond:
+                # decided again with the row's own priority (the message's may differ) and what is held now;
+                # the job is held whatever (its place was kept while it was claimed)
+                del self._claiming[lease]
+                victim = self._admit(job.priority).victim
+                self._book.add(job, lease)
+                if victim is not None:
+                    moved = self._book.hand_back(victim)
+                    log.info("job %s (priority %d) takes the place of job %s (priority %d): handing it back", job_id,
+                             job.priority, moved.job.id, moved.job.priority)
+                metrics.set_intake(len(self._book), self.capacity)
+        finally:
+            with self._cond:
+                self._claiming.pop(lease, None)
+                self._cond.notify_all()
+        return None
+
+    def wait_for_room(self) -> None:
+        """Block until the worker wants another message (room, or more urgent work waiting in Redis)."""
+        with self._cond:
+            self._waiting += 1
+            self._cond.notify_all()  # the watcher looks at Redis only while a thread waits
+            try:
+                while not self._closing:
+                    if self._held() + self._released < self.capacity:
+                        break
+                    if self._urgent is not None and self._released == 0:
+                        self._urgent = None
+                        break
+                    self._cond.wait()
+                self._released += 1
+            finally:
+                self._waiting -= 1
+
+    # --- helpers -------------------------------------------------------------------------------------
+
+    def _slots(self) -> list[admission.Held]:
+        return self._book.slots() + list(self._claiming.values())
+
+    def _admit(self, priority: int) -> admission.Admission:
+        return admission.admit(self._slots(), priority, capacity=self.capacity,
+                               max_handbacks=self._settings.max_handbacks)
+
+    def _changed(self) -> None:
+        """A job left the book (lock held): waiting threads may have room now."""
+        metrics.set_intake(len(self._book), self.capacity)
+        self._cond.notify_all()
+
+    def _claim(self, session: Session, job_id: uuid.UUID, lease: str) -> Job | str:
+        """The claimed job, or why it was not claimed."""
+        job = jobs.claim_job(session, job_id, lease, self._settings.lease_seconds)
+        if job is None:
+            current = jobs.get_job(session, job_id)
+            return JobStatus(current.status).value if current else "no such job"
+        return job
+
+    def _finish_without_engine(self, job: Job, lease: str) -> Outcome | None:
+        """A claimed job the engine need not see: an invalid row (failed), or one whose every token was saved."""
+        try:
+            jobs.check_job_row(job, self._settings.max_model_len)
+        except ValueError as exc:
+            log.error("job %s has an invalid row; failing it: %s", job.id, exc)
+            self._write(jobs.fail_job, job.id, lease, code="invalid_job", message=f"the stored job is not valid: {exc}")
+            metrics.job_done(job, None, Outcome.FAILED, error_code="invalid_job")
+            return Outcome.FAILED
+        if len(job.output_token_ids) == job.max_tokens:  # the last run saved every token, then died
+            self._write(jobs.finish_job, job.id, lease, token_ids=list(job.output_token_ids), text=job.output_text,
+                        finish_reason="length", prompt_tokens=job.prompt_tokens or 0)
+            log.info("job %s succeeded (every token was saved before)", job.id)
+            metrics.job_done(job, None, Outcome.SUCCEEDED)
+            return Outcome.SUCCEEDED
+        return None
+
+    def _write(self, fn: Callable, *args, **kwargs):
+        """`fn(session, *args, **kwargs)` in a session of its own, retried with exponential backoff (each try
+        a new session) while the database is unreachable."""
+        def once():
+            with self._sessions() as session:
+                return fn(session, *args, **kwargs)
+
+        retrying = Retrying(retry=retry_if_exception_type(DB_DOWN), wait=wait_exponential(multiplier=0.1, max=2.0),
+                            stop=stop_after_delay(self._settings.db_retry_seconds), reraise=True,
+                            before_sleep=before_sleep_log(log, logging.WARNING))
+        return retrying(once)
+
+    # --- the watcher thread ----------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """While a thread waits and the worker is full, look for more urgent work in Redis."""
+        interval = self._settings.queue_watch_interval
+        while True:
+            with self._cond:
+                while not self._closing and not self._should_look():
+                    self._cond.wait(1.0)
+                if self._closing:
+                    return
+                least_urgent = max(slot.priority for slot in self._slots())
+            try:
+                lengths = self._queue_lengths(range(least_urgent))
+            except redis.RedisError as exc:
+                log.warning("queue watcher: Redis unavailable (%s)", exc.__class__.__name__)
+                lengths = {}
+            with self._cond:
+                for priority in sorted(p for p, n in lengths.items() if n):
+                    if self._should_look() and self._admit(priority).take:
+                        self._urgent = priority
+                        self._cond.notify_all()
+                        break
+                self._cond.wait(interval)
+
+    def _should_look(self) -> bool:
+        return (self._waiting > 0 and self._released == 0 and self._urgent is None
+                and 0 < self.capacity <= self._held())
+
+    def _held(self) -> int:
+        return len(self._book) + len(self._claiming)
+
+    def _queue_lengths(self, priorities) -> dict[int, int]:
+        """Messages waiting in the queue's Redis list of each priority, in one round trip."""
+        priorities = list(priorities)
+        if not priorities:
+            return {}
+        pipe = self._redis.pipeline(transaction=False)
+        for p in priorities:
+            pipe.llen(queue_key(self._settings, QUEUE, p))
+        return dict(zip(priorities, pipe.execute()))

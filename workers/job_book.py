@@ -1,0 +1,285 @@
+"""JobBook: the jobs one worker process holds, and the one thread that writes them all to Postgres.
+
+Intake (workers/intake.py) claims a job and `add()`s it; from then on the book owns it. The job goes to
+the engine, and one writer thread does every database write of every held job, batched:
+
+- every `progress_interval`: the new tokens of all held jobs, and their lease renewals, in one
+  statement (jobs.save_progress); a job missing from its reply was cancelled or lost its lease, and its
+  engine request is aborted at once (so a cancel frees its batch slot within one interval);
+- as soon as jobs finish: their results, in one statement (jobs.finish_jobs), so a result lands within
+  milliseconds of its last token, and results finishing together share a write;
+- hand-backs (a more urgent job took the slot, or the worker shuts down): abort the request, save its
+  tokens, drop the lease, send the job back to the queue at its own priority.
+
+A failed write (Postgres unreachable) is kept and tried again at the next wake-up while the engine
+goes on generating; what is written is idempotent (jobs.Output), so a retry never duplicates tokens.
+
+    intake ──add──▶ JobBook ──submit──▶ EngineHost ──on_done──▶ writer ──batched UPDATEs──▶ Postgres
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from sqlalchemy.orm import Session, sessionmaker
+
+from batching import SamplingParams
+from jobstore import jobs
+from jobstore.models import Job
+from jobstore.settings import Settings
+from workers import metrics
+from workers.admission import Held
+from workers.engine_host import EngineHost, HostStopped, RequestHandle
+from workers.outcomes import Outcome
+
+log = logging.getLogger(__name__)
+DB_DOWN = (OperationalError, InterfaceError, PoolTimeout)
+
+
+@dataclass(eq=False)
+class HeldJob:
+    """A claimed job in this worker: its row as claimed, its lease, its engine request, and what is saved."""
+
+    job: Job
+    lease: str                       # the worker_id its row carries: one per claim
+    handle: RequestHandle | None = None
+    kept_tokens: int = 0             # output tokens the row holds
+    kept_text: str = ""              # output text the row holds
+    claimed_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def slot(self) -> Held:
+        return Held(self.lease, self.job.priority, self.job.created_at, self.job.handbacks)
+
+    def output(self, *, final: bool = False) -> jobs.Output:
+        """What to write beyond what the row holds, from the request's latest output (read once: the engine
+        thread replaces it as it goes). With nothing new, it only renews the lease."""
+        out = self.handle.output if self.handle is not None else None
+        if out is None:
+            return jobs.Output(self.job.id, self.lease, self.kept_tokens, [], len(self.kept_text.encode()), b"")
+        tokens, text = list(out.token_ids), out.text
+        kept = min(self.kept_tokens, len(tokens))  # generated tokens only grow: the row's are their prefix
+        if text.startswith(self.kept_text):
+            kept_text, tail = self.kept_text, text[len(self.kept_text):]
+        else:  # the text's tail changed (a partial character completed, a stop string cut it): rewrite it
+            kept_text, tail = "", text
+        return jobs.Output(self.job.id, self.lease, kept, tokens[kept:], len(kept_text.encode()), tail.encode(),
+                           self.handle.first_token_at, out.finish_reason if final else None,
+                           len(out.prompt_token_ids) if final else None)
+
+    def saved(self, output: jobs.Output) -> None:
+        """The row now holds `output` (written by save_progress)."""
+        self.kept_tokens = output.kept_tokens + len(output.new_tokens)
+        kept = self.kept_text.encode()[:output.kept_text_bytes] + output.text_tail
+        self.kept_text = kept.decode()
+
+
+def sampling_params(job: Job) -> SamplingParams:
+    return SamplingParams(max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p,
+                          top_k=job.top_k, seed=job.seed, stop=list(job.stop))
+
+
+class JobBook:
+    """The held jobs of one worker process. Thread-safe; `lock` also guards intake's decisions."""
+
+    def __init__(self, host: EngineHost, sessions: sessionmaker[Session], settings: Settings,
+                 send: Callable[[uuid.UUID, int], None]):
+        self.lock = threading.RLock()
+        self.on_change: Callable[[], None] = lambda: None  # called (lock held) when a job leaves the book
+        self._host, self._sessions, self._settings, self._send = host, sessions, settings, send
+        # in the engine (what counts against capacity), by lease: a job re-dispatched to this worker while a stale
+        # claim of it is still here is held twice, until the stale one's next write finds its lease gone
+        self._held: dict[str, HeldJob] = {}
+        self._ended: list[HeldJob] = []               # requests done in the engine, result not yet written
+        self._returning: list[tuple[HeldJob, Outcome]] = []  # to hand back to the queue
+        self._closing = False
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._write_loop, name="job-writer", daemon=True)
+
+    def start(self) -> JobBook:
+        self._thread.start()
+        return self
+
+    # --- what intake sees (call with `lock` held) --------------------------------------------------
+
+    def slots(self) -> list[Held]:
+        return [held.slot for held in self._held.values()]
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    # --- changes -------------------------------------------------------------------------------------
+
+    def add(self, job: Job, lease: str) -> None:
+        """Hold a claimed job and submit it to the engine, resuming after the tokens its row holds."""
+        held = HeldJob(job, lease, kept_tokens=len(job.output_token_ids), kept_text=job.output_text or "")
+        resumed = list(job.output_token_ids)
+        with self.lock:
+            self._held[lease] = held
+            # one engine request per attempt: a stale attempt still in the engine never blocks a new one
+            held.handle = self._host.submit(
+                f"{job.id}/{job.attempts}", job.prompt if job.prompt is not None else list(job.input_ids),
+                sampling_params(job), job.priority, resume_token_ids=resumed or None,
+                on_done=lambda handle, held=held: self._ended_in_engine(held))
+
+    def hand_back(self, lease: str, outcome: Outcome = Outcome.PREEMPTED) -> HeldJob | None:
+        """Take a held job out of the engine now; the writer saves its tokens and sends it back to the queue."""
+        with self.lock:
+            held = self._held.pop(lease, None)
+            if held is None:
+                return None
+            self._host.abort(held.handle.request_id)
+            self._returning.append((held, outcome))
+            self.on_change()
+        self._wake.set()
+        return held
+
+    def close(self) -> None:
+        """Hand every held job back (the worker shuts down); the writer ends once they are written."""
+        with self.lock:
+            self._closing = True
+            for lease in list(self._held):
+                self.hand_back(lease, Outcome.HANDED_BACK)
+        self._wake.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _ended_in_engine(self, held: HeldJob) -> None:
+        """On the engine thread: the request finished or failed; its slot is free now, its result written soon."""
+        with self.lock:
+            if self._held.pop(held.lease, None) is None:  # handed back or taken away meanwhile
+                return
+            self._ended.append(held)
+            self.on_change()
+        self._wake.set()
+
+    # --- the writer thread ---------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        interval = self._settings.progress_interval
+        next_progress = time.monotonic() + interval
+        while True:
+            self._wake.wait(max(0.0, next_progress - time.monotonic()))
+            self._wake.clear()
+            with self.lock:
+                ended, self._ended = self._ended, []
+                returning, self._returning = self._returning, []
+                closing = self._closing
+            ended = self._attempt(self._write_results, ended)
+            returning = self._attempt(self._write_hand_backs, returning)
+            if time.monotonic() >= next_progress:
+                self._attempt(self._write_progress, None)
+                next_progress = time.monotonic() + interval
+            if ended or returning:  # not written (Postgres unreachable): again at the next wake-up
+                with self.lock:
+                    self._ended[:0], self._returning[:0] = ended, returning
+                time.sleep(min(interval, 0.5))
+                self._wake.set()
+            elif closing:
+                with self.lock:
+                    if not (self._held or self._ended or self._returning):
+                        return
+
+    def _attempt(self, write: Callable, items):
+        """`write(items)`; on a database outage the items are returned to be written later."""
+        if items is not None and not items:
+            return items
+        try:
+            write(items)
+        except DB_DOWN as exc:
+            log.warning("job writes failed, database unavailable (%s); trying again", exc.__class__.__name__)
+            return items
+        except Exception:
+            log.exception("job writes failed")
+            return items
+        return [] if items is not None else None
+
+    def _write_progress(self, _=None) -> None:
+        """New tokens and lease renewals of every held job, in one statement; abort the jobs no longer ours."""
+        with self.lock:
+            held = list(self._held.values())
+        if not held:
+            return
+        outputs = [h.output() for h in held]
+        with self._sessions() as session:
+            ours = jobs.save_progress(session, outputs, self._settings.lease_seconds)
+        for h, output in zip(held, outputs):
+            if h.job.id in ours:
+                h.saved(output)
+                continue
+            with self.lock:
+                if self._held.pop(h.lease, None) is None:  # ended meanwhile: its result write will say
+                    continue
+                self._host.abort(h.handle.request_id)
+                self.on_change()
+            log.info("job %s stopped: cancelled or no longer leased by this worker", h.job.id)
+            metrics.job_done(h.job, h.handle, Outcome.STOPPED)
+
+    def _write_results(self, ended: list[HeldJob]) -> None:
+        """Results of requests the engine ended: successes in one statement, failures one by one (rare)."""
+        done = [h for h in ended if h.handle.error is None]
+        outputs = [h.output(final=True) for h in done]
+        with self._sessions() as session:
+            ours = jobs.finish_jobs(session, outputs)
+            failures = [(h, *self._fail(session, h)) for h in ended if h.handle.error is not None]
+        for h in done:
+            out = h.handle.output
+            if h.job.id in ours:
+                log.info("job %s succeeded: %d tokens (%s) in %.2fs, %d preemptions", h.job.id, len(out.token_ids),
+                         out.finish_reason, time.monotonic() - h.claimed_at, out.num_preemptions)
+                metrics.job_done(h.job, h.handle, Outcome.SUCCEEDED)
+            else:
+                log.info("job %s finished, but was no longer this worker's; result discarded", h.job.id)
+                metrics.job_done(h.job, h.handle, Outcome.DISCARDED)
+        for h, outcome, code in failures:
+            metrics.job_done(h.job, h.handle, outcome, error_code=code)
+
+    def _fail(self, session: Session, held: HeldJob) -> tuple[Outcome, str | None]:
+        """Write a request the engine failed as a failed job; the outcome and the error code."""
+        error = held.handle.error
+        if isinstance(error, HostStopped):
+            log.info("job %s left running; its lease lapses and the reconciler re-dispatches it", held.job.id)
+            return Outcome.LEFT, None
+        # the engine refusing a request outright (ValueError, no output): the stored row is one the API would
+        # have refused (e.g. a prompt over max_model_len written behind its back)
+        refused = isinstance(error, ValueError) and held.handle.output is None
+        code = "invalid_job" if refused else "invalid_request" if isinstance(error, ValueError) else "engine_error"
+        if not jobs.fail_job(session, held.job.id, held.lease, code=code, message=str(error)):
+            return Outcome.DISCARDED, None
+        log.info("job %s failed (%s: %s)", held.job.id, code, error)
+        return Outcome.FAILED, code
+
+    def _write_hand_backs(self, returning: list[tuple[HeldJob, Outcome]]) -> None:
+        """Save each job's tokens, drop its lease, and send it back to the queue at its own priority."""
+        released = []
+        with self._sessions() as session:
+            for h, outcome in returning:
+                out = h.handle.output
+                tokens = list(out.token_ids) if out is not None else list(h.job.output_token_ids)
+                text = out.text if out is not None else h.job.output_text
+                if jobs.release_job(session, h.job.id, h.lease, token_ids=tokens, text=text,
+                                    preempted=outcome is Outcome.PREEMPTED):
+                    released.append((h, outcome, len(tokens)))
+                else:
+                    log.info("job %s stopped while being handed back (no longer this worker's)", h.job.id)
+                    metrics.job_done(h.job, h.handle, Outcome.STOPPED)
+        sent = []
+        for h, outcome, n in released:
+            try:
+                self._send(h.job.id, h.job.priority)
+                sent.append(h.job.id)
+            except Exception as exc:  # queued and unsent in Postgres: the reconciler sends it
+                log.warning("job %s handed back but not sent (the reconciler will): %s", h.job.id, exc)
+            log.info("job %s handed back (%s) after %d tokens", h.job.id, outcome.value, n)
+            metrics.job_done(h.job, h.handle, outcome)
+        if sent:
+            with self._sessions() as session:
+                jobs.mark_enqueued(session, sent)
