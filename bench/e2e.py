@@ -281,7 +281,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=1.0, help="job arrivals per second (default 1)")
     parser.add_argument("--jobs", type=int, help="jobs in the workload (default 120; --quick 20)")
     parser.add_argument("--api-workers", type=int, help="gunicorn workers (default: gunicorn.conf.py's)")
-    parser.add_argument("--concurrency", type=int, default=8, help="worker task threads = engine max_num_seqs")
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="the engine's batch width (MAX_NUM_SEQS)")
     parser.add_argument("--ramp", default=None, help="offered submission rates, e.g. 100,200,300,400")
     parser.add_argument("--ramp-seconds", type=float, default=None, help="seconds per ramp step (default 4)")
     args = parser.parse_args()
@@ -290,12 +290,11 @@ def main() -> None:
     ramp_seconds = args.ramp_seconds or (2.0 if args.quick else 4.0)
     OUT.mkdir(exist_ok=True)
     print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs; {n} jobs at {args.rate}/s, "
-          f"gunicorn x{args.api_workers or 'gunicorn.conf.py'}, worker concurrency {args.concurrency}")
+          f"gunicorn x{args.api_workers or 'gunicorn.conf.py'}, MAX_NUM_SEQS {args.max_num_seqs}")
 
     jobs = workload(n, args.rate)
-    settings = bench_settings(max_num_seqs=args.concurrency)
-    with local_stack(settings, api_workers=args.api_workers, concurrency=args.concurrency,
-                     log_dir=OUT / "e2e-logs") as stack:
+    settings = bench_settings(max_num_seqs=args.max_num_seqs)
+    with local_stack(settings, api_workers=args.api_workers, log_dir=OUT / "e2e-logs") as stack:
         started = time.monotonic()
         results, samples = run_workload(stack, jobs)
         print(f"workload: {len(results)} jobs in {time.monotonic() - started:.1f}s")

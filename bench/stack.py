@@ -1,4 +1,4 @@
-"""A throw-away genq stack for benchmarks: a fresh database, the API under gunicorn, one Celery worker.
+"""A throw-away genq stack for benchmarks: a fresh database, the API under gunicorn, one or more Celery workers.
 
     with local_stack(bench_settings(), log_dir=Path("bench/out/logs")) as stack:
         requests.post(stack.url + "/jobs", json=..., headers=stack.headers)
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,19 +36,22 @@ class Stack:
     settings: Settings
     url: str
     key: str
-    worker_metrics_url: str
+    worker_metrics_urls: list[str]
     log_dir: Path
-    worker: subprocess.Popen | None
+    workers: list[subprocess.Popen]
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.key}"}
 
+    @property
+    def worker_metrics_url(self) -> str:
+        return self.worker_metrics_urls[0]
+
     def stop_worker(self) -> None:
-        """Stop the worker now (cold shutdown), e.g. to measure the API alone."""
-        if self.worker is not None:
-            _stop(self.worker)
-            self.worker = None
+        """Stop the workers now (cold shutdown), e.g. to measure the API alone."""
+        while self.workers:
+            _stop(self.workers.pop())
 
 
 def bench_settings(**overrides) -> Settings:
@@ -62,12 +66,14 @@ def bench_settings(**overrides) -> Settings:
 
 @contextmanager
 def local_stack(settings: Settings, *, api_workers: int | None = None, api_threads: int | None = None,
-                access_log: bool = False, concurrency: int = 8, log_dir: Path) -> Iterator[Stack]:
+                access_log: bool = False, workers: int = 1, concurrency: int = 4, worker_env: dict | None = None,
+                log_dir: Path) -> Iterator[Stack]:
     """Build the database, start gunicorn (gunicorn.conf.py, unless `api_workers` / `api_threads` say
-    otherwise) and the worker, wait until both answer; tear all down after."""
+    otherwise) and `workers` Celery workers (each its own engine, metrics port and `-n` name; `worker_env`
+    is added to their environment), wait until all answer; tear all down after."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    api_port, metrics_port = free_port(), free_port()
-    env = {**settings_env(settings), "WORKER_METRICS_PORT": str(metrics_port), "WORKER_METRICS_ADDRESS": "127.0.0.1"}
+    api_port = free_port()
+    env = settings_env(settings)
     with ExitStack() as cleanup:
         create_database_if_missing(settings.database_url)
         cleanup.callback(drop_database, settings.database_url)
@@ -83,14 +89,20 @@ def local_stack(settings: Settings, *, api_workers: int | None = None, api_threa
         api = _start([BIN / "gunicorn", "--bind", f"127.0.0.1:{api_port}", *sizes, "--log-level", "warning",
                       "webapi:create_app()"], {**env, "API_ACCESS_LOG": "-" if access_log else ""}, log_dir / "api.log")
         cleanup.callback(_stop, api)
-        worker = _start([BIN / "celery", "-A", "workers", "worker", "--pool", "threads", "--concurrency",
-                         str(concurrency), "-Q", "generate", "--loglevel", "WARNING", "--without-mingle",
-                         "--without-gossip", "-n", f"bench-{uuid.uuid4().hex[:6]}@%h"], env, log_dir / "worker.log")
-        stack = Stack(settings, f"http://127.0.0.1:{api_port}", key, f"http://127.0.0.1:{metrics_port}/metrics",
-                      log_dir, worker)
+        stack = Stack(settings, f"http://127.0.0.1:{api_port}", key, [], log_dir, [])
         cleanup.callback(stack.stop_worker)
+        for i in range(workers):
+            port = free_port()
+            stack.worker_metrics_urls.append(f"http://127.0.0.1:{port}/metrics")
+            stack.workers.append(_start(
+                [BIN / "celery", "-A", "workers", "worker", "--pool", "threads", "--concurrency", str(concurrency),
+                 "-Q", "generate", "--loglevel", "WARNING", "--without-mingle", "--without-gossip",
+                 "-n", f"bench{i}-{uuid.uuid4().hex[:6]}@%h"],
+                {**env, **(worker_env or {}), "WORKER_METRICS_PORT": str(port), "WORKER_METRICS_ADDRESS": "127.0.0.1"},
+                log_dir / f"worker{i}.log"))
         _wait_for(stack.url + "/healthz", api, log_dir / "api.log")
-        _wait_for(stack.worker_metrics_url, worker, log_dir / "worker.log")
+        for i, (url, worker) in enumerate(zip(stack.worker_metrics_urls, stack.workers)):
+            _wait_for(url, worker, log_dir / f"worker{i}.log")
         _wait_until_engine_ready(stack)
         yield stack
 
@@ -126,10 +138,16 @@ def _wait_for(url: str, process: subprocess.Popen, log: Path, timeout: float = 1
 
 
 def _wait_until_engine_ready(stack: Stack, timeout: float = 180) -> None:
-    """The metrics server starts before the engine is built; one tiny job proves the worker takes jobs."""
+    """The metrics server starts before the engine is built: wait until each worker reports its capacity
+    (its intake exists, so its engine is built); one tiny job then proves the stack takes jobs."""
+    deadline = time.monotonic() + timeout
+    for url in stack.worker_metrics_urls:
+        while not re.search(r"^genq_worker_capacity [1-9]", requests.get(url, timeout=5).text, re.M):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url}: the worker's engine was not built in {timeout}s")
+            time.sleep(0.2)
     r = requests.post(stack.url + "/jobs", json={"prompt": "warm up", "max_tokens": 1}, headers=stack.headers)
     r.raise_for_status()
-    deadline = time.monotonic() + timeout
     while requests.get(stack.url + r.headers["Location"], headers=stack.headers).json()["status"] != "succeeded":
         if time.monotonic() > deadline:
             raise RuntimeError("the worker did not run the warm-up job")

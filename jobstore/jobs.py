@@ -193,24 +193,26 @@ class Output:
     prompt_tokens: int | None = None
 
 
-def save_progress(db: Session | Connection, outputs: Sequence[Output], lease_seconds: float) -> set[uuid.UUID]:
+def save_progress(db: Session | Connection, outputs: Sequence[Output], lease_seconds: float
+                  ) -> set[tuple[uuid.UUID, str]]:
     """Append each running job's new tokens and renew its lease, in one statement whatever the number of jobs.
 
-    Returns the ids still leased by the given workers; a job missing from it is no longer its worker's
-    (cancelled, or its lease lapsed and it went back to the queue): the worker must stop working on it."""
+    Returns the (job id, worker_id) pairs whose lease held; an output missing from it is no longer its
+    worker's (cancelled, or its lease lapsed and the job went back to the queue, perhaps to be claimed
+    again under another lease of the same worker): the worker must stop that attempt."""
     if not outputs:
         return set()
-    return set(db.execute(_PROGRESS, dict(_output_params(outputs), lease=lease_seconds)).scalars())
+    return set(map(tuple, db.execute(_PROGRESS, dict(_output_params(outputs), lease=lease_seconds))))
 
 
-def finish_jobs(db: Session | Connection, outputs: Sequence[Output]) -> set[uuid.UUID]:
+def finish_jobs(db: Session | Connection, outputs: Sequence[Output]) -> set[tuple[uuid.UUID, str]]:
     """running → succeeded with the full output (the rows' tokens + the new ones), in one statement;
-    returns the ids that were still their workers'."""
+    returns the (job id, worker_id) pairs whose lease held."""
     if not outputs:
         return set()
     params = _output_params(outputs)
     params.update(reasons=[o.finish_reason for o in outputs], prompt_counts=[o.prompt_tokens for o in outputs])
-    return set(db.execute(_FINISH, params).scalars())
+    return set(map(tuple, db.execute(_FINISH, params)))
 
 
 def finish_job(db: Session | Connection, job_id: uuid.UUID, worker_id: str, *, token_ids: Sequence[int], text: str,
@@ -218,7 +220,7 @@ def finish_job(db: Session | Connection, job_id: uuid.UUID, worker_id: str, *, t
     """running → succeeded with this whole output; False if the job is no longer the worker's."""
     output = Output(job_id, worker_id, 0, token_ids, 0, text.encode("utf-8"), first_token_at, finish_reason,
                     prompt_tokens)
-    return job_id in finish_jobs(db, [output])
+    return (job_id, worker_id) in finish_jobs(db, [output])
 
 
 def _output_params(outputs: Sequence[Output]) -> dict:
@@ -247,7 +249,7 @@ _APPENDED = """
     output_text = substring(j.output_text FROM 1 FOR v.text_kept) || v.tail,
     first_token_at = coalesce(j.first_token_at, v.first),
     updated_at = now()"""
-_LEASED = "WHERE j.id = v.id AND j.status = 'running' AND j.worker_id = v.worker RETURNING j.id"
+_LEASED = "WHERE j.id = v.id AND j.status = 'running' AND j.worker_id = v.worker RETURNING j.id, j.worker_id"
 _PROGRESS = text(f"""UPDATE jobs AS j SET {_APPENDED},
     lease_expires_at = now() + make_interval(secs => CAST(:lease AS double precision))
     FROM {_OUTPUT_ROWS.format(extra="", extra_names="")} {_LEASED}""")

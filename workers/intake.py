@@ -62,6 +62,7 @@ class Intake:
         self._watcher = threading.Thread(target=self._watch, name="queue-watcher", daemon=True)
 
     def start(self) -> Intake:
+        metrics.set_intake(0, self.capacity)
         self._watcher.start()
         return self
 

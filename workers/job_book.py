@@ -212,7 +212,7 @@ class JobBook:
         with self._sessions() as session:
             ours = jobs.save_progress(session, outputs, self._settings.lease_seconds)
         for h, output in zip(held, outputs):
-            if h.job.id in ours:
+            if (h.job.id, h.lease) in ours:
                 h.saved(output)
                 continue
             with self.lock:
@@ -232,7 +232,7 @@ class JobBook:
             failures = [(h, *self._fail(session, h)) for h in ended if h.handle.error is not None]
         for h in done:
             out = h.handle.output
-            if h.job.id in ours:
+            if (h.job.id, h.lease) in ours:
                 log.info("job %s succeeded: %d tokens (%s) in %.2fs, %d preemptions", h.job.id, len(out.token_ids),
                          out.finish_reason, time.monotonic() - h.claimed_at, out.num_preemptions)
                 metrics.job_done(h.job, h.handle, Outcome.SUCCEEDED)

@@ -6,6 +6,7 @@ import uuid
 
 import pytest
 from sqlalchemy import select
+from sqlalchemy import text as sql
 
 from jobstore import jobs
 from jobstore.keys import create_key, hash_key, tenant_for_key
@@ -44,8 +45,8 @@ def test_create_claim_progress_finish(sessions, tenant_id):
         assert jobs.claim_job(s, job_id, "w2", LEASE) is None  # a second message for the job is dropped
     with sessions.begin() as s:
         assert not jobs.save_progress(s, [progress(job_id, "w2", [9], "x")], LEASE)  # not w2's lease
-        assert jobs.save_progress(s, [progress(job_id, "w1", [5, 6], "ab")], LEASE) == {job_id}
-        assert jobs.save_progress(s, [progress(job_id, "w1", [], "", 2, "ab")], LEASE) == {job_id}  # lease only
+        assert jobs.save_progress(s, [progress(job_id, "w1", [5, 6], "ab")], LEASE) == {(job_id, "w1")}
+        assert jobs.save_progress(s, [progress(job_id, "w1", [], "", 2, "ab")], LEASE) == {(job_id, "w1")}  # lease only
     with sessions.begin() as s:
         assert jobs.get_job(s, job_id).output_token_ids == [5, 6]
         assert jobs.finish_job(s, job_id, "w1", token_ids=[5, 6, 7], text="abc", finish_reason="length",
@@ -58,6 +59,22 @@ def test_create_claim_progress_finish(sessions, tenant_id):
         assert not jobs.save_progress(s, [progress(job_id, "w1", [1], "z")], LEASE)  # finished is final
 
 
+def test_a_stale_attempt_of_the_same_worker_is_told_apart_by_its_lease(sessions, tenant_id):
+    # the job's lease lapsed under attempt "w1#a" and the same worker claimed it again as "w1#b": in one
+    # write of both, only the current attempt's output lands and is reported as still leased
+    job_id = create(sessions, tenant_id)
+    with sessions.begin() as s:
+        jobs.claim_job(s, job_id, "w1#a", LEASE)
+        s.execute(sql("UPDATE jobs SET status = 'queued', worker_id = NULL WHERE id = :id"), {"id": job_id})
+        jobs.claim_job(s, job_id, "w1#b", LEASE)
+    with sessions.begin() as s:
+        both = [progress(job_id, "w1#a", [1, 2, 3], "123"), progress(job_id, "w1#b", [7], "7")]
+        assert jobs.save_progress(s, both, LEASE) == {(job_id, "w1#b")}
+        assert jobs.finish_jobs(s, [progress(job_id, "w1#a", [4], "4")]) == set()
+    with sessions.begin() as s:
+        assert jobs.get_job(s, job_id).output_token_ids == [7]
+
+
 def test_progress_of_many_jobs_appends_in_one_idempotent_statement(sessions, tenant_id):
     ids = [create(sessions, tenant_id) for _ in range(3)]
     with sessions.begin() as s:
@@ -67,17 +84,17 @@ def test_progress_of_many_jobs_appends_in_one_idempotent_statement(sessions, ten
     first = [progress(ids[0], "w1", [1, 2], "12"), progress(ids[1], "w1", [], ""), progress(ids[2], "w1", [7], "7")]
     then = [progress(ids[0], "w1", [3], "3é", 2, "12"), progress(ids[1], "w1", [8, 9], "89")]
     with sessions.begin() as s:
-        assert jobs.save_progress(s, first, LEASE) == set(ids[:2])
+        assert jobs.save_progress(s, first, LEASE) == {(i, "w1") for i in ids[:2]}
     for _ in range(2):  # a retry after a lost reply writes the same rows again, duplicating nothing
         with sessions.begin() as s:
-            assert jobs.save_progress(s, then, LEASE) == set(ids[:2])
+            assert jobs.save_progress(s, then, LEASE) == {(i, "w1") for i in ids[:2]}
     with sessions.begin() as s:
         rows = [jobs.get_job(s, job_id) for job_id in ids]
         assert [(j.output_token_ids, j.output_text) for j in rows] == [([1, 2, 3], "123é"), ([8, 9], "89"), ([], "")]
     final = [jobs.Output(ids[0], "w1", 3, [4], len("123é".encode()), b"4", None, "length", 10),
              jobs.Output(ids[1], "w1", 1, [5], 1, b"5", None, "stop", 11)]   # a shorter output replaces the tail
     with sessions.begin() as s:
-        assert jobs.finish_jobs(s, final) == set(ids[:2])
+        assert jobs.finish_jobs(s, final) == {(i, "w1") for i in ids[:2]}
         assert jobs.finish_jobs(s, final) == set()  # finished is final
     with sessions.begin() as s:
         rows = [jobs.get_job(s, job_id) for job_id in ids[:2]]

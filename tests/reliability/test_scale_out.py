@@ -78,8 +78,10 @@ def test_two_workers_share_a_backlog_urgent_first_and_survive_a_kill_9(settings,
     by_process = {}
     for r in done.values():
         by_process[process_of(r["worker_id"])] = by_process.get(process_of(r["worker_id"]), 0) + 1
-    assert len(by_process) == 2 and all(n >= 2 for n in by_process.values()), by_process  # both did work
-    assert all(done[i]["attempts"] >= 2 for i in held_at_kill)  # the survivor resumed the killed one's jobs
+    # both did work (both ran backlog jobs at once, waited for above); the killed one's jobs were resumed and
+    # finished by the survivor
+    assert held_at_kill and all(done[i]["attempts"] >= 2 for i in held_at_kill), held_at_kill
+    assert not any(process_of(done[i]["worker_id"]) == victim_process for i in held_at_kill)
     figures["two_workers_kill_9"] = {
         "jobs": len(ids) + len(urgent), "held_by_killed_worker": len(held_at_kill),
         "finished_by_process": sorted(by_process.values()), "duplicates": 0, "exact_vs_offline": True,

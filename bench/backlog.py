@@ -1,0 +1,361 @@
+"""Urgent-first and a fed batch through the whole stack (issue 11): HTTP, Redis, the worker(s), Postgres.
+
+Each section runs a fresh stack (bench/stack.py: its own database and Redis keys, gunicorn, real
+Celery workers) and compares it with a baseline measured in the same run:
+
+1. Urgent TTFT under a backlog. Default settings (MAX_NUM_SEQS 64, so a worker holds 72 jobs). Idle:
+   priority-0 jobs one at a time on the empty stack. Backlog: `--backlog-factor` (10) times what the
+   workers hold in priority-9 jobs, then the same priority-0 jobs one at a time while the backlog waits
+   in Redis. TTFT = the job's created_at -> first_token_at (Postgres). Target: backlog p99 <= 2x idle
+   p99 + 100 ms. The priority-9 depth in Redis at each urgent arrival is recorded: it shows the backlog
+   was really there.
+2. Tokens/s of the stack against the engine alone on the same jobs and settings, at batch widths
+   (MAX_NUM_SEQS) 32, 128 and 256: 2x width jobs per worker, all submitted at once; the engine alone
+   (batching.Engine in this process, the same EngineConfig) generates, for each job, as many tokens as
+   the stack did (`ignore_eos`). Stack tokens/s = tokens / (first created_at -> last finished_at).
+   Target: >= 0.9x at every width.
+3. Both again with two workers (each its own process and engine; with `--threads-per-worker`).
+4. An idle stack's latency (created_at -> finished_at) of short jobs (32 tokens), one at a time, and
+   the first job after the worker started. Target: max <= 3x p50.
+
+    .venv/bin/python bench/backlog.py --quick      # smoke run, ~3 min
+    .venv/bin/python bench/backlog.py              # full run, ~15 min on 2 cores; copies the plot to bench/
+
+JSON goes to bench/out/backlog.json, the plot to bench/out/backlog.png (and bench/backlog.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import statistics
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import redis
+import requests
+from sqlalchemy import func, select
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.stack import bench_settings, local_stack  # noqa: E402
+from jobstore.db import make_engine, make_session_factory  # noqa: E402
+from jobstore.dispatch import queue_key  # noqa: E402
+from jobstore.models import Job, JobStatus  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "out"
+WORDS = "the tea cat sky mud river stone light song road".split()
+FINISHED = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q / 100 * len(values)))] if values else float("nan")
+
+
+def prompt(rng: random.Random, tag: str) -> str:
+    return f"{tag}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 40)))
+
+
+class Client:
+    """The HTTP side (submit, cancel) and the measuring side (Postgres rows, Redis depth, worker gauges)."""
+
+    def __init__(self, stack):
+        self.stack = stack
+        self.db = make_engine(stack.settings.database_url)
+        self.sessions = make_session_factory(self.db)
+        self.redis = redis.Redis.from_url(stack.settings.redis_url)
+        self.local = threading.local()
+
+    def close(self) -> None:
+        self.db.dispose()
+        self.redis.close()
+
+    def http(self) -> requests.Session:
+        if not hasattr(self.local, "session"):
+            self.local.session = requests.Session()
+        return self.local.session
+
+    def submit(self, body: dict) -> str:
+        r = self.http().post(self.stack.url + "/jobs", json=body, headers=self.stack.headers, timeout=30)
+        if r.status_code != 202:
+            raise RuntimeError(f"POST /jobs answered {r.status_code}: {r.text}")
+        return r.json()["id"]
+
+    def submit_all(self, bodies: list[dict]) -> list[str]:
+        with ThreadPoolExecutor(8) as pool:
+            return list(pool.map(self.submit, bodies))
+
+    def cancel_all(self, ids: list[str]) -> None:
+        def cancel(job_id: str) -> None:
+            self.http().post(f"{self.stack.url}/jobs/{job_id}/cancel", headers=self.stack.headers, timeout=30)
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(cancel, ids))
+
+    def rows(self, ids: list[str]) -> list[dict]:
+        wanted = [uuid.UUID(i) for i in ids]
+        with self.sessions() as s:
+            found = {r.id: r._asdict() for r in s.execute(
+                select(Job.id, Job.status, Job.created_at, Job.started_at, Job.first_token_at, Job.finished_at,
+                       Job.handbacks, func.cardinality(Job.output_token_ids).label("tokens"))
+                .where(Job.id.in_(wanted)))}
+        return [found[i] for i in wanted]
+
+    def wait(self, ids: list[str], timeout: float = 1800, poll: float = 0.01) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        wanted = [uuid.UUID(i) for i in ids]
+        while True:
+            with self.sessions() as s:
+                left = s.scalar(select(func.count()).where(Job.id.in_(wanted), Job.status.not_in(FINISHED)))
+            if not left:
+                return self.rows(ids)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{left} of {len(ids)} jobs not finished after {timeout}s")
+            time.sleep(poll)
+
+    def depth(self, priority: int) -> int:
+        return self.redis.llen(queue_key(self.stack.settings, "generate", priority))
+
+    def held(self) -> int:
+        total = 0
+        for url in self.stack.worker_metrics_urls:
+            found = re.search(r"^genq_worker_held_jobs (\S+)", self.http().get(url, timeout=5).text, re.M)
+            total += int(float(found.group(1))) if found else 0
+        return total
+
+    def wait_held(self, at_least: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while self.held() < at_least:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the workers hold {self.held()} jobs, not {at_least}, after {timeout}s")
+            time.sleep(0.05)
+
+
+def seconds(a, b) -> float:
+    return (b - a).total_seconds()
+
+
+# --- 1. urgent TTFT, idle and under a backlog -----------------------------------------------------------
+
+def urgent_ttft(workers: int, n_urgent: int, backlog_factor: int, worker_env: dict, seed: int = 11) -> dict:
+    rng = random.Random(seed)
+    settings = bench_settings()  # defaults: MAX_NUM_SEQS and WORKER_RESERVE unset
+    capacity = settings.worker_capacity(64) * workers
+    urgent_body = lambda i: {"prompt": prompt(rng, f"urgent {i}"), "max_tokens": 8, "priority": 0,  # noqa: E731
+                             "temperature": 0.0}
+    with local_stack(settings, workers=workers, worker_env=worker_env, log_dir=OUT / "backlog-logs") as stack:
+        client = Client(stack)
+        idle = []
+        for i in range(n_urgent):
+            idle += client.wait([client.submit(urgent_body(i))])
+            time.sleep(0.05)
+        bodies = [{"prompt": prompt(rng, f"backlog {i}"), "max_tokens": 1024, "priority": 9, "temperature": 0.0}
+                  for i in range(backlog_factor * capacity)]
+        started = time.monotonic()
+        backlog = client.submit_all(bodies)
+        print(f"  {len(backlog)} priority-9 jobs submitted in {time.monotonic() - started:.1f}s")
+        client.wait_held(capacity)
+        loaded, depths = [], []
+        for i in range(n_urgent):
+            depths.append(client.depth(9))
+            loaded += client.wait([client.submit(urgent_body(n_urgent + i))])
+            time.sleep(0.05)
+        backlog_rows = client.rows(backlog)
+        client.cancel_all(backlog)
+        client.close()
+    idle_ttft = [seconds(r["created_at"], r["first_token_at"]) for r in idle]
+    loaded_ttft = [seconds(r["created_at"], r["first_token_at"]) for r in loaded]
+    bound = 2 * pct(idle_ttft, 99) + 0.1
+    return {"workers": workers, "capacity": capacity, "backlog_jobs": len(backlog),
+            "idle_ttft_s": idle_ttft, "backlog_ttft_s": loaded_ttft,
+            "idle_p50_s": pct(idle_ttft, 50), "idle_p99_s": pct(idle_ttft, 99),
+            "backlog_p50_s": pct(loaded_ttft, 50), "backlog_p99_s": pct(loaded_ttft, 99),
+            "bound_s": bound, "met": pct(loaded_ttft, 99) <= bound,
+            "redis_depth_at_arrival": depths, "min_depth_over_capacity": min(depths) / capacity,
+            "handbacks": sum(r["handbacks"] for r in backlog_rows)}
+
+
+# --- 2. tokens/s: the stack against the engine alone ------------------------------------------------------
+
+def stack_throughput(width: int, workers: int, worker_env: dict, tokens: int, seed: int = 5) -> dict:
+    rng = random.Random(seed + width)
+    settings = bench_settings(max_num_seqs=width)
+    bodies = [{"prompt": prompt(rng, f"job {i}"), "max_tokens": tokens, "priority": 5, "temperature": 0.0}
+              for i in range(2 * width * workers)]
+    with local_stack(settings, workers=workers, worker_env=worker_env, log_dir=OUT / "backlog-logs") as stack:
+        client = Client(stack)
+        ids = client.submit_all(bodies)
+        rows = client.wait(ids, poll=0.2)
+        client.close()
+    made = sum(r["tokens"] for r in rows)
+    span = seconds(min(r["created_at"] for r in rows), max(r["finished_at"] for r in rows))
+    return {"settings": settings, "bodies": bodies, "lengths": [r["tokens"] for r in rows],
+            "tokens": made, "seconds": span, "tokens_per_s": made / span,
+            "failed": sum(r["status"] != JobStatus.SUCCEEDED for r in rows)}
+
+
+def engine_throughput(settings, bodies: list[dict], lengths: list[int]) -> dict:
+    """The same jobs into one Engine with the worker's EngineConfig, all at once, each to its stack length."""
+    from batching import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(**settings.engine_options()))
+    started = time.perf_counter()
+    for i, (body, n) in enumerate(zip(bodies, lengths)):
+        engine.add_request(str(i), body["prompt"], SamplingParams(max_tokens=max(n, 1), temperature=0.0,
+                                                                   ignore_eos=True), priority=body["priority"])
+    made = 0
+    while engine.has_unfinished_requests():
+        made += sum(len(out.token_ids) for out in engine.step() if out.finished)
+    span = time.perf_counter() - started
+    del engine
+    return {"tokens": made, "seconds": span, "tokens_per_s": made / span}
+
+
+def throughput(width: int, workers: int, worker_env: dict, tokens: int) -> dict:
+    system = stack_throughput(width, workers, worker_env, tokens)
+    alone = engine_throughput(system["settings"], system["bodies"], system["lengths"])
+    return {"width": width, "workers": workers, "jobs": len(system["bodies"]), "tokens": system["tokens"],
+            "failed": system["failed"], "stack_tokens_per_s": system["tokens_per_s"],
+            "engine_tokens_per_s": alone["tokens_per_s"], "ratio": system["tokens_per_s"] / alone["tokens_per_s"],
+            "met": system["tokens_per_s"] >= 0.9 * alone["tokens_per_s"]}
+
+
+# --- 4. an idle stack's short jobs ------------------------------------------------------------------------
+
+def idle_latency(n: int, seed: int = 3) -> dict:
+    rng = random.Random(seed)
+    with local_stack(bench_settings(), log_dir=OUT / "backlog-logs") as stack:
+        client = Client(stack)
+        with client.sessions() as s:  # bench/stack.py's warm-up job: the first after the worker started
+            first = s.execute(select(Job.created_at, Job.finished_at).order_by(Job.created_at).limit(1)).one()
+        rows = []
+        for i in range(n):
+            rows += client.wait([client.submit({"prompt": prompt(rng, f"short {i}"), "max_tokens": 32,
+                                                "priority": 5, "temperature": 0.0})])
+            time.sleep(0.1)
+        client.close()
+    latency = [seconds(r["created_at"], r["finished_at"]) for r in rows]
+    p50 = statistics.median(latency)
+    return {"latency_s": latency, "p50_s": p50, "p99_s": pct(latency, 99), "max_s": max(latency),
+            "max_over_p50": max(latency) / p50, "met": max(latency) <= 3 * p50,
+            "first_job_s": seconds(first.created_at, first.finished_at)}
+
+
+# --- report -----------------------------------------------------------------------------------------------
+
+def plot(result: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    ax = axes[0]
+    labels, data = [], []
+    for row in result["urgent"]:
+        labels += [f"idle\n{row['workers']} worker(s)", f"backlog {row['backlog_jobs']}\n{row['workers']} worker(s)"]
+        data += [[1000 * t for t in row["idle_ttft_s"]], [1000 * t for t in row["backlog_ttft_s"]]]
+    ax.boxplot(data, whis=(0, 100))
+    ax.set_xticks(range(1, len(labels) + 1), labels)
+    for i, row in enumerate(result["urgent"]):
+        ax.hlines(1000 * row["bound_s"], 2 * i + 1.6, 2 * i + 2.4, colors="r", linestyles="--",
+                  label="target: 2x idle p99 + 100 ms" if i == 0 else None)
+    ax.set_ylabel("priority-0 TTFT (ms)")
+    ax.set_title("urgent TTFT: idle vs a backlog >= 10x what the workers hold")
+    ax.legend(fontsize=8)
+
+    ax = axes[1]
+    rows = result["throughput"]
+    groups = sorted({r["workers"] for r in rows})
+    widths = sorted({r["width"] for r in rows})
+    bar = 0.8 / len(groups)
+    for g, workers in enumerate(groups):
+        ratios = [next((r["ratio"] for r in rows if r["width"] == w and r["workers"] == workers), 0) for w in widths]
+        ax.bar([i + g * bar for i in range(len(widths))], ratios, bar, label=f"{workers} worker(s)")
+    ax.axhline(0.9, color="r", ls="--", label="target 0.9x")
+    ax.set_xticks([i + bar * (len(groups) - 1) / 2 for i in range(len(widths))], [str(w) for w in widths])
+    ax.set_xlabel("batch width (MAX_NUM_SEQS)")
+    ax.set_ylabel("stack tokens/s / engine alone")
+    ax.set_title("a wide batch kept fed")
+    ax.legend(fontsize=8)
+
+    ax = axes[2]
+    idle = result["idle"]
+    ax.plot([1000 * t for t in idle["latency_s"]], "o-", ms=3, label="32-token job, created -> finished")
+    ax.axhline(1000 * idle["p50_s"], color="k", lw=0.8, label="p50")
+    ax.axhline(3000 * idle["p50_s"], color="r", ls="--", label="target max: 3x p50")
+    ax.set_xlabel("job (one at a time)")
+    ax.set_ylabel("latency (ms)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"idle stack (first job after start: {1000 * idle['first_job_s']:.0f} ms)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: width 32 only, fewer jobs")
+    parser.add_argument("--urgent", type=int, help="priority-0 jobs per phase (default 40; --quick 10)")
+    parser.add_argument("--backlog-factor", type=int, default=10, help="backlog = this x what the workers hold")
+    parser.add_argument("--widths", help="batch widths for tokens/s (default 32,128,256; --quick 32)")
+    parser.add_argument("--tokens", type=int, default=128, help="max_tokens of a throughput job")
+    parser.add_argument("--short-jobs", type=int, help="idle short jobs (default 60; --quick 20)")
+    parser.add_argument("--threads-per-worker", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                        help="OMP_NUM_THREADS of each of two workers (one worker uses the default)")
+    parser.add_argument("--skip", default="", help="comma list of sections to skip: urgent,throughput,two,idle")
+    args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    n_urgent = args.urgent or (10 if args.quick else 40)
+    widths = [int(w) for w in (args.widths or ("32" if args.quick else "32,128,256")).split(",")]
+    OUT.mkdir(exist_ok=True)
+    print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs")
+    two = {"OMP_NUM_THREADS": str(args.threads_per_worker)}
+    setups = [(1, {})] + ([] if "two" in skip else [(2, two)])
+    result: dict = {"urgent": [], "throughput": [], "quick": args.quick}
+
+    if "urgent" not in skip:
+        for workers, env in setups:
+            print(f"urgent TTFT, {workers} worker(s):")
+            row = urgent_ttft(workers, n_urgent, args.backlog_factor, env)
+            result["urgent"].append(row)
+            print(f"  idle p50 {1000 * row['idle_p50_s']:.0f} ms p99 {1000 * row['idle_p99_s']:.0f} ms; backlog of "
+                  f"{row['backlog_jobs']} (capacity {row['capacity']}, >= {row['min_depth_over_capacity']:.1f}x "
+                  f"waiting in Redis at each arrival): p50 {1000 * row['backlog_p50_s']:.0f} ms p99 "
+                  f"{1000 * row['backlog_p99_s']:.0f} ms; target p99 <= {1000 * row['bound_s']:.0f} ms: "
+                  f"{'met' if row['met'] else 'NOT met'}; {row['handbacks']} hand-backs")
+    if "throughput" not in skip:
+        for workers, env in setups:
+            for width in widths:
+                row = throughput(width, workers, env, args.tokens)
+                result["throughput"].append(row)
+                print(f"tokens/s, width {width}, {workers} worker(s): stack {row['stack_tokens_per_s']:.0f}, engine "
+                      f"alone {row['engine_tokens_per_s']:.0f} ({row['jobs']} jobs, {row['tokens']} tokens, "
+                      f"{row['failed']} failed): {row['ratio']:.2f}x; target >= 0.9x: "
+                      f"{'met' if row['met'] else 'NOT met'}")
+    if "idle" not in skip:
+        row = result["idle"] = idle_latency(args.short_jobs or (20 if args.quick else 60))
+        print(f"idle short jobs: p50 {1000 * row['p50_s']:.0f} ms p99 {1000 * row['p99_s']:.0f} ms max "
+              f"{1000 * row['max_s']:.0f} ms ({row['max_over_p50']:.2f}x p50; target <= 3x: "
+              f"{'met' if row['met'] else 'NOT met'}); first job after start {1000 * row['first_job_s']:.0f} ms")
+    (OUT / "backlog.json").write_text(json.dumps(result, indent=2, default=str))
+    if result["urgent"] and result["throughput"] and "idle" in result:
+        path = plot(result, OUT / "backlog.png")
+        if not args.quick:
+            shutil.copy(path, Path(__file__).resolve().parent / path.name)
+        print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()
