@@ -10,10 +10,11 @@ Celery workers) and compares it with a baseline measured in the same run:
    p99 + 100 ms. The priority-9 depth in Redis at each urgent arrival is recorded: it shows the backlog
    was really there.
 2. Tokens/s of the stack against the engine alone on the same jobs and settings, at batch widths
-   (MAX_NUM_SEQS) 32, 128 and 256: 2x width jobs per worker, all submitted at once; the engine alone
-   (batching.Engine in this process, the same EngineConfig) generates, for each job, as many tokens as
-   the stack did (`ignore_eos`). Stack tokens/s = tokens / (first created_at -> last finished_at).
-   Target: >= 0.9x at every width.
+   (MAX_NUM_SEQS) 32, 128 and 256: 2x width jobs per worker wait in Redis (submitted while the workers'
+   consumers are cancelled, so the API's cost is not counted: bench/e2e.py measures it), then the
+   workers take them; the engine alone (batching.Engine in this process, the same EngineConfig) gets
+   the same jobs at once and generates, for each, as many tokens as the stack did (`ignore_eos`).
+   Stack tokens/s = tokens / (consumers added -> last finished_at). Target: >= 0.9x at every width.
 3. Both again with two workers (each its own process and engine; with `--threads-per-worker`).
 4. An idle stack's latency (created_at -> finished_at) of short jobs (32 tokens), one at a time, and
    the first job after the worker started. Target: max <= 3x p50.
@@ -38,6 +39,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
 from pathlib import Path
 
 import redis
@@ -186,26 +188,36 @@ def urgent_ttft(workers: int, n_urgent: int, backlog_factor: int, worker_env: di
 
 # --- 2. tokens/s: the stack against the engine alone ------------------------------------------------------
 
-def stack_throughput(width: int, workers: int, worker_env: dict, tokens: int, seed: int = 5) -> dict:
+def stack_throughput(width: int, workers: int, worker_env: dict, tokens: int, concurrency: int = 8,
+                     seed: int = 5) -> dict:
     rng = random.Random(seed + width)
     settings = bench_settings(max_num_seqs=width)
     bodies = [{"prompt": prompt(rng, f"job {i}"), "max_tokens": tokens, "priority": 5, "temperature": 0.0}
               for i in range(2 * width * workers)]
-    with local_stack(settings, workers=workers, worker_env=worker_env, log_dir=OUT / "backlog-logs") as stack:
+    with local_stack(settings, workers=workers, worker_env=worker_env, concurrency=concurrency,
+                     log_dir=OUT / "backlog-logs") as stack:
         client = Client(stack)
+        stack.pause_intake()
         ids = client.submit_all(bodies)
+        started = datetime.now(timezone.utc)
+        stack.resume_intake()
         rows = client.wait(ids, poll=0.2)
         client.close()
     made = sum(r["tokens"] for r in rows)
-    span = seconds(min(r["created_at"] for r in rows), max(r["finished_at"] for r in rows))
+    span = seconds(started, max(r["finished_at"] for r in rows))
     return {"settings": settings, "bodies": bodies, "lengths": [r["tokens"] for r in rows],
             "tokens": made, "seconds": span, "tokens_per_s": made / span,
             "failed": sum(r["status"] != JobStatus.SUCCEEDED for r in rows)}
 
 
-def engine_throughput(settings, bodies: list[dict], lengths: list[int]) -> dict:
+def engine_throughput(settings, bodies: list[dict], lengths: list[int], threads: int | None) -> dict:
     """The same jobs into one Engine with the worker's EngineConfig, all at once, each to its stack length."""
+    import torch
+
     from batching import Engine, EngineConfig, SamplingParams
+
+    if threads:
+        torch.set_num_threads(threads)
 
     engine = Engine(EngineConfig(**settings.engine_options()))
     started = time.perf_counter()
@@ -220,9 +232,10 @@ def engine_throughput(settings, bodies: list[dict], lengths: list[int]) -> dict:
     return {"tokens": made, "seconds": span, "tokens_per_s": made / span}
 
 
-def throughput(width: int, workers: int, worker_env: dict, tokens: int) -> dict:
-    system = stack_throughput(width, workers, worker_env, tokens)
-    alone = engine_throughput(system["settings"], system["bodies"], system["lengths"])
+def throughput(width: int, workers: int, worker_env: dict, tokens: int, concurrency: int = 8) -> dict:
+    system = stack_throughput(width, workers, worker_env, tokens, concurrency)
+    threads = (worker_env or {}).get("OMP_NUM_THREADS")
+    alone = engine_throughput(system["settings"], system["bodies"], system["lengths"], threads and int(threads))
     return {"width": width, "workers": workers, "jobs": len(system["bodies"]), "tokens": system["tokens"],
             "failed": system["failed"], "stack_tokens_per_s": system["tokens_per_s"],
             "engine_tokens_per_s": alone["tokens_per_s"], "ratio": system["tokens_per_s"] / alone["tokens_per_s"],
@@ -314,6 +327,8 @@ def main() -> None:
     parser.add_argument("--short-jobs", type=int, help="idle short jobs (default 60; --quick 20)")
     parser.add_argument("--threads-per-worker", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                         help="OMP_NUM_THREADS of each of two workers (one worker uses the default)")
+    parser.add_argument("--torch-threads", type=int, help="OMP_NUM_THREADS of one worker, and of the engine alone "
+                        "(default: torch's, all cores)")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: urgent,throughput,two,idle")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -322,7 +337,8 @@ def main() -> None:
     OUT.mkdir(exist_ok=True)
     print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs")
     two = {"OMP_NUM_THREADS": str(args.threads_per_worker)}
-    setups = [(1, {})] + ([] if "two" in skip else [(2, two)])
+    one = {"OMP_NUM_THREADS": str(args.torch_threads)} if args.torch_threads else {}
+    setups = [(1, one)] + ([] if "two" in skip else [(2, two)])
     result: dict = {"urgent": [], "throughput": [], "quick": args.quick}
 
     if "urgent" not in skip:

@@ -26,6 +26,7 @@ import redis
 import requests
 
 from jobstore.db import create_database_if_missing, drop_database, make_engine, make_session_factory
+from jobstore.dispatch import make_celery
 from jobstore.keys import create_key
 from jobstore.settings import Settings
 from tests.conftest import BIN, POSTGRES, REDIS, ROOT, free_port, settings_env
@@ -48,6 +49,22 @@ class Stack:
     def worker_metrics_url(self) -> str:
         return self.worker_metrics_urls[0]
 
+    def pause_intake(self) -> None:
+        """The workers stop taking messages (Celery's cancel_consumer): submitted jobs wait in Redis."""
+        self._control("cancel_consumer")
+
+    def resume_intake(self) -> None:
+        self._control("add_consumer")
+
+    def _control(self, command: str) -> None:
+        app = make_celery(self.settings)
+        try:
+            replies = getattr(app.control, command)("generate", reply=True, timeout=10)
+        finally:
+            app.close()
+        if len(replies) != len(self.workers):
+            raise RuntimeError(f"{command}: {len(replies)} of {len(self.workers)} workers answered: {replies}")
+
     def stop_worker(self) -> None:
         """Stop the workers now (cold shutdown), e.g. to measure the API alone."""
         while self.workers:
@@ -66,7 +83,7 @@ def bench_settings(**overrides) -> Settings:
 
 @contextmanager
 def local_stack(settings: Settings, *, api_workers: int | None = None, api_threads: int | None = None,
-                access_log: bool = False, workers: int = 1, concurrency: int = 4, worker_env: dict | None = None,
+                access_log: bool = False, workers: int = 1, concurrency: int = 8, worker_env: dict | None = None,
                 log_dir: Path) -> Iterator[Stack]:
     """Build the database, start gunicorn (gunicorn.conf.py, unless `api_workers` / `api_threads` say
     otherwise) and `workers` Celery workers (each its own engine, metrics port and `-n` name; `worker_env`
