@@ -4,8 +4,8 @@ Each section runs a fresh stack (bench/stack.py: its own database and Redis keys
 Celery workers) and compares it with a baseline measured in the same run:
 
 1. Urgent TTFT under a backlog. Default settings (MAX_NUM_SEQS 64, so a worker holds 72 jobs). Idle:
-   priority-0 jobs one at a time on the empty stack. Backlog: `--backlog-factor` (10) times what the
-   workers hold in priority-9 jobs, then the same priority-0 jobs one at a time while the backlog waits
+   priority-0 jobs one at a time on the empty stack. Backlog: `--backlog-factor` (10) + 2 times what the
+   workers hold in priority-9 jobs (so that >= 10x still waits in Redis once the workers are full), then the same priority-0 jobs one at a time while the backlog waits
    in Redis. TTFT = the job's created_at -> first_token_at (Postgres). Target: backlog p99 <= 2x idle
    p99 + 100 ms. The priority-9 depth in Redis at each urgent arrival is recorded: it shows the backlog
    was really there.
@@ -15,7 +15,8 @@ Celery workers) and compares it with a baseline measured in the same run:
    workers take them; the engine alone (batching.Engine in this process, the same EngineConfig) gets
    the same jobs at once and generates, for each, as many tokens as the stack did (`ignore_eos`).
    Stack tokens/s = tokens / (consumers added -> last finished_at). Target: >= 0.9x at every width.
-3. Both again with two workers (each its own process and engine; with `--threads-per-worker`).
+3. Both again with two workers (each its own process and engine, with `--threads-per-worker` torch
+   threads), against the same single engine alone (all cores, or `--torch-threads`).
 4. An idle stack's latency (created_at -> finished_at) of short jobs (32 tokens), one at a time, and
    the first job after the worker started. Target: max <= 3x p50.
 
@@ -161,7 +162,7 @@ def urgent_ttft(workers: int, n_urgent: int, backlog_factor: int, worker_env: di
             idle += client.wait([client.submit(urgent_body(i))])
             time.sleep(0.05)
         bodies = [{"prompt": prompt(rng, f"backlog {i}"), "max_tokens": 1024, "priority": 9, "temperature": 0.0}
-                  for i in range(backlog_factor * capacity)]
+                  for i in range((backlog_factor + 2) * capacity)]  # the workers take `capacity` of them
         started = time.monotonic()
         backlog = client.submit_all(bodies)
         print(f"  {len(backlog)} priority-9 jobs submitted in {time.monotonic() - started:.1f}s")
@@ -232,10 +233,13 @@ def engine_throughput(settings, bodies: list[dict], lengths: list[int], threads:
     return {"tokens": made, "seconds": span, "tokens_per_s": made / span}
 
 
-def throughput(width: int, workers: int, worker_env: dict, tokens: int, concurrency: int = 8) -> dict:
+def throughput(width: int, workers: int, worker_env: dict, tokens: int, engine_threads: int | None,
+               concurrency: int = 8) -> dict:
+    """The stack with `workers` workers against one engine alone with `engine_threads` torch threads (None:
+    torch's default, every core): with two workers, what they do together against what one engine does
+    with the machine."""
     system = stack_throughput(width, workers, worker_env, tokens, concurrency)
-    threads = (worker_env or {}).get("OMP_NUM_THREADS")
-    alone = engine_throughput(system["settings"], system["bodies"], system["lengths"], threads and int(threads))
+    alone = engine_throughput(system["settings"], system["bodies"], system["lengths"], engine_threads)
     return {"width": width, "workers": workers, "jobs": len(system["bodies"]), "tokens": system["tokens"],
             "failed": system["failed"], "stack_tokens_per_s": system["tokens_per_s"],
             "engine_tokens_per_s": alone["tokens_per_s"], "ratio": system["tokens_per_s"] / alone["tokens_per_s"],
@@ -354,7 +358,7 @@ def main() -> None:
     if "throughput" not in skip:
         for workers, env in setups:
             for width in widths:
-                row = throughput(width, workers, env, args.tokens)
+                row = throughput(width, workers, env, args.tokens, args.torch_threads)
                 result["throughput"].append(row)
                 print(f"tokens/s, width {width}, {workers} worker(s): stack {row['stack_tokens_per_s']:.0f}, engine "
                       f"alone {row['engine_tokens_per_s']:.0f} ({row['jobs']} jobs, {row['tokens']} tokens, "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 
+import redis
 from celery import Celery
 
 from jobstore.settings import Settings
@@ -53,6 +54,30 @@ def send_job(app: Celery, job_id: uuid.UUID, priority: int) -> None:
     Sent through the default exchange straight to the queue: kombu's Redis transport then needs no
     lookup of the `generate` exchange's bindings (a Redis round trip per message)."""
     app.send_task(TASK, args=[str(job_id)], exchange="", routing_key=QUEUE, priority=priority)
+
+
+# Kombu LPUSHes a message and consumers BRPOP, so the right end of a list is its head. This moves the
+# message naming ARGV[1] (the job id, plain in its headers' argsrepr) from near the left end, where a
+# send just put it, to the head. Returns 1 if it was found among the first ARGV[2] messages.
+_TO_HEAD = """
+for i = 0, tonumber(ARGV[2]) - 1 do
+  local message = redis.call('LINDEX', KEYS[1], i)
+  if not message then return 0 end
+  if string.find(message, ARGV[1], 1, true) then
+    redis.call('LREM', KEYS[1], 1, message)
+    redis.call('RPUSH', KEYS[1], message)
+    return 1
+  end
+end
+return 0
+"""
+
+
+def move_to_head(client: redis.Redis, settings: Settings, job_id: uuid.UUID, priority: int) -> bool:
+    """Move the message just sent for `job_id` to the head of its priority's list, so it is taken next
+    among equals: a job handed back, or a message a full worker declined, keeps its place ahead of the
+    jobs of its priority that came after it. False if it was not near the tail (taken already)."""
+    return bool(client.eval(_TO_HEAD, 1, queue_key(settings, QUEUE, priority), str(job_id), 64))
 
 
 def queue_key(settings: Settings, queue: str, priority: int) -> str:

@@ -15,12 +15,13 @@ import threading
 import uuid
 from functools import cache
 
+import redis
 from celery.signals import task_postrun, task_prerun, worker_init, worker_shutdown, worker_shutting_down
 from celery.worker.control import inspect_command
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobstore.db import make_engine, make_session_factory
-from jobstore.dispatch import DEFAULT_PRIORITY, send_job
+from jobstore.dispatch import DEFAULT_PRIORITY, move_to_head, send_job
 from workers.celery import app, settings
 from workers.engine_host import EngineHost
 from workers.intake import Intake
@@ -44,8 +45,18 @@ def generate(self, job_id: str) -> str:
 
 
 def send_back(job_id: uuid.UUID, priority: int) -> None:
-    """Send a job to the queue at its priority (a hand-back or a declined message)."""
+    """Send a job to the queue at its priority (a hand-back or a declined message), at the head of its
+    priority's list: it was taken before the jobs of its priority still waiting, and stays ahead of them."""
     send_job(app, job_id, priority)
+    try:
+        move_to_head(_redis(), settings, job_id, priority)
+    except redis.RedisError as exc:  # sent all the same, at the tail
+        log.warning("job %s sent back to the tail of its queue (%s)", job_id, exc.__class__.__name__)
+
+
+@cache
+def _redis() -> redis.Redis:
+    return redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
 
 
 @app.task(name="reconcile")
