@@ -3,7 +3,8 @@
 Served on WORKER_METRICS_PORT (default 9808; 0 turns it off) by prometheus_client's own HTTP thread,
 started once per worker process when Celery's worker_init fires, so it answers while the `threads`
 pool runs jobs. The engine thread calls `observe_step()` after every step (it alone may read the
-engine); the job book and intake call `job_done()` when the worker's hold on a job ends. Only this module knows the metric names.
+engine); the job book and intake call `job_done()` when the worker's hold on a job ends. Only this
+module knows the metric names.
 """
 
 from __future__ import annotations
