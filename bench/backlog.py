@@ -288,7 +288,7 @@ def plot(result: dict, path: Path) -> Path:
                   label="target: 2x idle p99 + 100 ms" if i == 0 else None)
     ax.set_ylabel("priority-0 TTFT (ms)")
     ax.set_title("urgent TTFT: idle vs a backlog >= 10x what the workers hold")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
 
     ax = axes[1]
     rows = result["throughput"]
