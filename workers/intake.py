@@ -57,7 +57,7 @@ class Intake:
         self._waiting = 0       # task threads in wait_for_room
         self._released = 0      # threads let go whose next message has not started yet
         self._urgent: int | None = None  # a waiting priority the watcher found admissible
-        self._claiming: dict[uuid.UUID, admission.Held] = {}  # taken, being claimed: their places are kept
+        self._claiming: dict[str, admission.Held] = {}  # by lease: taken, being claimed; their places are kept
         self._redis = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
         self._watcher = threading.Thread(target=self._watch, name="queue-watcher", daemon=True)
 
