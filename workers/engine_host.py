@@ -1,26 +1,39 @@
-"""EngineHost: one batching.Engine per worker process, stepped by its own thread.
+"""EngineHost: a worker's one batching.Engine, run in a process of its own (workers/engine_process.py).
 
-The engine is not thread-safe, so only the engine thread touches it. Celery task threads call
-`submit()` / `abort()`, which put commands on a queue; the engine thread applies them between steps
-and publishes each step's outputs to the requests' handles, on which the task threads wait.
+Why a process: a small model's step is mostly Python between kernels, and a worker holding hundreds of
+jobs runs plenty of Python of its own (Celery's deliveries, claims, batched writes, metrics). In one
+process they share one GIL, and the engine's steps ran 1.5-1.8x slower inside the worker than alone
+(bench/RESULTS.md). In its own process the engine steps at its own pace; this process imports no torch.
 
-    JobBook ──submit/abort──▶ commands ──▶ engine thread: apply, step(), publish ──▶ RequestHandle ──on_done──▶
+Task threads call `submit()` / `abort()` / `stats()`; a sender thread writes those commands to the engine
+process, and a reader thread applies what comes back (per step, each changed request's new tokens) to
+the requests' handles (at once for a first token or an end, else every `report_interval`), on which the
+job book waits:
 
-A handle holds the request's latest output; `on_done(handle)`, called on the engine thread when the
-request finishes or fails, must be quick (the job book queues the handle for its writer thread).
+    JobBook ─submit/abort─▶ outbox ─▶ sender ─pipe─▶ engine process: apply, step(), send deltas
+    RequestHandle ◀─ reader ◀─pipe─────────────────┘                 ─on_done─▶ JobBook
+
+If the engine process dies (killed for memory, a sticky device error), its requests fail with
+`EngineLost` (the job book hands them back to the queue with the tokens they had) and a new engine
+process starts; commands sent meanwhile wait for it. Should it die `max_losses` times within
+`loss_window` seconds, the host gives up: `on_give_up` is called (the worker shuts down).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import multiprocessing
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import datetime, timezone
 
-from batching import Engine, RequestOutput, SamplingParams
-from workers import metrics, process_tuning
+from batching import EngineConfig, RequestOutput, SamplingParams
+from workers import engine_process, metrics
+from workers.engine_process import Delta
 
 log = logging.getLogger(__name__)
 
@@ -29,23 +42,54 @@ class HostStopped(RuntimeError):
     """The host stopped (the worker is shutting down) before the request finished."""
 
 
-class RequestHandle:
-    """A request in the engine, as other threads see it: the latest output, and an event when done."""
+class EngineLost(HostStopped):
+    """The engine process died while the request was in it; the handle holds the tokens made until then."""
 
-    def __init__(self, request_id: str, on_done: Callable[[RequestHandle], None] | None = None):
+
+class RequestHandle:
+    """A request in the engine, as other threads see it: the latest output, and an event when done.
+
+    Written by the reader thread only. Tokens and text parts are append-only lists, and `_state` (how
+    many of each belong to the latest output, and its other fields) is replaced in one assignment, so
+    `output` read from any thread is one step's consistent snapshot.
+    """
+
+    def __init__(self, request_id: str, priority: int, on_done: Callable[[RequestHandle], None] | None = None):
         self.request_id = request_id
-        self.output: RequestOutput | None = None
-        self.first_token_at: datetime | None = None  # wall clock, when the first token was seen
+        self.priority = priority
+        self.first_token_at: datetime | None = None  # wall clock of the first token (the engine's clock)
         self.error: Exception | None = None
         self.done = threading.Event()
         self._on_done = on_done
+        self._arrival_time = time.time()
+        self._prompt_token_ids: list[int] = []
+        self._token_ids: list[int] = []
+        self._text_parts: list[str] = []
+        self._state: tuple | None = None  # (tokens, text parts list, parts, finished, reason, preemptions, finish time)
 
-    def _publish(self, output: RequestOutput) -> None:
-        if self.first_token_at is None and output.token_ids:
-            self.first_token_at = datetime.now(timezone.utc)
-        self.output = output
-        if output.finished:
-            self._end()
+    @property
+    def output(self) -> RequestOutput | None:
+        """The request's output as of the latest step that changed it (None before its first)."""
+        state = self._state
+        if state is None:
+            return None
+        n, parts, k, finished, reason, preemptions, finish_time = state
+        first = self.first_token_at.timestamp() if self.first_token_at is not None else None
+        return RequestOutput(self.request_id, self._prompt_token_ids, self._token_ids[:n], "".join(parts[:k]),
+                             finished, reason, preemptions, self._arrival_time, first, finish_time, self.priority)
+
+    def _apply(self, delta: Delta) -> None:
+        if delta.prompt_token_ids is not None:
+            self._prompt_token_ids = delta.prompt_token_ids
+        if self.first_token_at is None and delta.first_token_time is not None:
+            self.first_token_at = datetime.fromtimestamp(delta.first_token_time, timezone.utc)
+        self._token_ids.extend(delta.new_token_ids)
+        if delta.text_reset:
+            self._text_parts = []
+        if delta.text_tail:
+            self._text_parts.append(delta.text_tail)
+        self._state = (len(self._token_ids), self._text_parts, len(self._text_parts), delta.finished,
+                       delta.finish_reason, delta.num_preemptions, delta.finish_time)
 
     def _fail(self, error: Exception) -> None:
         self.error = error
@@ -58,104 +102,228 @@ class RequestHandle:
 
 
 class EngineHost:
-    """Owns the engine and its thread. `start()` builds the engine (in the thread) and waits for it."""
+    """Owns the engine process and the two threads that talk to it. `start()` waits until it is built."""
 
-    def __init__(self, make_engine: Callable[[], Engine]):
-        self._make_engine = make_engine
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._handles: dict[str, RequestHandle] = {}
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+    def __init__(self, config: EngineConfig, *, threads: int | None = None, report_interval: float = 0.05,
+                 on_give_up: Callable[[], None] | None = None, max_losses: int = 3, loss_window: float = 300.0):
+        self.config = config           # the engine's own (resolved) config once it is built
+        self.info: dict = {}           # device, dtype, KV blocks, decode attention path (for logs and stats)
+        self.pid: int | None = None    # the engine process's
+        self.losses: list[float] = []  # monotonic times the engine process died
+        self._requested, self._threads, self._report_interval = config, threads, report_interval
+        self._on_give_up, self._max_losses, self._loss_window = on_give_up, max_losses, loss_window
+        self._lock = threading.Condition()
+        self._handles: dict[str, RequestHandle] = {}  # requests in the engine (or on their way)
+        self._commands = None                         # the pipe to the engine process; None while it (re)starts
+        self._process: multiprocessing.Process | None = None
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stats: dict[int, Future] = {}
+        self._tickets = itertools.count()
+        self._stopping = False
         self._ready = threading.Event()
-        self._startup_error: BaseException | None = None
-        self.config = None  # the engine's EngineConfig, once built
+        self._startup_error: str | None = None
+        self._monitor = threading.Thread(target=self._run, name="engine-monitor", daemon=True)
+        self._sender = threading.Thread(target=self._send_loop, name="engine-sender", daemon=True)
 
     def start(self) -> EngineHost:
-        self._thread.start()
+        self._monitor.start()
+        self._sender.start()
         self._ready.wait()
         if self._startup_error is not None:
-            raise RuntimeError("the engine could not be built") from self._startup_error
+            raise RuntimeError(f"the engine could not be built: {self._startup_error}")
         return self
 
     def stop(self, timeout: float | None = 10.0) -> None:
-        """Stop stepping; requests still in the engine fail with an error."""
-        self._commands.put(("stop",))
-        self._thread.join(timeout)
+        """Stop the engine process; requests still in it fail with HostStopped."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        self._outbox.put(("stop",))
+        self._monitor.join(timeout)
+        process = self._process
+        if process is not None and process.is_alive():
+            log.warning("the engine process did not stop in %ss; killing it", timeout)
+            process.kill()
+            self._monitor.join(timeout)
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int,
                resume_token_ids: list[int] | None = None,
                on_done: Callable[[RequestHandle], None] | None = None) -> RequestHandle:
         """Queue a request for the engine; the handle's `done` is set (and `on_done` called) when it ends."""
-        handle = RequestHandle(request_id, on_done)
-        self._commands.put(("add", handle, (request_id, prompt, params, priority, resume_token_ids)))
+        handle = RequestHandle(request_id, priority, on_done)
+        with self._lock:
+            stopped = self._stopping
+            if not stopped:
+                self._handles[request_id] = handle
+        if stopped:
+            handle._fail(HostStopped("the engine is stopping or cannot run"))
+            return handle
+        self._outbox.put(("add", request_id, prompt, params, priority, resume_token_ids, handle))
         return handle
 
     def abort(self, request_id: str) -> None:
         """Take the request out of the batch at the next step (its KV blocks are freed)."""
-        self._commands.put(("abort", request_id))
+        self._outbox.put(("abort", request_id))
 
     def stats(self, timeout: float = 5.0) -> dict:
         """The engine's counters and gauges, read between two steps."""
-        reply: Future = Future()
-        self._commands.put(("stats", reply))
-        return reply.result(timeout)
+        ticket, reply = next(self._tickets), Future()
+        self._stats[ticket] = reply
+        self._outbox.put(("stats", ticket))
+        try:
+            return reply.result(timeout)
+        finally:
+            self._stats.pop(ticket, None)
 
-    # --- the engine thread --------------------------------------------------------------------------
+    # --- the sender thread: the only writer of the command pipe -----------------------------------------
+
+    def _send_loop(self) -> None:
+        while True:
+            command = self._outbox.get()
+            with self._lock:
+                while self._commands is None and not self._stopping:
+                    self._lock.wait()  # the engine process is (re)starting
+                connection = self._commands
+                if command[0] == "add":
+                    if self._handles.get(command[1]) is not command[-1]:
+                        continue       # lost with an engine process while it waited: never re-add it
+                    command = command[:-1]
+            if connection is None:     # stopping with no engine process
+                return
+            try:
+                connection.send(command)
+            except (OSError, ValueError):  # the engine process is gone: the monitor fails its requests
+                pass
+            if command[0] == "stop":
+                return
+
+    # --- the monitor thread: starts the engine process, reads its events, restarts it ------------------
 
     def _run(self) -> None:
-        try:
-            engine = self._make_engine()
-        except BaseException as exc:  # report any build failure to start(), then end the thread
-            self._startup_error = exc
+        while True:
+            process, events, commands, failure = self._spawn()
+            if failure is not None:
+                if not self._ready.is_set():
+                    self._startup_error = failure
+                    self._ready.set()
+                else:
+                    log.critical("the engine process could not be rebuilt: %s", failure)
+                    self._give_up()
+                break
+            with self._lock:
+                stopping = self._stopping
+                if not stopping:
+                    self._commands = commands
+                    self._lock.notify_all()
             self._ready.set()
-            return
-        process_tuning.settle_for_serving()   # even steps: no GC walks of this heap, no mmap churn
-        self.config = engine.config
-        self._ready.set()
-        log.info("engine ready: %s", engine.config)
-        while self._apply_commands(engine, block=not engine.has_unfinished_requests()):
-            if engine.has_unfinished_requests():
-                self._step(engine)
-        for handle in self._handles.values():
-            handle._fail(HostStopped("the worker is shutting down"))
+            if stopping:  # stopped while it (re)started: nothing was sent to it
+                process.kill()
+                process.join()
+                with self._lock:
+                    lost, self._handles = self._handles, {}
+                self._fail(lost, HostStopped("the worker is shutting down"))
+                break
+            self._read(events)
+            process.join(5)
+            with self._lock:
+                self._commands = None
+                lost, self._handles = self._handles, {}
+                stopping = self._stopping
+            commands.close()
+            events.close()
+            if stopping:
+                self._fail(lost, HostStopped("the worker is shutting down"))
+                break
+            self.losses.append(time.monotonic())
+            log.error("the engine process (pid %s) died (exit code %s) with %d requests; they go back to the queue "
+                      "with their tokens, and a new engine process starts", process.pid, process.exitcode, len(lost))
+            self._fail(lost, EngineLost(f"the engine process died (exit code {process.exitcode})"))
+            if len([t for t in self.losses if t > time.monotonic() - self._loss_window]) >= self._max_losses:
+                log.critical("the engine process died %d times in %.0fs; giving up", self._max_losses,
+                             self._loss_window)
+                self._give_up()
+                break
+        for ticket in list(self._stats):
+            self._stats.pop(ticket).set_exception(HostStopped("the engine is not running"))
 
-    def _apply_commands(self, engine: Engine, block: bool) -> bool:
-        """Apply every waiting command (waiting for one if `block`); False once asked to stop."""
+    def _spawn(self):
+        """Start an engine process; (process, events, commands, None) once it is built, or a failure message."""
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no fork of a threaded worker
+        commands_in, commands = context.Pipe(duplex=False)
+        events, events_out = context.Pipe(duplex=False)
+        process = context.Process(target=engine_process.serve, name="genq-engine", daemon=True,
+                                  args=(self._requested, commands_in, events_out,
+                                        logging.getLogger().getEffectiveLevel(), self._report_interval, self._threads))
+        process.start()
+        commands_in.close()   # this process keeps only its own ends, so the engine's death reads as EOF
+        events_out.close()
+        self._process, self.pid = process, process.pid
+        try:
+            message = events.recv()
+        except (EOFError, OSError):
+            process.join(5)
+            message = ("start_failed", f"the engine process exited while starting (exit code {process.exitcode})")
+        if message[0] != "ready":
+            process.join(5)
+            return process, events, commands, message[1]
+        _, self.config, self.info = message
+        log.info("engine process %d ready: %s on %s/%s (%d torch threads), %d device + %d host KV blocks, "
+                 "max_model_len %d, decode attention: %s", process.pid, self.config.model, self.info["device"],
+                 self.info["dtype"], self.info["torch_threads"], self.info["device_blocks"], self.info["host_blocks"],
+                 self.info["max_model_len"], self.info["decode_attention"])
+        return process, events, commands, None
+
+    def _read(self, events) -> None:
+        """Apply the engine process's events until it exits."""
         while True:
             try:
-                command = self._commands.get(block=block, timeout=1.0 if block else None)
-            except queue.Empty:
-                return True
-            block = False
-            if command[0] == "stop":
-                return False
-            if command[0] == "add":
-                _, handle, args = command
-                try:
-                    engine.add_request(*args)
-                except ValueError as exc:
-                    handle._fail(exc)
-                else:
-                    self._handles[handle.request_id] = handle
-            elif command[0] == "abort":
-                engine.abort(command[1])
-            elif command[0] == "stats":
-                command[1].set_result(engine.stats())
+                message = events.recv()
+            except (EOFError, OSError):
+                return
+            kind = message[0]
+            if kind == "step":
+                self._publish(*message[1:])
+            elif kind == "refused":
+                self._fail(self._take([message[1]]), ValueError(message[2]))
+            elif kind == "step_failed":
+                _, request_ids, is_value_error, text = message
+                self._fail(self._take(request_ids), (ValueError if is_value_error else RuntimeError)(text))
+            elif kind == "stats":
+                reply = self._stats.pop(message[1], None)
+                if reply is not None:
+                    reply.set_result(message[2])
 
-    def _step(self, engine: Engine) -> None:
-        """One engine step; its outputs go to their handles. A failing step fails every request in it."""
-        try:
-            outputs = engine.step()
-        except Exception as exc:
-            log.exception("engine step failed; failing its %d requests", len(self._handles))
-            for request_id, handle in self._handles.items():
-                engine.abort(request_id)
-                handle._fail(exc)
-            self._handles.clear()
-            return
-        for output in outputs:
-            handle = self._handles.get(output.request_id)
-            if handle is not None:
-                handle._publish(output)
-                if output.finished:
-                    del self._handles[output.request_id]
-        metrics.observe_step(engine.stats(), outputs)
+    def _publish(self, deltas: list[Delta], stats: dict, step_times: list[float]) -> None:
+        """One report's deltas to their handles; handles of finished requests end (outside the lock)."""
+        ended, tokens = [], []
+        with self._lock:
+            for delta in deltas:
+                handle = self._handles.get(delta.request_id)
+                if handle is None:
+                    continue
+                handle._apply(delta)
+                tokens.append((delta.request_id, handle.priority, len(delta.new_token_ids), delta.finished))
+                if delta.finished:
+                    del self._handles[delta.request_id]
+                    ended.append(handle)
+        for handle in ended:
+            handle._end()
+        metrics.observe_steps(stats, step_times, tokens)
+
+    def _take(self, request_ids) -> list[RequestHandle]:
+        with self._lock:
+            return [h for h in (self._handles.pop(r, None) for r in request_ids) if h is not None]
+
+    @staticmethod
+    def _fail(handles, error: Exception) -> None:
+        for handle in handles.values() if isinstance(handles, dict) else handles:
+            handle._fail(error)
+
+    def _give_up(self) -> None:
+        with self._lock:
+            self._stopping = True
+            lost, self._handles = self._handles, {}
+            self._lock.notify_all()
+        self._fail(lost, HostStopped("the engine process cannot run"))
+        if self._on_give_up is not None:
+            self._on_give_up()

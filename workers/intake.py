@@ -51,7 +51,9 @@ class Intake:
         self.capacity = capacity
         self._book, self._sessions, self._settings = book, sessions, settings
         self._worker_id, self._send = worker_id, send
-        self._cond = threading.Condition(book.lock)
+        # two conditions on the book's lock, so that a freed slot wakes one task thread, not every waiter
+        self._room = threading.Condition(book.lock)   # task threads in wait_for_room
+        self._look = threading.Condition(book.lock)   # the watcher
         book.on_change = self._changed
         self._closing = False
         self._waiting = 0       # task threads in wait_for_room
@@ -68,16 +70,18 @@ class Intake:
 
     def close(self) -> None:
         """Stop taking jobs: waiting threads return, messages taken from now on go back unclaimed."""
-        with self._cond:
+        with self._room:
             self._closing = True
-            self._cond.notify_all()
+            self._room.notify_all()
+            self._look.notify_all()
 
     # --- a task thread's message ---------------------------------------------------------------------
 
     def message_started(self) -> None:
         """A task (any) started: one released thread got its message."""
-        with self._cond:
+        with self._room:
             self._released = max(0, self._released - 1)
+            self._look.notify()
 
     def take(self, job_id: uuid.UUID, priority: int) -> Outcome | None:
         """Claim the job and hand it to the engine if the worker should hold it; None when it is held now."""
@@ -85,7 +89,7 @@ class Intake:
         # the reconciler re-dispatches the job to this same worker, the new claim is another lease, so the
         # stale one's next write fails, and its request is aborted.
         lease = f"{self._worker_id}#{uuid.uuid4().hex[:8]}"
-        with self._cond:
+        with self._room:
             wanted = not self._closing and self._admit(priority).take
             if wanted:  # its place is kept while it is claimed
                 self._claiming[lease] = admission.Held(lease, priority, datetime.now(timezone.utc), 0, pinned=True)
@@ -106,7 +110,7 @@ class Intake:
                 return done
             log.info("job %s claimed: priority %d, attempt %d%s", job_id, job.priority, job.attempts,
                      f", resuming after {len(job.output_token_ids)} tokens" if job.output_token_ids else "")
-            with self._cond:
+            with self._room:
                 # decided again with the row's own priority (the message's may differ) and what is held now;
                 # the job is held whatever (its place was kept while it was claimed)
                 del self._claiming[lease]
@@ -118,16 +122,17 @@ class Intake:
                              job.priority, moved.job.id, moved.job.priority)
                 metrics.set_intake(len(self._book), self.capacity)
         finally:
-            with self._cond:
+            with self._room:
                 self._claiming.pop(lease, None)
-                self._cond.notify_all()
+                self._room.notify()  # a slot kept for a claim that came to nothing
+                self._look.notify()
         return None
 
     def wait_for_room(self) -> None:
         """Block until the worker wants another message (room, or more urgent work waiting in Redis)."""
-        with self._cond:
+        with self._room:
             self._waiting += 1
-            self._cond.notify_all()  # the watcher looks at Redis only while a thread waits
+            self._look.notify()  # the watcher looks at Redis only while a thread waits
             try:
                 while not self._closing:
                     if self._held() + self._released < self.capacity:
@@ -135,7 +140,7 @@ class Intake:
                     if self._urgent is not None and self._released == 0:
                         self._urgent = None
                         break
-                    self._cond.wait()
+                    self._room.wait()
                 self._released += 1
             finally:
                 self._waiting -= 1
@@ -146,13 +151,15 @@ class Intake:
         return self._book.slots() + list(self._claiming.values())
 
     def _admit(self, priority: int) -> admission.Admission:
+        if self._held() < self.capacity:  # what admit() answers, without listing every held job
+            return admission.Admission(True)
         return admission.admit(self._slots(), priority, capacity=self.capacity,
                                max_handbacks=self._settings.max_handbacks)
 
     def _changed(self) -> None:
-        """A job left the book (lock held): waiting threads may have room now."""
+        """A job left the book (lock held): a waiting thread may have room now."""
         metrics.set_intake(len(self._book), self.capacity)
-        self._cond.notify_all()
+        self._room.notify()
 
     def _claim(self, session: Session, job_id: uuid.UUID, lease: str) -> Job | str:
         """The claimed job, or why it was not claimed."""
@@ -197,9 +204,9 @@ class Intake:
         """While a thread waits and the worker is full, look for more urgent work in Redis."""
         interval = self._settings.queue_watch_interval
         while True:
-            with self._cond:
+            with self._look:
                 while not self._closing and not self._should_look():
-                    self._cond.wait(1.0)
+                    self._look.wait(1.0)
                 if self._closing:
                     return
                 least_urgent = max(slot.priority for slot in self._slots())
@@ -208,13 +215,13 @@ class Intake:
             except redis.RedisError as exc:
                 log.warning("queue watcher: Redis unavailable (%s)", exc.__class__.__name__)
                 lengths = {}
-            with self._cond:
+            with self._look:
                 for priority in sorted(p for p, n in lengths.items() if n):
                     if self._should_look() and self._admit(priority).take:
                         self._urgent = priority
-                        self._cond.notify_all()
+                        self._room.notify()
                         break
-                self._cond.wait(interval)
+                self._look.wait(interval)
 
     def _should_look(self) -> bool:
         return (self._waiting > 0 and self._released == 0 and self._urgent is None

@@ -8,8 +8,8 @@ the engine, and one writer thread does every database write of every held job, b
   engine request is aborted at once (so a cancel frees its batch slot within one interval);
 - as soon as jobs finish: their results, in one statement (jobs.finish_jobs), so a result lands within
   milliseconds of its last token, and results finishing together share a write;
-- hand-backs (a more urgent job took the slot, or the worker shuts down): abort the request, save its
-  tokens, drop the lease, send the job back to the queue at its own priority.
+- hand-backs (a more urgent job took the slot, the worker shuts down, or the engine process died): abort
+  the request, save its tokens, drop the lease, send the job back to the queue at its own priority.
 
 A failed write (Postgres unreachable) is kept and tried again at the next wake-up while the engine
 goes on generating; what is written is idempotent (jobs.Output), so a retry never duplicates tokens.
@@ -36,7 +36,7 @@ from jobstore.models import Job
 from jobstore.settings import Settings
 from workers import metrics
 from workers.admission import Held
-from workers.engine_host import EngineHost, HostStopped, RequestHandle
+from workers.engine_host import EngineHost, EngineLost, HostStopped, RequestHandle
 from workers.outcomes import Outcome
 
 log = logging.getLogger(__name__)
@@ -53,10 +53,10 @@ class HeldJob:
     kept_tokens: int = 0             # output tokens the row holds
     kept_text: str = ""              # output text the row holds
     claimed_at: float = field(default_factory=time.monotonic)
+    slot: Held = field(init=False)   # what admission needs to know of it; fixed while it is held
 
-    @property
-    def slot(self) -> Held:
-        return Held(self.lease, self.job.priority, self.job.created_at, self.job.handbacks)
+    def __post_init__(self):
+        self.slot = Held(self.lease, self.job.priority, self.job.created_at, self.job.handbacks)
 
     def output(self, *, final: bool = False) -> jobs.Output:
         """What to write beyond what the row holds, from the request's latest output (read once: the engine
@@ -127,7 +127,7 @@ class JobBook:
             held.handle = self._host.submit(
                 f"{job.id}/{job.attempts}", job.prompt if job.prompt is not None else list(job.input_ids),
                 sampling_params(job), job.priority, resume_token_ids=resumed or None,
-                on_done=lambda handle, held=held: self._ended_in_engine(held))
+                on_done=lambda handle, held=held: self._ended_in_engine(held, handle))
 
     def hand_back(self, lease: str, outcome: Outcome = Outcome.PREEMPTED) -> HeldJob | None:
         """Take a held job out of the engine now; the writer saves its tokens and sends it back to the queue."""
@@ -152,12 +152,16 @@ class JobBook:
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
-    def _ended_in_engine(self, held: HeldJob) -> None:
-        """On the engine thread: the request finished or failed; its slot is free now, its result written soon."""
+    def _ended_in_engine(self, held: HeldJob, handle: RequestHandle) -> None:
+        """On the host's reader thread: the request finished or failed; its slot is free now, its result
+        written soon. A request lost with its engine process goes back to the queue with its tokens."""
         with self.lock:
             if self._held.pop(held.lease, None) is None:  # handed back or taken away meanwhile
                 return
-            self._ended.append(held)
+            if isinstance(handle.error, EngineLost):
+                self._returning.append((held, Outcome.ENGINE_LOST))
+            else:
+                self._ended.append(held)
             self.on_change()
         self._wake.set()
 

@@ -2,8 +2,8 @@
 
 Served on WORKER_METRICS_PORT (default 9808; 0 turns it off) by prometheus_client's own HTTP thread,
 started once per worker process when Celery's worker_init fires, so it answers while the `threads`
-pool runs jobs. The engine thread calls `observe_step()` after every step (it alone may read the
-engine); the job book and intake call `job_done()` when the worker's hold on a job ends. Only this
+pool runs jobs. The engine host's reader thread calls `observe_steps()` with every report from
+the engine process; the job book and intake call `job_done()` when the worker's hold on a job ends. Only this
 module knows the metric names.
 """
 
@@ -50,23 +50,25 @@ LATENCY = Histogram("genq_job_latency_seconds", "Job submission to its final sta
                     ["priority"], buckets=_LATENCY)
 JOBS = Counter("genq_worker_jobs_total", "Jobs this worker stopped holding, by outcome (workers/outcomes.py: "
                "succeeded, failed, stopped = cancelled or lease lost, preempted = handed back for a more urgent "
-               "job, handed_back / left = worker shutting down, discarded = finished after losing the lease, "
+               "job, handed_back / left = worker shutting down, engine_lost = handed back when the engine process died, discarded = finished after losing the lease, "
                "dropped = message for a job not queued, declined = message sent back while full)",
                ["priority", "outcome"])
 HELD = Gauge("genq_worker_held_jobs", "Jobs this worker holds (in its engine)")
 CAPACITY = Gauge("genq_worker_capacity", "Jobs this worker holds at most before it only takes more urgent ones")
 FAILURES = Counter("genq_job_failures_total", "Jobs failed by this worker, by error code", ["priority", "code"])
 
-# engine counters already seen, so Prometheus counters advance by the difference (engine thread only)
+# engine counters already seen, so Prometheus counters advance by the difference (reader thread only)
 _seen: dict[str, float] = {}
-# request id -> (time of its last token, tokens seen) for time-between-tokens (engine thread only)
+# request id -> time of its last token, for time-between-tokens (the engine host's reader thread only)
 _last_token: dict[str, tuple[float, int]] = {}
 _server_lock = threading.Lock()
 _server_started = False
 
 
-def observe_step(stats: dict, outputs) -> None:
-    """After one engine step: gauges and counters from engine.stats(), token timings from its outputs."""
+def observe_steps(stats: dict, step_times: list[float], tokens) -> None:
+    """After one report of the engine (one or more steps): gauges and counters from engine.stats() after
+    the last, each step's time, and token timings from `tokens`, one (request id, priority, tokens made
+    since its last report, finished) per request that changed."""
     RUNNING.set(stats["num_running"])
     WAITING.set(stats["num_waiting"])
     SWAPPED.set(stats["num_swapped"])
@@ -74,7 +76,8 @@ def observe_step(stats: dict, outputs) -> None:
     HOST_KV.set(stats["host_kv_usage"])
     STEP_TOKENS.set(stats["last_step_num_tokens"])
     STEP_SEQS.set(stats["last_step_num_seqs"])
-    STEP_TIME.observe(stats["last_step_time_s"])
+    for seconds in step_times:
+        STEP_TIME.observe(seconds)
     for counter, key in ((STEPS, "num_steps"), (PROMPT_TOKENS, "num_prompt_tokens_computed"),
                          (GENERATED, "num_generated_tokens"), (PREEMPTIONS, "num_preemptions"),
                          (SWAPPED_OUT, "num_blocks_swapped_out"), (SWAPPED_IN, "num_blocks_swapped_in"),
@@ -83,24 +86,21 @@ def observe_step(stats: dict, outputs) -> None:
         if value > _seen.get(key, 0):
             counter.inc(value - _seen.get(key, 0))
         _seen[key] = value
-    _observe_token_gaps(outputs)
+    _observe_token_gaps(tokens)
 
 
-def _observe_token_gaps(outputs) -> None:
+def _observe_token_gaps(tokens) -> None:
     now = time.monotonic()
-    for out in outputs:
-        n = len(out.token_ids)
-        last = _last_token.get(out.request_id)
-        if last is not None and n > last[1]:
-            gap = (now - last[0]) / (n - last[1])
-            for _ in range(n - last[1]):
-                TBT.labels(str(out.priority)).observe(gap)
-        if out.finished:
-            _last_token.pop(out.request_id, None)
-        elif n and (last is None or n > last[1]):
-            _last_token[out.request_id] = (now, n)
+    for request_id, priority, made, finished in tokens:
+        last = _last_token.pop(request_id, None)
+        if last is not None and made:
+            gap = (now - last) / made
+            for _ in range(made):
+                TBT.labels(str(priority)).observe(gap)
+        if not finished:
+            _last_token[request_id] = now if made or last is None else last
     if len(_last_token) > 10_000:  # requests aborted without a final output; forget the stalest
-        for request_id, _ in sorted(_last_token.items(), key=lambda kv: kv[1][0])[:5_000]:
+        for request_id, _ in sorted(_last_token.items(), key=lambda kv: kv[1])[:5_000]:
             del _last_token[request_id]
 
 

@@ -1,6 +1,7 @@
 """Thin tasks taking ids; the work is in workers/intake.py, workers/job_book.py and workers/reconciler.py.
 
-Each worker process has one engine (built when the worker starts, before it takes jobs), one job book
+Each worker process has one engine (built when the worker starts, before it takes jobs, and run in a
+process of its own: workers/engine_host.py), one job book
 (the jobs it holds and their writer thread), one intake, one database pool and one worker id, which
 names its leases. A `generate` task only takes its job in (claims it and hands it to the engine) and
 returns; after every task, `task_postrun` holds the thread until the worker wants another message.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
 import uuid
@@ -84,16 +86,23 @@ def job_sessions() -> sessionmaker[Session]:
 
 
 def engine_host() -> EngineHost:
-    """This process's EngineHost, built on first use."""
+    """This process's EngineHost (its engine runs in a process of its own), built on first use."""
     global _host
     with _lock:
         if _host is None:
-            from batching import Engine, EngineConfig  # torch is imported by workers only
+            from batching import EngineConfig
 
             config = EngineConfig(**settings.engine_options())
             log.info("building the engine (worker %s): %s", WORKER_ID, config)
-            _host = EngineHost(lambda: Engine(config)).start()
+            _host = EngineHost(config, threads=settings.engine_thread_count(), on_give_up=_shut_down).start()
         return _host
+
+
+def _shut_down() -> None:
+    """The engine process keeps dying: a warm shutdown hands the held jobs back, and whoever runs the
+    worker (Docker's restart policy, systemd) starts a fresh one."""
+    log.critical("worker %s shutting down: its engine cannot run", WORKER_ID)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def intake() -> Intake:
@@ -163,6 +172,7 @@ def engine_stats(state) -> dict:
     if _host is None:
         return {}
     stats = _host.stats()
+    stats.update(engine_pid=_host.pid, engine_restarts=len(_host.losses), **_host.info)
     if _intake is not None:
         stats.update(worker_held_jobs=len(_book), worker_capacity=_intake.capacity)
     return stats
