@@ -12,11 +12,14 @@ Celery workers) and compares it with a baseline measured in the same run:
 2. Tokens/s of the stack against the engine alone on the same jobs and settings, at batch widths
    (MAX_NUM_SEQS) 32, 128 and 256: 2x width jobs per worker wait in Redis (submitted while the workers'
    consumers are cancelled, so the API's cost is not counted: bench/e2e.py measures it), then the
-   workers take them; the engine alone (batching.Engine in this process, the same EngineConfig) gets
-   the same jobs at once and generates, for each, as many tokens as the stack did (`ignore_eos`).
-   Stack tokens/s = tokens / (consumers added -> last finished_at). Target: >= 0.9x at every width.
-3. Both again with two workers (each its own process and engine, with `--threads-per-worker` torch
-   threads), against the same single engine alone (all cores, or `--torch-threads`).
+   workers take them; the engine alone (batching.Engine in this process, the same EngineConfig and the
+   same torch threads as the worker's engine process: ENGINE_THREADS, cores - 1 by default) gets the
+   same jobs at once and generates, for each, as many tokens as the stack did (`ignore_eos`). Stack
+   tokens/s = tokens / (consumers added -> last finished_at). Target: >= 0.9x at every width. Also
+   printed: the stack against the engine alone on every core (what the machine could do with no
+   stack around the engine).
+3. Both again with two workers (each its own engine process, with `--threads-per-worker` torch
+   threads), against one engine alone on every core.
 4. An idle stack's latency (created_at -> finished_at) of short jobs (32 tokens), one at a time, and
    the first job after the worker started. Target: max <= 3x p50.
 
@@ -306,12 +309,17 @@ def plot(result: dict, path: Path) -> Path:
     rows = result["throughput"]
     groups = sorted({r["workers"] for r in rows})
     widths = sorted({r["width"] for r in rows})
-    bar = 0.8 / len(groups)
-    for g, workers in enumerate(groups):
-        ratios = [next((r["ratio"] for r in rows if r["width"] == w and r["workers"] == workers), 0) for w in widths]
-        ax.bar([i + g * bar for i in range(len(widths))], ratios, bar, label=f"{workers} worker(s)")
+    bars = [(workers, key) for workers in groups for key in ("ratio", "ratio_all_cores")]
+    bar = 0.8 / len(bars)
+    for g, (workers, key) in enumerate(bars):
+        ratios = [next((r[key] for r in rows if r["width"] == w and r["workers"] == workers), 0) for w in widths]
+        against = "its engine's threads" if key == "ratio" and workers == 1 else "all cores"
+        if key == "ratio_all_cores" and workers > 1:
+            continue  # with two workers both baselines are one engine on every core
+        ax.bar([i + g * bar for i in range(len(widths))], ratios, bar, label=f"{workers} worker(s) / engine alone, "
+               f"{against}", alpha=1.0 if key == "ratio" else 0.45)
     ax.axhline(0.9, color="r", ls="--", label="target 0.9x")
-    ax.set_xticks([i + bar * (len(groups) - 1) / 2 for i in range(len(widths))], [str(w) for w in widths])
+    ax.set_xticks([i + bar * (len(bars) - 1) / 2 for i in range(len(widths))], [str(w) for w in widths])
     ax.set_xlabel("batch width (MAX_NUM_SEQS)")
     ax.set_ylabel("stack tokens/s / engine alone")
     ax.set_title("a wide batch kept fed")

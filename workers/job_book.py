@@ -228,23 +228,29 @@ class JobBook:
             metrics.job_done(h.job, h.handle, Outcome.STOPPED)
 
     def _write_results(self, ended: list[HeldJob]) -> None:
-        """Results of requests the engine ended: successes in one statement, failures one by one (rare)."""
+        """Results of requests the engine ended: successes in one statement, failures one by one (rare).
+        Once the successes are written they leave `ended`, so a failure write that fails retries only itself."""
         done = [h for h in ended if h.handle.error is None]
-        outputs = [h.output(final=True) for h in done]
-        with self._sessions() as session:
-            ours = jobs.finish_jobs(session, outputs)
-            failures = [(h, *self._fail(session, h)) for h in ended if h.handle.error is not None]
-        for h in done:
-            out = h.handle.output
-            if (h.job.id, h.lease) in ours:
-                log.info("job %s succeeded: %d tokens (%s) in %.2fs, %d preemptions", h.job.id, len(out.token_ids),
-                         out.finish_reason, time.monotonic() - h.claimed_at, out.num_preemptions)
-                metrics.job_done(h.job, h.handle, Outcome.SUCCEEDED)
-            else:
-                log.info("job %s finished, but was no longer this worker's; result discarded", h.job.id)
-                metrics.job_done(h.job, h.handle, Outcome.DISCARDED)
-        for h, outcome, code in failures:
-            metrics.job_done(h.job, h.handle, outcome, error_code=code)
+        if done:
+            outputs = [h.output(final=True) for h in done]
+            with self._sessions() as session:
+                ours = jobs.finish_jobs(session, outputs)
+            ended[:] = [h for h in ended if h.handle.error is not None]
+            for h in done:
+                out = h.handle.output
+                if (h.job.id, h.lease) in ours:
+                    log.info("job %s succeeded: %d tokens (%s) in %.2fs, %d preemptions", h.job.id,
+                             len(out.token_ids), out.finish_reason, time.monotonic() - h.claimed_at,
+                             out.num_preemptions)
+                    metrics.job_done(h.job, h.handle, Outcome.SUCCEEDED)
+                else:
+                    log.info("job %s finished, but was no longer this worker's; result discarded", h.job.id)
+                    metrics.job_done(h.job, h.handle, Outcome.DISCARDED)
+        if ended:
+            with self._sessions() as session:
+                failures = [(h, *self._fail(session, h)) for h in ended]
+            for h, outcome, code in failures:
+                metrics.job_done(h.job, h.handle, outcome, error_code=code)
 
     def _fail(self, session: Session, held: HeldJob) -> tuple[Outcome, str | None]:
         """Write a request the engine failed as a failed job; the outcome and the error code."""

@@ -1,9 +1,12 @@
-"""A worker killed with kill -9 mid-generation, and a worker shut down with SIGTERM: every job ends
-exactly once, resumes from its persisted tokens, and ends with the tokens an uninterrupted run gives."""
+"""A worker killed with kill -9 mid-generation, a worker shut down with SIGTERM, and a worker's engine
+process killed: every job ends exactly once, resumes from its persisted tokens, and ends with the tokens
+an uninterrupted run gives."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import time
 
 from batching import Engine, EngineConfig, SamplingParams
@@ -140,3 +143,40 @@ def test_sigterm_hands_running_jobs_back_and_another_worker_resumes_them(setting
                           "all_resumed_after_ready_s": round(resumed_s, 2), "all_done_after_ready_s": round(finish_s, 2), "lease_s": st.lease_seconds,
                           "completed": sum(r["status"] == "succeeded" for r in done.values()),
                           "duplicates": duplicates}
+
+
+def test_a_dead_engine_process_hands_its_jobs_back_and_a_new_one_finishes_them(settings, sessions, new_key, api,
+                                                                               make_worker, figures):
+    """The engine process killed with kill -9 (as the kernel's OOM killer would): the worker hands its jobs
+    back with their tokens at once (no lease to wait for: 60 s here, and no reconciler), starts a new engine
+    process, and every job ends once, token-identical to an uninterrupted run."""
+    st = stack_settings(settings, lease_seconds=60.0, progress_interval=0.2, max_num_seqs=6)
+    client, headers = api(st), {"Authorization": f"Bearer {new_key()}"}
+    worker = make_worker(st, concurrency=4)
+    worker.start()
+    celery = client.application.extensions["genq"].celery
+    first_engine = worker.engine_stats(celery)["engine_pid"]
+    jobs = bodies(8, 0, max_tokens=LONG_JOB_TOKENS)
+    ids = submit(client, headers, jobs)
+    wait_for(lambda: sum(bool(r["tokens"]) for r in job_rows(sessions, ids).values()) >= 6, 60, "6 jobs decoding")
+    os.kill(first_engine, signal.SIGKILL)
+    killed_at = time.monotonic()
+    stats = wait_for(lambda: (s := worker.engine_stats(celery)).get("engine_restarts") == 1 and s, 60,
+                     "a new engine process")
+    done = wait_for(lambda: (rows := job_rows(sessions, ids)) and
+                    all(r["status"] in FINISHED for r in rows.values()) and rows, 240, "all jobs finished")
+    finished_s = time.monotonic() - killed_at
+    logs = worker.log_text()
+    assert stats["engine_pid"] != first_engine and worker.proc.poll() is None
+    assert all(r["status"] == "succeeded" for r in done.values()), (done, logs)
+    lost = re.findall(r"job (\S+) handed back \(engine_lost\) after (\d+) tokens", logs)
+    assert len(lost) >= 6, logs  # every job in the engine went back with what it had made
+    resumed = [i for i, n in lost if int(n) > 0 and f"resuming after {n} tokens" in logs]
+    assert len(resumed) >= 5, (lost, logs)
+    assert sum(succeeded_lines(logs, i) > 1 for i in ids) == 0
+    for i, tokens in zip(ids, expected(st, jobs), strict=True):
+        assert done[i]["tokens"] == tokens, i
+    assert finished_s < st.lease_seconds, finished_s  # not after a lease lapsed: there is no reconciler
+    figures["engine_process_killed"] = {"jobs": len(ids), "handed_back": len(lost),
+                                        "tokens_kept": sum(int(n) for _, n in lost),
+                                        "all_done_after_kill_s": round(finished_s, 2)}
