@@ -244,7 +244,9 @@ class EngineHost:
                 self._give_up()
                 break
         for ticket in list(self._stats):
-            self._stats.pop(ticket).set_exception(HostStopped("the engine is not running"))
+            reply = self._stats.pop(ticket, None)
+            if reply is not None:
+                reply.set_exception(HostStopped("the engine is not running"))
 
     def _spawn(self):
         """Start an engine process; (process, events, commands, None) once it is built, or a failure message."""

@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when the thread that started it ends
+PR_SET_NAME = 15      # prctl(2): the name `ps -o comm` and `top` show
 
 
 class Delta(NamedTuple):
@@ -195,8 +196,10 @@ def _detach_from_terminal_signals() -> None:
 
 def _die_with_parent() -> None:
     """On Linux, a worker killed with SIGKILL takes its engine process with it at once (the closed pipe
-    would end it too, but only between two steps)."""
+    would end it too, but only between two steps); `ps` and `top` name it genq-engine."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        prctl(PR_SET_NAME, b"genq-engine")
     except (OSError, AttributeError):  # not Linux: the pipe's EOF ends it
         pass

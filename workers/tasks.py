@@ -171,7 +171,10 @@ def engine_stats(state) -> dict:
     """`celery -A workers inspect engine_stats`: the engine's running / waiting / swapped counts and more."""
     if _host is None:
         return {}
-    stats = _host.stats()
+    try:
+        stats = _host.stats()
+    except TimeoutError:  # a new engine process is being built
+        stats = {"engine": "starting"}
     stats.update(engine_pid=_host.pid, engine_restarts=len(_host.losses), **_host.info)
     if _intake is not None:
         stats.update(worker_held_jobs=len(_book), worker_capacity=_intake.capacity)

@@ -94,6 +94,8 @@ def test_a_dead_engine_process_loses_its_requests_and_a_new_one_starts(settings)
     host = EngineHost(EngineConfig(**settings.engine_options())).start()
     try:
         first_pid = host.pid
+        with open(f"/proc/{first_pid}/comm") as comm:  # what top and ps show
+            assert comm.read().strip() == "genq-engine"
         handle = host.submit("long", "A long story", SamplingParams(max_tokens=1000, temperature=0.0), priority=5)
         while handle.output is None or len(handle.output.token_ids) < 3:
             assert not handle.done.is_set()
