@@ -219,15 +219,13 @@ class EngineHost:
             if stopping:  # stopped while it (re)started: nothing was sent to it
                 process.kill()
                 process.join()
-                with self._lock:
-                    lost, self._handles = self._handles, {}
-                self._fail(lost, HostStopped("the worker is shutting down"))
+                self._fail(self._take_all(), HostStopped("the worker is shutting down"))
                 break
             self._read(events)
             process.join(5)
             with self._lock:
                 self._commands = None
-                lost, self._handles = self._handles, {}
+                lost = self._take_all()
                 stopping = self._stopping
             commands.close()
             events.close()
@@ -316,16 +314,20 @@ class EngineHost:
         with self._lock:
             return [h for h in (self._handles.pop(r, None) for r in request_ids) if h is not None]
 
+    def _take_all(self) -> list[RequestHandle]:
+        with self._lock:
+            taken, self._handles = list(self._handles.values()), {}
+            return taken
+
     @staticmethod
-    def _fail(handles, error: Exception) -> None:
-        for handle in handles.values() if isinstance(handles, dict) else handles:
+    def _fail(handles: list[RequestHandle], error: Exception) -> None:
+        for handle in handles:
             handle._fail(error)
 
     def _give_up(self) -> None:
         with self._lock:
             self._stopping = True
-            lost, self._handles = self._handles, {}
             self._lock.notify_all()
-        self._fail(lost, HostStopped("the engine process cannot run"))
+        self._fail(self._take_all(), HostStopped("the engine process cannot run"))
         if self._on_give_up is not None:
             self._on_give_up()

@@ -37,7 +37,7 @@ class Delta(NamedTuple):
     """What changed for one request in one step."""
 
     request_id: str
-    new_token_ids: list[int]        # generated in this step (several after a resume or a swap-in)
+    new_token_ids: list[int]        # generated since the request's last Delta
     text_tail: str                  # appended to the text sent so far, or the whole text when `text_reset`
     text_reset: bool                # the text's tail changed (a stop string cut it, a character completed)
     finished: bool
@@ -51,8 +51,8 @@ class Delta(NamedTuple):
 class Reporter:
     """Collects the steps' outputs and sends them as Deltas, coalesced.
 
-    A request's first token, its end and a refusal go out at once (they decide TTFT, results and free
-    slots); plain progress waits up to `interval`, so a wide batch of short steps costs the worker one
+    A request's first token and its end go out at once (they decide TTFT, results and free slots; a
+    refusal is its own message); plain progress waits up to `interval`, so a wide batch of short steps costs the worker one
     message and one update per request per interval, not per step. Only the latest output of a request
     matters: a Delta is what changed since the last one sent.
     """
