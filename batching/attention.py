@@ -23,22 +23,24 @@ ATTENTION_NAME = "genq_paged"
 
 @dataclass(slots=True)
 class PrefillChunk:
-    start: int                      # the chunk's rows in the packed batch: [start, end)
+    start: int  # the chunk's rows in the packed batch: [start, end)
     end: int
-    context_len: int                # cached + new tokens this chunk attends over
-    block_ids: torch.Tensor | None  # [ceil(context_len / block_size)]; None when the chunk is the whole context
+    context_len: int  # cached + new tokens this chunk attends over
+    block_ids: (
+        torch.Tensor | None
+    )  # [ceil(context_len / block_size)]; None when the chunk is the whole context
 
 
 @dataclass(slots=True)
 class DecodeGroup:
     """Single-query sequences of similar context length, attended in one batched call."""
 
-    start: int                      # rows [start, end) of the packed batch, one per sequence
+    start: int  # rows [start, end) of the packed batch, one per sequence
     end: int
-    block_ids: torch.Tensor         # [n * width] block tables, padded to `width` blocks, flattened
-    context_lens: torch.Tensor      # [n]
-    width: int                      # blocks per sequence after padding
-    _masks: dict = field(default_factory=dict)   # by sliding window, built once per step
+    block_ids: torch.Tensor  # [n * width] block tables, padded to `width` blocks, flattened
+    context_lens: torch.Tensor  # [n]
+    width: int  # blocks per sequence after padding
+    _masks: dict = field(default_factory=dict)  # by sliding window, built once per step
 
     def mask(self, sliding_window: int | None, block_size: int) -> torch.Tensor:
         """[1, n, 1, width * block_size] bool, True where the query may attend."""
@@ -56,48 +58,72 @@ class DecodeGroup:
 @dataclass(slots=True)
 class AttentionMetadata:
     kv_cache: KVCache
-    slot_mapping: torch.Tensor              # [T] cache slot of every packed token
-    decodes: list[DecodeGroup]              # single-query rows come first in the packed batch
+    slot_mapping: torch.Tensor  # [T] cache slot of every packed token
+    decodes: list[DecodeGroup]  # single-query rows come first in the packed batch
     prefills: list[PrefillChunk]
-    decode_kernel: PagedDecodeKernel | None = None   # attends decodes in place (CPU); None: gather + matmul
+    decode_kernel: PagedDecodeKernel | None = None  # attends decodes in place (CPU); None: gather + matmul
 
 
-def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                    sliding_window=None, softcap=None, s_aux=None, genq_attn: AttentionMetadata = None,
-                    **kwargs):
+def paged_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    sliding_window=None,
+    softcap=None,
+    s_aux=None,
+    genq_attn: AttentionMetadata = None,
+    **kwargs,
+):
     """query: [1, H, T, D]; key, value: [1, Hkv, T, D]. Returns ([1, T, H, D], None)."""
     meta = genq_attn
     if meta is None:
         raise RuntimeError("genq_paged attention needs the engine's step metadata (genq_attn=...)")
     layer = module.layer_idx
-    k_cache, v_cache = meta.kv_cache.k[layer], meta.kv_cache.v[layer]   # [Hkv, S, D]
+    k_cache, v_cache = meta.kv_cache.k[layer], meta.kv_cache.v[layer]  # [Hkv, S, D]
     k_cache.index_copy_(1, meta.slot_mapping, key[0])
     v_cache.index_copy_(1, meta.slot_mapping, value[0])
 
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q = query[0].transpose(0, 1)                                       # [T, H, D]
+    q = query[0].transpose(0, 1)  # [T, H, D]
     out = torch.empty_like(q)
     for group in meta.decodes:
         if meta.decode_kernel is not None:
-            meta.decode_kernel.decode(q[group.start:group.end], meta.kv_cache.k_blocks[layer],
-                                      meta.kv_cache.v_blocks[layer], group.block_ids, group.width,
-                                      group.context_lens, out[group.start:group.end], scale, softcap,
-                                      s_aux, sliding_window)
+            meta.decode_kernel.decode(
+                q[group.start : group.end],
+                meta.kv_cache.k_blocks[layer],
+                meta.kv_cache.v_blocks[layer],
+                group.block_ids,
+                group.width,
+                group.context_lens,
+                out[group.start : group.end],
+                scale,
+                softcap,
+                s_aux,
+                sliding_window,
+            )
             continue
         n = group.end - group.start
-        kd, vd = meta.kv_cache.gather(layer, group.block_ids)          # [Hkv, n * L, D]
+        kd, vd = meta.kv_cache.gather(layer, group.block_ids)  # [Hkv, n * L, D]
         kd, vd = kd.view(kd.shape[0], n, -1, kd.shape[-1]), vd.view(vd.shape[0], n, -1, vd.shape[-1])
         mask = group.mask(sliding_window, meta.kv_cache.block_size)
-        out[group.start:group.end] = _decode_attention(q[group.start:group.end], kd, vd, mask, scale, softcap, s_aux)
+        out[group.start : group.end] = _decode_attention(
+            q[group.start : group.end], kd, vd, mask, scale, softcap, s_aux
+        )
     for chunk in meta.prefills:
-        qp = query[:, :, chunk.start:chunk.end]                        # [1, H, q, D]
+        qp = query[:, :, chunk.start : chunk.end]  # [1, H, q, D]
         if chunk.block_ids is None:
-            kp, vp = key[:, :, chunk.start:chunk.end], value[:, :, chunk.start:chunk.end]
+            kp, vp = key[:, :, chunk.start : chunk.end], value[:, :, chunk.start : chunk.end]
         else:
-            kp, vp = meta.kv_cache.gather(layer, chunk.block_ids)      # [Hkv, >= L, D]
-            kp, vp = kp[None, :, :chunk.context_len], vp[None, :, :chunk.context_len]   # [1, Hkv, L, D]
+            kp, vp = meta.kv_cache.gather(layer, chunk.block_ids)  # [Hkv, >= L, D]
+            kp, vp = kp[None, :, : chunk.context_len], vp[None, :, : chunk.context_len]  # [1, Hkv, L, D]
         mask = _causal_mask(chunk.end - chunk.start, chunk.context_len, sliding_window, q.device)
-        out[chunk.start:chunk.end] = _prefill_attention(qp, kp, vp, mask, scale, softcap, s_aux)[0].transpose(0, 1)
+        out[chunk.start : chunk.end] = _prefill_attention(qp, kp, vp, mask, scale, softcap, s_aux)[
+            0
+        ].transpose(0, 1)
     return out.unsqueeze(0), None
 
 
@@ -119,8 +145,8 @@ def _decode_attention(q, k, v, mask, scale, softcap, sinks):
     nd, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[0]
     rep = num_heads // num_kv_heads
-    qg = q.view(nd, num_kv_heads, rep, head_dim).transpose(0, 1)           # [Hkv, Nd, rep, D]
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale                  # [Hkv, Nd, rep, L]
+    qg = q.view(nd, num_kv_heads, rep, head_dim).transpose(0, 1)  # [Hkv, Nd, rep, D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [Hkv, Nd, rep, L]
     probs = _softmax(scores, mask, softcap, None if sinks is None else sinks.view(num_kv_heads, 1, rep, 1))
     return torch.matmul(probs, v).transpose(0, 1).reshape(nd, num_heads, head_dim)
 
@@ -130,7 +156,7 @@ def _prefill_attention(q, k, v, mask, scale, softcap, sinks):
     k, v = _repeat_kv(k, q), _repeat_kv(v, q)
     if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale                   # [1, H, q, L]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [1, H, q, L]
     return torch.matmul(_softmax(scores, mask, softcap, None if sinks is None else sinks.view(-1, 1, 1)), v)
 
 
@@ -142,7 +168,7 @@ def _softmax(scores, mask, softcap, sinks):
     if sinks is None:
         return torch.softmax(scores, dim=-1)
     # a sink is one extra logit per head that takes probability mass but has no value
-    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)   # sinks come shaped per head, [..., 1]
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)  # sinks come shaped per head, [..., 1]
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)
     return probs[..., :-1]
 

@@ -113,7 +113,9 @@ class BlockManager:
         host_owned = [b for s in live for b in s.host_block_table]
         all_device = device_owned + list(self.free_device)
         all_host = host_owned + list(self.free_host)
-        assert sorted(all_device) == list(range(self.num_device_blocks)), "device block leaked or double-owned"
+        assert sorted(all_device) == list(range(self.num_device_blocks)), (
+            "device block leaked or double-owned"
+        )
         assert sorted(all_host) == list(range(self.num_host_blocks)), "host block leaked or double-owned"
         for s in live:
             assert not (s.block_table and s.host_block_table), f"{s} holds device and host blocks at once"

@@ -11,22 +11,26 @@ PREEMPTION_MODES = ("swap", "recompute")
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str = "tiny-llama"        # HF id, local path, or the built-in "tiny-llama"
-    dtype: str = "auto"              # "auto": the checkpoint's dtype on CUDA, float32 on the CPU
-    device: str = "auto"             # "auto": CUDA when present
-    block_size: int = 16             # tokens per KV block
+    model: str = "tiny-llama"  # HF id, local path, or the built-in "tiny-llama"
+    dtype: str = "auto"  # "auto": the checkpoint's dtype on CUDA, float32 on the CPU
+    device: str = "auto"  # "auto": CUDA when present
+    block_size: int = 16  # tokens per KV block
     num_device_blocks: int | None = None  # None: sized from free memory
-    num_host_blocks: int | None = None    # 0 disables swap; None: as many as device blocks (capped by memory)
+    num_host_blocks: int | None = None  # 0 disables swap; None: as many as device blocks (capped by memory)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    max_model_len: int | None = None      # None: the model's max_position_embeddings
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
     preemption_mode: str = "swap"
     enable_chunked_prefill: bool = True
-    attention_aware_chunks: bool = True  # a chunk deep in a long prompt counts its attention against the budget
-    cpu_attention_kernel: bool = True    # CPU: attend decodes in place with csrc/paged_decode.cpp (built on first use)
-    memory_utilization: float = 0.9      # share of free device memory the KV cache may take when sizing
-    seed: int = 0                        # base of the random seeds of unseeded sampled requests
-    revision: str | None = None          # model revision for HF ids
+    attention_aware_chunks: bool = (
+        True  # a chunk deep in a long prompt counts its attention against the budget
+    )
+    cpu_attention_kernel: bool = (
+        True  # CPU: attend decodes in place with csrc/paged_decode.cpp (built on first use)
+    )
+    memory_utilization: float = 0.9  # share of free device memory the KV cache may take when sizing
+    seed: int = 0  # base of the random seeds of unseeded sampled requests
+    revision: str | None = None  # model revision for HF ids
     trust_remote_code: bool = False
 
     def __post_init__(self):
@@ -46,15 +50,24 @@ class EngineConfig:
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 2)
         if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
         if not isinstance(self.enable_chunked_prefill, bool):
-            raise ValueError(f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}")
+            raise ValueError(
+                f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}"
+            )
         if not isinstance(self.attention_aware_chunks, bool):
-            raise ValueError(f"attention_aware_chunks must be True or False, got {self.attention_aware_chunks!r}")
+            raise ValueError(
+                f"attention_aware_chunks must be True or False, got {self.attention_aware_chunks!r}"
+            )
         if not isinstance(self.cpu_attention_kernel, bool):
             raise ValueError(f"cpu_attention_kernel must be True or False, got {self.cpu_attention_kernel!r}")
-        if (isinstance(self.memory_utilization, bool) or not isinstance(self.memory_utilization, (int, float))
-                or not 0.0 < self.memory_utilization <= 1.0):
+        if (
+            isinstance(self.memory_utilization, bool)
+            or not isinstance(self.memory_utilization, (int, float))
+            or not 0.0 < self.memory_utilization <= 1.0
+        ):
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization!r}")
         _check_int("seed", self.seed, 0)
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):

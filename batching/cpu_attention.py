@@ -31,12 +31,45 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 # Value-safe relaxations only: sums may be reordered (as any vectorized reduction does), no errno,
 # no traps. Not -ffast-math: its finite-math assumption would be wrong for a -inf score.
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno",
-         "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math", "-freciprocal-math"]
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-std=c++17",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fno-signed-zeros",
+    "-fassociative-math",
+    "-freciprocal-math",
+]
 FUNCTIONS = {torch.float32: "genq_paged_decode_f32", torch.float64: "genq_paged_decode_f64"}
 _I64, _F64, _PTR = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
-ARGTYPES = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
-            _I64, _I64, _F64, _F64, _PTR, _I64, ctypes.c_int]
+ARGTYPES = [
+    _PTR,
+    _I64,
+    _I64,
+    _PTR,
+    _PTR,
+    _PTR,
+    _I64,
+    _PTR,
+    _PTR,
+    _I64,
+    _I64,
+    _I64,
+    _I64,
+    _I64,
+    _I64,
+    _I64,
+    _I64,
+    _F64,
+    _F64,
+    _PTR,
+    _I64,
+    ctypes.c_int,
+]
 
 
 class PagedDecodeKernel:
@@ -52,10 +85,20 @@ class PagedDecodeKernel:
     def supports(self, dtype: torch.dtype, device: torch.device) -> bool:
         return device.type == "cpu" and dtype in self._functions
 
-    def decode(self, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
-               block_tables: torch.Tensor, width: int, context_lens: torch.Tensor, out: torch.Tensor,
-               scale: float, softcap: float | None, sinks: torch.Tensor | None,
-               sliding_window: int | None) -> None:
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_blocks: torch.Tensor,
+        v_blocks: torch.Tensor,
+        block_tables: torch.Tensor,
+        width: int,
+        context_lens: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+        sliding_window: int | None,
+    ) -> None:
         """q, out: [n, H, D] (head_dim contiguous); k_blocks, v_blocks: [Hkv, num_blocks, block_size * D]
         contiguous; block_tables: [n * width] int64; context_lens: [n] int64. Writes `out`."""
         n, num_heads, head_dim = q.shape
@@ -66,11 +109,29 @@ class PagedDecodeKernel:
         if sinks is not None:
             sinks = sinks.to(q.dtype).contiguous()
         self._functions[q.dtype](
-            q.data_ptr(), q.stride(0), q.stride(1), k_blocks.data_ptr(), v_blocks.data_ptr(),
-            block_tables.data_ptr(), width, context_lens.data_ptr(), out.data_ptr(), out.stride(0),
-            out.stride(1), n, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-            softcap or 0.0, None if sinks is None else sinks.data_ptr(), sliding_window or 0,
-            torch.get_num_threads())
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            k_blocks.data_ptr(),
+            v_blocks.data_ptr(),
+            block_tables.data_ptr(),
+            width,
+            context_lens.data_ptr(),
+            out.data_ptr(),
+            out.stride(0),
+            out.stride(1),
+            n,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            num_blocks,
+            scale,
+            softcap or 0.0,
+            None if sinks is None else sinks.data_ptr(),
+            sliding_window or 0,
+            torch.get_num_threads(),
+        )
 
 
 @functools.lru_cache(maxsize=1)
@@ -88,19 +149,21 @@ def _build() -> Path:
     if compiler is None:
         raise OSError("no C++ compiler on PATH (set CXX)")
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(),
-                                     _cpu_signature().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(
+        b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), _cpu_signature().encode()])
+    ).hexdigest()[:16]
     target = _cache_dir() / f"paged_decode-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)],
-                                capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=120
+        )
         if result.returncode != 0:
             raise OSError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
-        os.replace(built, target)   # atomic: concurrent builders each install a whole file
+        os.replace(built, target)  # atomic: concurrent builders each install a whole file
     log.info("built the CPU paged-attention kernel: %s", target)
     return target
 
@@ -116,7 +179,10 @@ def _cpu_signature() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             first_cpu = f.read().split("\n\n", 1)[0]
-        return "\n".join(line for line in first_cpu.splitlines()
-                         if line.startswith(("flags", "Features", "model name", "CPU part")))
+        return "\n".join(
+            line
+            for line in first_cpu.splitlines()
+            if line.startswith(("flags", "Features", "model name", "CPU part"))
+        )
     except OSError:
         return platform.machine()

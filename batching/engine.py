@@ -54,38 +54,70 @@ class Engine:
         num_layers = mc.num_hidden_layers
         num_kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-        block_bytes = KVCache.bytes_per_block(num_layers, num_kv_heads, head_dim, config.block_size, self.dtype)
+        block_bytes = KVCache.bytes_per_block(
+            num_layers, num_kv_heads, head_dim, config.block_size, self.dtype
+        )
         num_device_blocks, num_host_blocks = size_pools(config, self.device, block_bytes, self.max_model_len)
-        self.kv_cache = KVCache(num_layers, num_kv_heads, head_dim, config.block_size, num_device_blocks,
-                                num_host_blocks, self.dtype, self.device)
+        self.kv_cache = KVCache(
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            config.block_size,
+            num_device_blocks,
+            num_host_blocks,
+            self.dtype,
+            self.device,
+        )
         self.block_manager = BlockManager(num_device_blocks, num_host_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager, attention_context_per_token(self.model))
         # prices the budget from the steps' own times; None while warming up, and with plain token budgets
         self.step_costs: step_cost.StepCostModel | None = None
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device,
-                                  self._decode_kernel())
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, config.block_size, self.device, self._decode_kernel()
+        )
         self.sampler = Sampler()
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
 
         self.requests: dict[str, Sequence] = {}
-        self._pending_outputs: list[RequestOutput] = []   # aborted between steps, reported by the next
+        self._pending_outputs: list[RequestOutput] = []  # aborted between steps, reported by the next
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
-        self._counters = dict(num_steps=0, num_prompt_tokens_computed=0, num_generated_tokens=0,
-                              num_aborted=0, step_time_s=0.0, last_step_num_tokens=0,
-                              last_step_budget_used=0, last_step_num_seqs=0, last_step_time_s=0.0)
+        self._counters = dict(
+            num_steps=0,
+            num_prompt_tokens_computed=0,
+            num_generated_tokens=0,
+            num_aborted=0,
+            step_time_s=0.0,
+            last_step_num_tokens=0,
+            last_step_budget_used=0,
+            last_step_num_seqs=0,
+            last_step_time_s=0.0,
+        )
         self._warm_up()
         if self.scheduler.cost_aware:
             self.step_costs = step_cost.StepCostModel()
-        log.info("engine ready: %s on %s/%s, %d device + %d host KV blocks of %d tokens, max_model_len %d",
-                 config.model, self.device, str(self.dtype).removeprefix("torch."), num_device_blocks,
-                 num_host_blocks, config.block_size, self.max_model_len)
+        log.info(
+            "engine ready: %s on %s/%s, %d device + %d host KV blocks of %d tokens, max_model_len %d",
+            config.model,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            num_device_blocks,
+            num_host_blocks,
+            config.block_size,
+            self.max_model_len,
+        )
 
     # --- requests ---------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 5, resume_token_ids: list[int] | None = None,
-                    arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 5,
+        resume_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
         """Queue a request. Raises ValueError naming the field and the limit; nothing is queued then.
 
         resume_token_ids: tokens this request already generated (e.g. persisted before a crash); they
@@ -103,16 +135,22 @@ class Engine:
         prompt_ids = self._encode_prompt(prompt)
         resumed = self._check_token_ids("resume_token_ids", resume_token_ids or [])
         if len(resumed) >= params.max_tokens:
-            raise ValueError(f"resume_token_ids: {len(resumed)} tokens already reach max_tokens "
-                             f"({params.max_tokens}); the request is complete")
+            raise ValueError(
+                f"resume_token_ids: {len(resumed)} tokens already reach max_tokens "
+                f"({params.max_tokens}); the request is complete"
+            )
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                             f"exceeds max_model_len ({self.max_model_len})")
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds max_model_len ({self.max_model_len})"
+            )
         # the last token is never fed back, so it needs no KV slot
         if blocks_for(total - 1, self.config.block_size) > self.block_manager.num_device_blocks:
-            raise ValueError(f"prompt + max_tokens ({total} tokens) needs more KV blocks than the device pool "
-                             f"holds ({self.block_manager.num_device_blocks} blocks of {self.config.block_size})")
+            raise ValueError(
+                f"prompt + max_tokens ({total} tokens) needs more KV blocks than the device pool "
+                f"holds ({self.block_manager.num_device_blocks} blocks of {self.config.block_size})"
+            )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seq = Sequence(request_id, prompt_ids, params, priority, seed, resumed, arrival_time)
         self.requests[request_id] = seq
@@ -146,8 +184,11 @@ class Engine:
         seconds = time.perf_counter() - started
         self._record_step(sched, seconds)
         if pricing and (costs := self.step_costs.record(make_up, seconds)) is not None:
-            log.log(logging.INFO if self.step_costs.num_fits == 1 else logging.DEBUG,
-                    "step costs fitted on the last steps: %s", costs)
+            log.log(
+                logging.INFO if self.step_costs.num_fits == 1 else logging.DEBUG,
+                "step costs fitted on the last steps: %s",
+                costs,
+            )
             self.scheduler.set_costs(costs)
         return outputs
 
@@ -173,17 +214,28 @@ class Engine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(
-            request_id=seq.req_id, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
-            token_ids=seq.output_token_ids, text=seq.text, finished=seq.finished,
-            finish_reason=FINISH_REASONS.get(seq.status), num_preemptions=seq.num_preemptions,
-            arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
-            finish_time=seq.finish_time, priority=seq.priority,
+            request_id=seq.req_id,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=seq.output_token_ids,
+            text=seq.text,
+            finished=seq.finished,
+            finish_reason=FINISH_REASONS.get(seq.status),
+            num_preemptions=seq.num_preemptions,
+            arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+            finish_time=seq.finish_time,
+            priority=seq.priority,
         )
 
     # --- offline use ------------------------------------------------------------------------------
 
-    def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
-                 priorities: Seq[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Seq[str | list[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        priorities: Seq[int] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in the order of `prompts`."""
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
@@ -218,13 +270,20 @@ class Engine:
     def stats(self) -> dict:
         bm, sch = self.block_manager, self.scheduler
         return {
-            "num_running": len(sch.running), "num_waiting": len(sch.waiting), "num_swapped": len(sch.swapped),
-            "num_device_blocks": bm.num_device_blocks, "num_free_device_blocks": bm.num_free_device_blocks,
-            "num_host_blocks": bm.num_host_blocks, "num_free_host_blocks": bm.num_free_host_blocks,
-            "device_kv_usage": bm.device_usage(), "host_kv_usage": bm.host_usage(),
-            "num_preemptions": sch.num_preemptions, "num_blocks_swapped_out": sch.num_blocks_swapped_out,
+            "num_running": len(sch.running),
+            "num_waiting": len(sch.waiting),
+            "num_swapped": len(sch.swapped),
+            "num_device_blocks": bm.num_device_blocks,
+            "num_free_device_blocks": bm.num_free_device_blocks,
+            "num_host_blocks": bm.num_host_blocks,
+            "num_free_host_blocks": bm.num_free_host_blocks,
+            "device_kv_usage": bm.device_usage(),
+            "host_kv_usage": bm.host_usage(),
+            "num_preemptions": sch.num_preemptions,
+            "num_blocks_swapped_out": sch.num_blocks_swapped_out,
             "num_blocks_swapped_in": sch.num_blocks_swapped_in,
-            "num_recomputed_tokens": sch.num_recomputed_tokens, **self._counters,
+            "num_recomputed_tokens": sch.num_recomputed_tokens,
+            **self._counters,
         }
 
     def check_invariants(self) -> None:
@@ -259,7 +318,7 @@ class Engine:
         c["num_steps"] += 1
         c["step_time_s"] += seconds
         c["last_step_num_tokens"] = sched.total_num_scheduled_tokens
-        c["last_step_budget_used"] = self.scheduler.last_budget_used   # tokens, priced (step_cost.py)
+        c["last_step_budget_used"] = self.scheduler.last_budget_used  # tokens, priced (step_cost.py)
         c["last_step_num_seqs"] = len(sched.seqs)
         c["last_step_time_s"] = seconds
 
@@ -277,7 +336,9 @@ class Engine:
             while self.has_unfinished_requests():
                 self.step()
         except (TypeError, RuntimeError, AttributeError, NotImplementedError) as exc:
-            raise ValueError(f"model: {self.config.model!r} cannot run on genq's paged attention: {exc}") from exc
+            raise ValueError(
+                f"model: {self.config.model!r} cannot run on genq's paged attention: {exc}"
+            ) from exc
         for key in self._counters:
             self._counters[key] = 0 if isinstance(self._counters[key], int) else 0.0
 
@@ -291,20 +352,24 @@ def _eos_ids(model_config, tokenizer) -> set[int]:
 
 
 def _max_model_len(config: EngineConfig, model_config) -> int:
-    limit = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
+    limit = getattr(model_config, "max_position_embeddings", None) or getattr(
+        model_config, "n_positions", None
+    )
     if config.max_model_len is None:
         if limit is None:
             raise ValueError("max_model_len: the model config has no max_position_embeddings; set it")
         return int(limit)
     if limit is not None and config.max_model_len > limit:
-        raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
-                         f"max_position_embeddings ({limit})")
+        raise ValueError(
+            f"max_model_len ({config.max_model_len}) exceeds the model's max_position_embeddings ({limit})"
+        )
     return config.max_model_len
 
 
 def _progress(total: int, enabled: bool):
     if enabled:
         from tqdm.auto import tqdm
+
         return tqdm(total=total, desc="generate", unit="req")
     return _NoBar()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-BLOCK_DIM = 3   # the block axis of the pools
+BLOCK_DIM = 3  # the block axis of the pools
 
 
 class KVCache:
@@ -18,8 +18,17 @@ class KVCache:
     batched matmul with no transposed copies.
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 num_device_blocks: int, num_host_blocks: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.block_size = block_size
         self.device = device
         shape = (num_layers, 2, num_kv_heads, num_device_blocks, block_size, head_dim)
@@ -28,7 +37,7 @@ class KVCache:
         pin = device.type == "cuda"
         self.host_cache = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._in_flight: list[torch.Tensor] = []   # staging tensors alive until their copy is waited on
+        self._in_flight: list[torch.Tensor] = []  # staging tensors alive until their copy is waited on
         # per-layer views: by slot [Hkv, num_blocks * block_size, D] for writes, by block
         # [Hkv, num_blocks, block_size * D] for gathers (a block of one head is contiguous)
         slots = num_device_blocks * block_size
@@ -38,12 +47,15 @@ class KVCache:
         self.v_blocks = [self.device_cache[i, 1].flatten(2) for i in range(num_layers)]
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         # gather buffers reused by every layer and step: fresh large tensors would page-fault each time
-        self._workspace = {"k": torch.empty(0, dtype=dtype, device=device),
-                           "v": torch.empty(0, dtype=dtype, device=device)}
+        self._workspace = {
+            "k": torch.empty(0, dtype=dtype, device=device),
+            "v": torch.empty(0, dtype=dtype, device=device),
+        }
 
     @staticmethod
-    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                        dtype: torch.dtype) -> int:
+    def bytes_per_block(
+        num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+    ) -> int:
         return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
 
     def gather(self, layer: int, block_ids: torch.Tensor, workspace_offset: int = 0):
@@ -57,9 +69,10 @@ class KVCache:
         for name, pool in (("k", self.k_blocks[layer]), ("v", self.v_blocks[layer])):
             buf = self._workspace[name]
             if buf.numel() < workspace_offset + size:
-                buf = self._workspace[name] = torch.empty(2 * (workspace_offset + size), dtype=buf.dtype,
-                                                          device=buf.device)
-            view = buf[workspace_offset:workspace_offset + size].view(self.num_kv_heads, n, -1)
+                buf = self._workspace[name] = torch.empty(
+                    2 * (workspace_offset + size), dtype=buf.dtype, device=buf.device
+                )
+            view = buf[workspace_offset : workspace_offset + size].view(self.num_kv_heads, n, -1)
             torch.index_select(pool, 1, block_ids, out=view)
             out.append(view.view(self.num_kv_heads, n * self.block_size, self.head_dim))
         return out
@@ -68,26 +81,26 @@ class KVCache:
         """Copy device blocks to host blocks: mapping = [(device block, host block), ...]."""
         if not mapping:
             return
-        if self.copy_stream is None:   # no CUDA: both pools are host memory
+        if self.copy_stream is None:  # no CUDA: both pools are host memory
             _copy_runs(self.device_cache, self.host_cache, mapping)
             return
         src = torch.tensor([d for d, _ in mapping], device=self.device)
         dst = torch.tensor([h for _, h in mapping])
         with self._on_copy_stream():
-            staged = self.device_cache.index_select(BLOCK_DIM, src)            # [L, 2, Hkv, n, bs, D]
+            staged = self.device_cache.index_select(BLOCK_DIM, src)  # [L, 2, Hkv, n, bs, D]
             self.host_cache.index_copy_(BLOCK_DIM, dst, staged.to("cpu"))
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
         """Copy host blocks to device blocks: mapping = [(host block, device block), ...]."""
         if not mapping:
             return
-        if self.copy_stream is None:   # no CUDA: both pools are host memory
+        if self.copy_stream is None:  # no CUDA: both pools are host memory
             _copy_runs(self.host_cache, self.device_cache, mapping)
             return
         src = torch.tensor([h for h, _ in mapping])
         dst = torch.tensor([d for _, d in mapping], device=self.device)
         with self._on_copy_stream():
-            staged = self.host_cache.index_select(BLOCK_DIM, src)              # [L, 2, Hkv, n, bs, D]
+            staged = self.host_cache.index_select(BLOCK_DIM, src)  # [L, 2, Hkv, n, bs, D]
             if self.copy_stream is not None:
                 staged = staged.pin_memory()
                 self._in_flight.append(staged)
@@ -116,8 +129,11 @@ def _copy_runs(src_pool: torch.Tensor, dst_pool: torch.Tensor, mapping: list[tup
     consecutive) move it once."""
     start = 0
     for i in range(1, len(mapping) + 1):
-        if (i < len(mapping) and mapping[i][0] == mapping[i - 1][0] + 1
-                and mapping[i][1] == mapping[i - 1][1] + 1):
+        if (
+            i < len(mapping)
+            and mapping[i][0] == mapping[i - 1][0] + 1
+            and mapping[i][1] == mapping[i - 1][1] + 1
+        ):
             continue
         (src, dst), n = mapping[start], i - start
         dst_pool.narrow(BLOCK_DIM, dst, n).copy_(src_pool.narrow(BLOCK_DIM, src, n))

@@ -15,35 +15,46 @@ from batching.sequence import Sequence
 
 @dataclass(slots=True)
 class ModelInput:
-    input_ids: torch.Tensor        # [1, T] every scheduled token, single-query sequences first
-    position_ids: torch.Tensor     # [1, T]
-    logits_indices: torch.Tensor   # [N] rows whose logits are needed (last token of a finished chunk)
+    input_ids: torch.Tensor  # [1, T] every scheduled token, single-query sequences first
+    position_ids: torch.Tensor  # [1, T]
+    logits_indices: torch.Tensor  # [N] rows whose logits are needed (last token of a finished chunk)
     attn: AttentionMetadata
-    sample_seqs: list[Sequence]    # the N sequences that get a new token this step
+    sample_seqs: list[Sequence]  # the N sequences that get a new token this step
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCache, block_size: int, device: torch.device,
-                 decode_kernel: PagedDecodeKernel | None = None):
+    def __init__(
+        self,
+        model,
+        kv_cache: KVCache,
+        block_size: int,
+        device: torch.device,
+        decode_kernel: PagedDecodeKernel | None = None,
+    ):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
-        self.decode_kernel = decode_kernel   # CPU: attends decodes in place (cpu_attention.py)
+        self.decode_kernel = decode_kernel  # CPU: attends decodes in place (cpu_attention.py)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
         """Swap blocks, then one packed forward. Returns (logits [N, V] or None, the N sequences)."""
-        self.kv_cache.swap_out(sched.swap_out)   # before swap_in: freed blocks may be reused at once
+        self.kv_cache.swap_out(sched.swap_out)  # before swap_in: freed blocks may be reused at once
         self.kv_cache.swap_in(sched.swap_in)
         if not sched.seqs:
             self.kv_cache.wait_for_copies()
             return None, []
         batch = self.prepare(sched)
         self.kv_cache.wait_for_copies()
-        out = self.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                         logits_to_keep=batch.logits_indices, use_cache=False, genq_attn=batch.attn)
-        return out.logits[0], batch.sample_seqs                           # [N, V]
+        out = self.model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            logits_to_keep=batch.logits_indices,
+            use_cache=False,
+            genq_attn=batch.attn,
+        )
+        return out.logits[0], batch.sample_seqs  # [N, V]
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
         bs = self.block_size
@@ -66,7 +77,7 @@ class ModelRunner:
             if pos + 1 == seq.num_tokens:
                 logits_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
-        if self.decode_kernel is not None:   # reads each context as it is: one group, no padding
+        if self.decode_kernel is not None:  # reads each context as it is: one group, no padding
             groups = [(0, len(singles))] if singles else []
         else:
             groups = group_by_length([s.num_computed_tokens + 1 for s, _ in singles])
@@ -76,11 +87,13 @@ class ModelRunner:
         prefills: list[PrefillChunk] = []
         for seq, n in chunks:
             start, c = len(input_ids), seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[c:c + n])
+            input_ids.extend(seq.token_ids[c : c + n])
             positions.extend(range(c, c + n))
             table = seq.block_table
             slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
-            block_ids = torch.tensor(table[:-(-(c + n) // bs)], dtype=torch.long, device=self.device) if c else None
+            block_ids = (
+                torch.tensor(table[: -(-(c + n) // bs)], dtype=torch.long, device=self.device) if c else None
+            )
             prefills.append(PrefillChunk(start, start + n, c + n, block_ids))
             if c + n == seq.num_tokens:
                 logits_rows.append(start + n - 1)
@@ -89,13 +102,16 @@ class ModelRunner:
         attn = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
-            decodes=decodes, prefills=prefills, decode_kernel=self.decode_kernel,
+            decodes=decodes,
+            prefills=prefills,
+            decode_kernel=self.decode_kernel,
         )
         return ModelInput(
             input_ids=torch.tensor([input_ids], device=self.device),
             position_ids=torch.tensor([positions], device=self.device),
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
-            attn=attn, sample_seqs=sample_seqs,
+            attn=attn,
+            sample_seqs=sample_seqs,
         )
 
     def _decode_group(self, singles: list[tuple[Sequence, int]], start: int, end: int) -> DecodeGroup:
@@ -107,21 +123,25 @@ class ModelRunner:
             table = seq.block_table[:width]
             padded.extend(table)
             padded.extend([0] * (width - len(table)))
-        return DecodeGroup(start, end, torch.tensor(padded, dtype=torch.long, device=self.device),
-                           torch.tensor(lens, device=self.device), width)
+        return DecodeGroup(
+            start,
+            end,
+            torch.tensor(padded, dtype=torch.long, device=self.device),
+            torch.tensor(lens, device=self.device),
+            width,
+        )
 
 
-MIN_GROUP = 8        # fewer rows than this are not worth a call of their own
+MIN_GROUP = 8  # fewer rows than this are not worth a call of their own
 MAX_GROUPS = 4
-SPLIT_RATIO = 0.6    # start a new group when a context is this much shorter than the group's longest
+SPLIT_RATIO = 0.6  # start a new group when a context is this much shorter than the group's longest
 
 
 def group_by_length(lengths: list[int]) -> list[tuple[int, int]]:
     """Split lengths (sorted longest first) into [start, end) groups that waste little padding."""
     groups, start = [], 0
     for i, length in enumerate(lengths):
-        if (i - start >= MIN_GROUP and len(groups) < MAX_GROUPS - 1
-                and length < SPLIT_RATIO * lengths[start]):
+        if i - start >= MIN_GROUP and len(groups) < MAX_GROUPS - 1 and length < SPLIT_RATIO * lengths[start]:
             groups.append((start, i))
             start = i
     if lengths:

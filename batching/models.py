@@ -14,8 +14,12 @@ from batching.tokenizer import BOS_ID, BUILTIN_MODEL, EOS_ID, load_tokenizer
 
 log = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64,
-                "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
@@ -24,9 +28,17 @@ def tiny_llama_config():
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=259, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=0, tie_word_embeddings=False,
+        vocab_size=259,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=0,
+        tie_word_embeddings=False,
         # wider than the usual 0.02 so logits have clear winners and greedy text is stable across batches
         initializer_range=0.25,
     )
@@ -61,11 +73,14 @@ def load_model_config(config: EngineConfig):
         check_model_source(config)
 
         try:
-            model_config = AutoConfig.from_pretrained(config.model, revision=config.revision,
-                                                      trust_remote_code=config.trust_remote_code)
+            model_config = AutoConfig.from_pretrained(
+                config.model, revision=config.revision, trust_remote_code=config.trust_remote_code
+            )
         except (OSError, ValueError) as exc:
-            raise ValueError(f"model: cannot load {config.model!r} (not the built-in {BUILTIN_MODEL!r}, "
-                             f"a local checkpoint directory or a reachable Hugging Face id): {exc}") from exc
+            raise ValueError(
+                f"model: cannot load {config.model!r} (not the built-in {BUILTIN_MODEL!r}, "
+                f"a local checkpoint directory or a reachable Hugging Face id): {exc}"
+            ) from exc
         model_config = copy.deepcopy(model_config)
     _check_supported(model_config)
     return model_config
@@ -97,22 +112,28 @@ def check_model_source(config: EngineConfig) -> None:
     try:
         get_hf_file_metadata(hf_hub_url(name, "config.json", revision=config.revision), timeout=10)
     except GatedRepoError:
-        return          # it exists; loading reports what access it needs
+        return  # it exists; loading reports what access it needs
     except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as exc:
         raise ValueError(f"{what}, and not a model on the Hugging Face Hub ({type(exc).__name__})") from exc
-    except Exception as exc:   # network errors (their classes depend on the HTTP client hub uses)
-        raise ValueError(f"{what}, not in the Hugging Face cache, and the Hub cannot be reached "
-                         f"({type(exc).__name__}: {exc})") from exc
+    except Exception as exc:  # network errors (their classes depend on the HTTP client hub uses)
+        raise ValueError(
+            f"{what}, not in the Hugging Face cache, and the Hub cannot be reached "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def _check_supported(model_config) -> None:
     if getattr(model_config, "is_encoder_decoder", False):
-        raise ValueError(f"model: {model_config.model_type} is an encoder-decoder; genq runs decoder-only models")
+        raise ValueError(
+            f"model: {model_config.model_type} is an encoder-decoder; genq runs decoder-only models"
+        )
     layer_types = set(getattr(model_config, "layer_types", None) or ())
     unsupported = layer_types - SUPPORTED_LAYER_TYPES
     if unsupported:
-        raise ValueError(f"model: layer types {sorted(unsupported)} are not supported "
-                         f"(only {sorted(SUPPORTED_LAYER_TYPES)})")
+        raise ValueError(
+            f"model: layer types {sorted(unsupported)} are not supported "
+            f"(only {sorted(SUPPORTED_LAYER_TYPES)})"
+        )
 
 
 def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, model_config):
@@ -127,8 +148,13 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, m
     else:
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                config.model, config=model_config, dtype=dtype, revision=config.revision,
-                trust_remote_code=config.trust_remote_code, attn_implementation=ATTENTION_NAME)
+                config.model,
+                config=model_config,
+                dtype=dtype,
+                revision=config.revision,
+                trust_remote_code=config.trust_remote_code,
+                attn_implementation=ATTENTION_NAME,
+            )
         except (OSError, ValueError) as exc:
             raise ValueError(f"model: cannot load weights of {config.model!r}: {exc}") from exc
     model.set_attn_implementation(ATTENTION_NAME)

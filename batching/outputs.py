@@ -9,12 +9,12 @@ from dataclasses import dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]             # generated so far
-    text: str                        # decoded generated text (stop string excluded)
+    token_ids: list[int]  # generated so far
+    text: str  # decoded generated text (stop string excluded)
     finished: bool
-    finish_reason: str | None        # "stop", "length", "abort" or None while running
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
     num_preemptions: int
-    arrival_time: float              # time.time() seconds
+    arrival_time: float  # time.time() seconds
     first_token_time: float | None
     finish_time: float | None
     priority: int = 5

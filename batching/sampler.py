@@ -20,7 +20,7 @@ def token_seed(seed: int, index: int) -> int:
 class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits: [N, V], one row per sequence that gets a new token this step."""
-        tokens = logits.argmax(dim=-1)                                  # greedy rows done here
+        tokens = logits.argmax(dim=-1)  # greedy rows done here
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
             tokens = tokens.clone()
@@ -30,14 +30,16 @@ class Sampler:
 
     def _sample_row(self, row: torch.Tensor, seq: Sequence) -> torch.Tensor:
         p = seq.params
-        row = row.float() / p.temperature                              # [V]
+        row = row.float() / p.temperature  # [V]
         if p.top_k and p.top_k < row.shape[0]:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
         if p.top_p < 1.0:
             sorted_logits, order = torch.sort(row, descending=True)
             cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-            drop = cum - torch.softmax(sorted_logits, dim=-1) >= p.top_p  # keep the smallest set reaching top_p
+            drop = (
+                cum - torch.softmax(sorted_logits, dim=-1) >= p.top_p
+            )  # keep the smallest set reaching top_p
             row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = torch.softmax(row, dim=-1)
         # exponential race (equivalent to sampling from probs), with noise from (seed, token index) only,

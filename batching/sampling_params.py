@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0         # 0: greedy
-    top_p: float = 1.0               # in (0, 1]; 1: off
-    top_k: int = 0                   # 0: off
-    seed: int | None = None          # token i draws from randomness derived from (seed, i)
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0  # in (0, 1]; 1: off
+    top_k: int = 0  # 0: off
+    seed: int | None = None  # token i draws from randomness derived from (seed, i)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False

@@ -33,8 +33,8 @@ class SchedulerOutput:
 
     seqs: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, host block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host block, device block)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     preempted: list[Sequence] = field(default_factory=list)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
@@ -47,7 +47,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, context_per_token: float | None = None):
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, context_per_token: float | None = None
+    ):
         """`context_per_token`: how many tokens of context one token's attention must span to cost as much
         as the rest of its forward pass (the model's linear layers); see `_chunk`. None: chunks cost their
         token count only. `set_costs` replaces it with prices fitted on real steps (step_cost.py)."""
@@ -58,11 +60,11 @@ class Scheduler:
         self.chunked_prefill = config.enable_chunked_prefill
         self.swap_enabled = config.preemption_mode == "swap"
         self.block_manager = block_manager
-        self.last_budget_used = 0   # of the last schedule(): decodes' charge + chunks' costs
+        self.last_budget_used = 0  # of the last schedule(): decodes' charge + chunks' costs
         # keep free a few blocks when admitting without preemption, so running decodes can grow
         self.watermark_blocks = max(1, block_manager.num_device_blocks // 100)
-        self.waiting: list[Sequence] = []   # sorted by urgency
-        self.swapped: list[Sequence] = []   # sorted by urgency
+        self.waiting: list[Sequence] = []  # sorted by urgency
+        self.swapped: list[Sequence] = []  # sorted by urgency
         self.running: list[Sequence] = []
         # counters
         self.num_preemptions = 0
@@ -84,8 +86,11 @@ class Scheduler:
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Take `seq` out of whichever queue holds it and free its blocks."""
-        queue = {SequenceStatus.RUNNING: self.running, SequenceStatus.SWAPPED: self.swapped,
-                 SequenceStatus.WAITING: self.waiting}.get(seq.status)
+        queue = {
+            SequenceStatus.RUNNING: self.running,
+            SequenceStatus.SWAPPED: self.swapped,
+            SequenceStatus.WAITING: self.waiting,
+        }.get(seq.status)
         if queue is not None:
             queue.remove(seq)
         self.block_manager.free(seq)
@@ -129,7 +134,7 @@ class Scheduler:
         for seq in sorted((s for s in self.running if s.is_decoding), key=_urgency):
             if tokens == self.max_num_batched_tokens:
                 break
-            if seq.status != SequenceStatus.RUNNING:   # preempted earlier in this loop
+            if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             while not bm.can_allocate(seq, 1):
                 victim = self._least_urgent_running(exclude=out.seqs)
@@ -153,14 +158,14 @@ class Scheduler:
     def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> int:
         """Chunks of one priority class within `budget`; returns the budget left."""
         admitting = True
-        prefill_priority = None   # the class whose chunks this step carries: one class a step
+        prefill_priority = None  # the class whose chunks this step carries: one class a step
         for seq in self._prefill_order():
             if budget <= 0:
                 return budget
-            if seq in out.preempted:        # no ping-pong within one step
+            if seq in out.preempted:  # no ping-pong within one step
                 continue
             if prefill_priority is not None and seq.priority > prefill_priority:
-                return budget   # an urgent prefill runs in a short step: no less urgent chunk rides along
+                return budget  # an urgent prefill runs in a short step: no less urgent chunk rides along
             if seq.status == SequenceStatus.RUNNING:
                 taken = self._schedule_chunk(seq, out, budget)
                 budget -= taken
@@ -212,7 +217,7 @@ class Scheduler:
         if not self.cost_aware or n <= 1:
             return n
         c, start = self.context_per_token, seq.num_computed_tokens
-        room = budget - self._context_cost(seq) + 0.5   # as _chunk_cost rounds
+        room = budget - self._context_cost(seq) + 0.5  # as _chunk_cost rounds
         if c is None:
             fits = int(room)
         else:
@@ -230,7 +235,7 @@ class Scheduler:
         """The budget taken by `n` prefill tokens of `seq` starting at its computed position (see `_chunk`)."""
         if not self.cost_aware:
             return n
-        start, c = seq.num_computed_tokens, self.context_per_token   # advanced only after the step runs
+        start, c = seq.num_computed_tokens, self.context_per_token  # advanced only after the step runs
         attention = n * (start + n / 2) / c if c else 0.0
         return min(budget, max(n, round(n + attention + self._context_cost(seq))))
 
@@ -296,10 +301,10 @@ class Scheduler:
         free = bm.num_free_device_blocks - sum(1 for s in decodes if bm.num_new_blocks(s, 1))
         slots = self.max_num_seqs - len(self.running)
         decode_cost = sum(self._decode_cost(s) for s in decodes)
-        num_decodes, taken = len(decodes), 0   # taken: budget of the chunks counted so far
+        num_decodes, taken = len(decodes), 0  # taken: budget of the chunks counted so far
         budget = self._prefill_budget(num_decodes, decode_cost)
         first_prefill = True
-        prefill_priority = None   # as in the fill: one class of prefills a step
+        prefill_priority = None  # as in the fill: one class of prefills a step
         for cand in self._prefill_order():
             if budget <= 0:
                 return
@@ -313,7 +318,7 @@ class Scheduler:
             else:
                 n = cand.num_uncomputed_tokens
                 if n > budget and not first_prefill:
-                    return   # the fill will not start it this step either (see _first_chunk)
+                    return  # the fill will not start it this step either (see _first_chunk)
             first_prefill = first_prefill and n == 1
             reserve = 0
             if cand.status == SequenceStatus.SWAPPED:
@@ -325,15 +330,15 @@ class Scheduler:
                 victim = self._least_urgent_running(exclude=out.seqs, less_urgent_than=cand)
                 if victim is None:
                     break
-                if victim in decodes:   # its decode's budget and its reserved block come back too
+                if victim in decodes:  # its decode's budget and its reserved block come back too
                     num_decodes, decode_cost = num_decodes - 1, decode_cost - self._decode_cost(victim)
                     budget = self._prefill_budget(num_decodes, decode_cost) - taken
                     free += 1 if bm.num_new_blocks(victim, 1) else 0
                 free += len(victim.block_table)
                 slots += 1
-                reserve = 0   # an admission paid for by preemption keeps no reserve (see _reserve)
+                reserve = 0  # an admission paid for by preemption keeps no reserve (see _reserve)
                 self._preempt(victim, out)
-            if running:           # a prefill in progress takes what it can
+            if running:  # a prefill in progress takes what it can
                 capacity = (len(cand.block_table) + max(free, 0)) * bm.block_size - cand.num_computed_tokens
                 n = min(n, capacity)
                 free -= bm.num_new_blocks(cand, n)
@@ -342,8 +347,8 @@ class Scheduler:
                 if n > 0:
                     prefill_priority = cand.priority
                 continue
-            if (slots < 1 or free < need + reserve):
-                return   # strict priority: nobody behind `cand` may preempt for it
+            if slots < 1 or free < need + reserve:
+                return  # strict priority: nobody behind `cand` may preempt for it
             free -= need
             slots -= 1
             cost = self._chunk_cost(cand, n, budget) if self.chunked_prefill else n

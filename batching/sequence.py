@@ -33,14 +33,35 @@ class Sequence:
     """One request. `token_ids` = prompt + generated; KV exists for the first `num_computed_tokens`."""
 
     __slots__ = (
-        "req_id", "priority", "arrival_time", "params", "token_ids", "num_prompt_tokens",
-        "num_computed_tokens", "block_table", "host_block_table", "status", "num_preemptions",
-        "first_token_time", "finish_time", "sample_seed", "text", "prefix_offset", "read_offset",
+        "req_id",
+        "priority",
+        "arrival_time",
+        "params",
+        "token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "block_table",
+        "host_block_table",
+        "status",
+        "num_preemptions",
+        "first_token_time",
+        "finish_time",
+        "sample_seed",
+        "text",
+        "prefix_offset",
+        "read_offset",
     )
 
-    def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-                 sample_seed: int, resume_token_ids: list[int] | None = None,
-                 arrival_time: float | None = None):
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        sample_seed: int,
+        resume_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+    ):
         self.req_id = req_id
         self.priority = priority
         self.arrival_time = time.time() if arrival_time is None else arrival_time
@@ -48,8 +69,8 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.token_ids = list(prompt_token_ids) + list(resume_token_ids or ())
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []        # device blocks, in order
-        self.host_block_table: list[int] = []   # host blocks while swapped out
+        self.block_table: list[int] = []  # device blocks, in order
+        self.host_block_table: list[int] = []  # host blocks while swapped out
         self.status = SequenceStatus.WAITING
         self.num_preemptions = 0
         self.first_token_time: float | None = None
@@ -70,7 +91,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -86,5 +107,7 @@ class Sequence:
         return self.status >= SequenceStatus.FINISHED_STOPPED
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.req_id!r}, p{self.priority}, {self.status.name}, "
-                f"computed={self.num_computed_tokens}/{self.num_tokens}, blocks={len(self.block_table)})")
+        return (
+            f"Sequence({self.req_id!r}, p{self.priority}, {self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens}, blocks={len(self.block_table)})"
+        )

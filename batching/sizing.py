@@ -11,11 +11,13 @@ from batching.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
-CPU_MEMORY_SHARE = 0.25    # on the CPU the "device" pool shares RAM with everything else
+CPU_MEMORY_SHARE = 0.25  # on the CPU the "device" pool shares RAM with everything else
 HOST_MEMORY_SHARE = 0.25
 
 
-def size_pools(config: EngineConfig, device: torch.device, block_bytes: int, max_model_len: int) -> tuple[int, int]:
+def size_pools(
+    config: EngineConfig, device: torch.device, block_bytes: int, max_model_len: int
+) -> tuple[int, int]:
     """(num_device_blocks, num_host_blocks)."""
     # never more than max_num_seqs full-length sequences could use
     useful = config.max_num_seqs * blocks_for(max_model_len, config.block_size)

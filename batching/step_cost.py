@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-REFIT_EVERY = 256       # steps between fits
-WINDOW = 4096           # steps a fit looks at
-MIN_STEPS = 512         # steps before the first fit
+REFIT_EVERY = 256  # steps between fits
+WINDOW = 4096  # steps a fit looks at
+MIN_STEPS = 512  # steps before the first fit
 NAMES = ("prefill_tokens", "prefill_attention", "chunk_context", "decodes", "decode_context")
 
 
@@ -35,10 +35,10 @@ NAMES = ("prefill_tokens", "prefill_attention", "chunk_context", "decodes", "dec
 class StepCosts:
     """Budget prices, in prefill tokens. None: that term is not charged."""
 
-    context_per_token: float | None = None          # chunk of n at s: n (1 + (s + n/2) / C)
-    chunk_context_per_token: float | None = None    # + s / this, for a chunk with context
-    decode_tokens: float = 1.0                      # a decode: this
-    decode_context_per_token: float | None = None   # + s / this
+    context_per_token: float | None = None  # chunk of n at s: n (1 + (s + n/2) / C)
+    chunk_context_per_token: float | None = None  # + s / this, for a chunk with context
+    decode_tokens: float = 1.0  # a decode: this
+    decode_context_per_token: float | None = None  # + s / this
 
 
 def attention_context_per_token(model) -> float:
@@ -50,7 +50,7 @@ def attention_context_per_token(model) -> float:
     weights = model.num_parameters(exclude_embeddings=True)
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     if head is not None and embed is not None and head.weight is not embed.weight:
-        weights -= head.weight.numel()   # the LM head runs once per sampled row, not per token
+        weights -= head.weight.numel()  # the LM head runs once per sampled row, not per token
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     return weights / mc.num_hidden_layers / (2 * mc.num_attention_heads * head_dim)
 
@@ -75,7 +75,7 @@ class StepCostModel:
         self._rows: deque[tuple[float, ...]] = deque(maxlen=WINDOW)
         self._seconds: deque[float] = deque(maxlen=WINDOW)
         self._since_fit = 0
-        self.num_fits = 0   # usable fits so far
+        self.num_fits = 0  # usable fits so far
 
     def record(self, step_features: tuple[float, ...], seconds: float) -> StepCosts | None:
         """Add a step; returns fresh costs when a fit is due and usable, else None."""
@@ -106,8 +106,12 @@ class StepCostModel:
         if not per_token > 0 or not all(math.isfinite(c) for c in coef):
             return None
 
-        def per(i):   # tokens of context per prefill token's worth, for a term priced per context token
+        def per(i):  # tokens of context per prefill token's worth, for a term priced per context token
             return per_token / fitted[i] if fitted.get(i, 0) > 0 else None
 
-        return StepCosts(context_per_token=per(2), chunk_context_per_token=per(3),
-                         decode_tokens=max(1.0, fitted.get(4, 0.0) / per_token), decode_context_per_token=per(5))
+        return StepCosts(
+            context_per_token=per(2),
+            chunk_context_per_token=per(3),
+            decode_tokens=max(1.0, fitted.get(4, 0.0) / per_token),
+            decode_context_per_token=per(5),
+        )

@@ -7,7 +7,7 @@ from batching.sequence import Sequence, SequenceStatus
 
 class StopChecker:
     def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int):
-        self.tokenizer = tokenizer            # None: token ids only, no text
+        self.tokenizer = tokenizer  # None: token ids only, no text
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
@@ -33,19 +33,20 @@ class StopChecker:
         if self.tokenizer is None:
             return
         ids = seq.token_ids
-        prefix = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
-        full = self.tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
+        prefix = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=True)
+        full = self.tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=True)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            seq.text += full[len(prefix):]
+            seq.text += full[len(prefix) :]
             seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
 
     @staticmethod
     def _cut_at_stop_string(seq: Sequence, old_len: int) -> bool:
         """Cut the text before the earliest stop string that the text added since `old_len` completes."""
         text = seq.text
-        found = [at for stop in seq.params.stop
-                 if (at := text.find(stop, max(0, old_len - len(stop) + 1))) != -1]
+        found = [
+            at for stop in seq.params.stop if (at := text.find(stop, max(0, old_len - len(stop) + 1))) != -1
+        ]
         if not found:
             return False
-        seq.text = text[:min(found)]
+        seq.text = text[: min(found)]
         return True

@@ -9,7 +9,7 @@ import os
 from functools import lru_cache
 
 BUILTIN_MODEL = "tiny-llama"
-SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]      # ids 0, 1, 2; bytes follow from id 3
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2; bytes follow from id 3
 BOS_ID, EOS_ID = 1, 2
 
 
@@ -26,18 +26,23 @@ def byte_level_tokenizer():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
-                                                       special_tokens=[("<s>", BOS_ID)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", BOS_ID)]
+    )
     tok.add_special_tokens(SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", pad_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<unk>"
+    )
 
 
 def _byte_of_char(ch: str) -> int:
     """Inverse of GPT-2's bytes_to_unicode for one character."""
     code = ord(ch)
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     if code in printable:
         return code
     others = [b for b in range(256) if b not in printable]
@@ -52,7 +57,8 @@ def load_tokenizer(model: str, revision: str | None = None, trust_remote_code: b
     from transformers import AutoTokenizer
 
     if os.path.isdir(model) and not any(
-        os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        os.path.exists(os.path.join(model, f))
+        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     ):
         return None
     try:

@@ -111,10 +111,21 @@ class Client:
     def rows(self, ids: list[str]) -> list[dict]:
         wanted = [uuid.UUID(i) for i in ids]
         with self.sessions() as s:
-            found = {r.id: r._asdict() for r in s.execute(
-                select(Job.id, Job.status, Job.created_at, Job.started_at, Job.first_token_at, Job.finished_at,
-                       Job.handbacks, func.cardinality(Job.output_token_ids).label("tokens"))
-                .where(Job.id.in_(wanted)))}
+            found = {
+                r.id: r._asdict()
+                for r in s.execute(
+                    select(
+                        Job.id,
+                        Job.status,
+                        Job.created_at,
+                        Job.started_at,
+                        Job.first_token_at,
+                        Job.finished_at,
+                        Job.handbacks,
+                        func.cardinality(Job.output_token_ids).label("tokens"),
+                    ).where(Job.id.in_(wanted))
+                )
+            }
         return [found[i] for i in wanted]
 
     def wait(self, ids: list[str], timeout: float = 1800, poll: float = 0.01) -> list[dict]:
@@ -153,20 +164,27 @@ def seconds(a, b) -> float:
 
 # --- 1. urgent TTFT, idle and under a backlog -----------------------------------------------------------
 
+
 def urgent_ttft(workers: int, n_urgent: int, backlog_factor: int, worker_env: dict, seed: int = 11) -> dict:
     rng = random.Random(seed)
     settings = bench_settings()  # defaults: MAX_NUM_SEQS and WORKER_RESERVE unset
     capacity = settings.worker_capacity(64) * workers
-    urgent_body = lambda i: {"prompt": prompt(rng, f"urgent {i}"), "max_tokens": 8, "priority": 0,  # noqa: E731
-                             "temperature": 0.0}
+    urgent_body = lambda i: {
+        "prompt": prompt(rng, f"urgent {i}"),
+        "max_tokens": 8,
+        "priority": 0,  # noqa: E731
+        "temperature": 0.0,
+    }
     with local_stack(settings, workers=workers, worker_env=worker_env, log_dir=OUT / "backlog-logs") as stack:
         client = Client(stack)
         idle = []
         for i in range(n_urgent):
             idle += client.wait([client.submit(urgent_body(i))])
             time.sleep(0.05)
-        bodies = [{"prompt": prompt(rng, f"backlog {i}"), "max_tokens": 1024, "priority": 9, "temperature": 0.0}
-                  for i in range((backlog_factor + 3) * capacity)]  # the workers take `capacity` of them
+        bodies = [
+            {"prompt": prompt(rng, f"backlog {i}"), "max_tokens": 1024, "priority": 9, "temperature": 0.0}
+            for i in range((backlog_factor + 3) * capacity)
+        ]  # the workers take `capacity` of them
         started = time.monotonic()
         backlog = client.submit_all(bodies)
         print(f"  {len(backlog)} priority-9 jobs submitted in {time.monotonic() - started:.1f}s")
@@ -182,25 +200,43 @@ def urgent_ttft(workers: int, n_urgent: int, backlog_factor: int, worker_env: di
     idle_ttft = [seconds(r["created_at"], r["first_token_at"]) for r in idle]
     loaded_ttft = [seconds(r["created_at"], r["first_token_at"]) for r in loaded]
     bound = 2 * pct(idle_ttft, 99) + 0.1
-    return {"workers": workers, "capacity": capacity, "backlog_jobs": len(backlog),
-            "idle_ttft_s": idle_ttft, "backlog_ttft_s": loaded_ttft,
-            "idle_p50_s": pct(idle_ttft, 50), "idle_p99_s": pct(idle_ttft, 99),
-            "backlog_p50_s": pct(loaded_ttft, 50), "backlog_p99_s": pct(loaded_ttft, 99),
-            "bound_s": bound, "met": pct(loaded_ttft, 99) <= bound,
-            "redis_depth_at_arrival": depths, "min_depth_over_capacity": min(depths) / capacity,
-            "handbacks": sum(r["handbacks"] for r in backlog_rows)}
+    return {
+        "workers": workers,
+        "capacity": capacity,
+        "backlog_jobs": len(backlog),
+        "idle_ttft_s": idle_ttft,
+        "backlog_ttft_s": loaded_ttft,
+        "idle_p50_s": pct(idle_ttft, 50),
+        "idle_p99_s": pct(idle_ttft, 99),
+        "backlog_p50_s": pct(loaded_ttft, 50),
+        "backlog_p99_s": pct(loaded_ttft, 99),
+        "bound_s": bound,
+        "met": pct(loaded_ttft, 99) <= bound,
+        "redis_depth_at_arrival": depths,
+        "min_depth_over_capacity": min(depths) / capacity,
+        "handbacks": sum(r["handbacks"] for r in backlog_rows),
+    }
 
 
 # --- 2. tokens/s: the stack against the engine alone ------------------------------------------------------
 
-def stack_throughput(width: int, workers: int, worker_env: dict, tokens: int, concurrency: int = 8,
-                     seed: int = 5) -> dict:
+
+def stack_throughput(
+    width: int, workers: int, worker_env: dict, tokens: int, concurrency: int = 8, seed: int = 5
+) -> dict:
     rng = random.Random(seed + width)
     settings = bench_settings(max_num_seqs=width)
-    bodies = [{"prompt": prompt(rng, f"job {i}"), "max_tokens": tokens, "priority": 5, "temperature": 0.0}
-              for i in range(2 * width * workers)]
-    with local_stack(settings, workers=workers, worker_env=worker_env, concurrency=concurrency,
-                     log_dir=OUT / "backlog-logs") as stack:
+    bodies = [
+        {"prompt": prompt(rng, f"job {i}"), "max_tokens": tokens, "priority": 5, "temperature": 0.0}
+        for i in range(2 * width * workers)
+    ]
+    with local_stack(
+        settings,
+        workers=workers,
+        worker_env=worker_env,
+        concurrency=concurrency,
+        log_dir=OUT / "backlog-logs",
+    ) as stack:
         client = Client(stack)
         stack.pause_intake()
         ids = client.submit_all(bodies)
@@ -210,9 +246,15 @@ def stack_throughput(width: int, workers: int, worker_env: dict, tokens: int, co
         client.close()
     made = sum(r["tokens"] for r in rows)
     span = seconds(started, max(r["finished_at"] for r in rows))
-    return {"settings": settings, "bodies": bodies, "lengths": [r["tokens"] for r in rows],
-            "tokens": made, "seconds": span, "tokens_per_s": made / span,
-            "failed": sum(r["status"] != JobStatus.SUCCEEDED for r in rows)}
+    return {
+        "settings": settings,
+        "bodies": bodies,
+        "lengths": [r["tokens"] for r in rows],
+        "tokens": made,
+        "seconds": span,
+        "tokens_per_s": made / span,
+        "failed": sum(r["status"] != JobStatus.SUCCEEDED for r in rows),
+    }
 
 
 def engine_throughput(settings, bodies: list[dict], lengths: list[int], threads: int) -> dict:
@@ -226,8 +268,12 @@ def engine_throughput(settings, bodies: list[dict], lengths: list[int], threads:
     engine = Engine(EngineConfig(**settings.engine_options()))
     started = time.perf_counter()
     for i, (body, n) in enumerate(zip(bodies, lengths)):
-        engine.add_request(str(i), body["prompt"], SamplingParams(max_tokens=max(n, 1), temperature=0.0,
-                                                                   ignore_eos=True), priority=body["priority"])
+        engine.add_request(
+            str(i),
+            body["prompt"],
+            SamplingParams(max_tokens=max(n, 1), temperature=0.0, ignore_eos=True),
+            priority=body["priority"],
+        )
     made = 0
     while engine.has_unfinished_requests():
         made += sum(len(out.token_ids) for out in engine.step() if out.finished)
@@ -250,18 +296,29 @@ def throughput(width: int, workers: int, worker_env: dict, tokens: int, concurre
     system = stack_throughput(width, workers, worker_env, tokens, concurrency)
     same_threads = worker_threads(system["settings"], worker_env) if workers == 1 else CORES
     same = engine_throughput(system["settings"], system["bodies"], system["lengths"], same_threads)
-    whole = same if same_threads == CORES else \
-        engine_throughput(system["settings"], system["bodies"], system["lengths"], CORES)
-    return {"width": width, "workers": workers, "jobs": len(system["bodies"]), "tokens": system["tokens"],
-            "failed": system["failed"], "stack_tokens_per_s": system["tokens_per_s"],
-            "engine_threads": same_threads, "engine_tokens_per_s": same["tokens_per_s"],
-            "ratio": system["tokens_per_s"] / same["tokens_per_s"],
-            "engine_all_cores_tokens_per_s": whole["tokens_per_s"],
-            "ratio_all_cores": system["tokens_per_s"] / whole["tokens_per_s"],
-            "met": system["tokens_per_s"] >= 0.9 * same["tokens_per_s"]}
+    whole = (
+        same
+        if same_threads == CORES
+        else engine_throughput(system["settings"], system["bodies"], system["lengths"], CORES)
+    )
+    return {
+        "width": width,
+        "workers": workers,
+        "jobs": len(system["bodies"]),
+        "tokens": system["tokens"],
+        "failed": system["failed"],
+        "stack_tokens_per_s": system["tokens_per_s"],
+        "engine_threads": same_threads,
+        "engine_tokens_per_s": same["tokens_per_s"],
+        "ratio": system["tokens_per_s"] / same["tokens_per_s"],
+        "engine_all_cores_tokens_per_s": whole["tokens_per_s"],
+        "ratio_all_cores": system["tokens_per_s"] / whole["tokens_per_s"],
+        "met": system["tokens_per_s"] >= 0.9 * same["tokens_per_s"],
+    }
 
 
 # --- 4. an idle stack's short jobs ------------------------------------------------------------------------
+
 
 def idle_latency(n: int, seed: int = 3) -> dict:
     rng = random.Random(seed)
@@ -271,18 +328,35 @@ def idle_latency(n: int, seed: int = 3) -> dict:
             first = s.execute(select(Job.created_at, Job.finished_at).order_by(Job.created_at).limit(1)).one()
         rows = []
         for i in range(n):
-            rows += client.wait([client.submit({"prompt": prompt(rng, f"short {i}"), "max_tokens": 32,
-                                                "priority": 5, "temperature": 0.0})])
+            rows += client.wait(
+                [
+                    client.submit(
+                        {
+                            "prompt": prompt(rng, f"short {i}"),
+                            "max_tokens": 32,
+                            "priority": 5,
+                            "temperature": 0.0,
+                        }
+                    )
+                ]
+            )
             time.sleep(0.1)
         client.close()
     latency = [seconds(r["created_at"], r["finished_at"]) for r in rows]
     p50 = statistics.median(latency)
-    return {"latency_s": latency, "p50_s": p50, "p99_s": pct(latency, 99), "max_s": max(latency),
-            "max_over_p50": max(latency) / p50, "met": max(latency) <= 3 * p50,
-            "first_job_s": seconds(first.created_at, first.finished_at)}
+    return {
+        "latency_s": latency,
+        "p50_s": p50,
+        "p99_s": pct(latency, 99),
+        "max_s": max(latency),
+        "max_over_p50": max(latency) / p50,
+        "met": max(latency) <= 3 * p50,
+        "first_job_s": seconds(first.created_at, first.finished_at),
+    }
 
 
 # --- report -----------------------------------------------------------------------------------------------
+
 
 def plot(result: dict, path: Path) -> Path:
     import matplotlib
@@ -294,13 +368,22 @@ def plot(result: dict, path: Path) -> Path:
     ax = axes[0]
     labels, data = [], []
     for row in result["urgent"]:
-        labels += [f"idle\n{row['workers']} worker(s)", f"backlog {row['backlog_jobs']}\n{row['workers']} worker(s)"]
+        labels += [
+            f"idle\n{row['workers']} worker(s)",
+            f"backlog {row['backlog_jobs']}\n{row['workers']} worker(s)",
+        ]
         data += [[1000 * t for t in row["idle_ttft_s"]], [1000 * t for t in row["backlog_ttft_s"]]]
     ax.boxplot(data, whis=(0, 100))
     ax.set_xticks(range(1, len(labels) + 1), labels)
     for i, row in enumerate(result["urgent"]):
-        ax.hlines(1000 * row["bound_s"], 2 * i + 1.6, 2 * i + 2.4, colors="r", linestyles="--",
-                  label="target: 2x idle p99 + 100 ms" if i == 0 else None)
+        ax.hlines(
+            1000 * row["bound_s"],
+            2 * i + 1.6,
+            2 * i + 2.4,
+            colors="r",
+            linestyles="--",
+            label="target: 2x idle p99 + 100 ms" if i == 0 else None,
+        )
     ax.set_ylabel("priority-0 TTFT (ms)")
     ax.set_title("urgent TTFT: idle vs a backlog >= 10x what the workers hold")
     ax.legend(fontsize=8, loc="upper left")
@@ -312,12 +395,19 @@ def plot(result: dict, path: Path) -> Path:
     bars = [(workers, key) for workers in groups for key in ("ratio", "ratio_all_cores")]
     bar = 0.8 / len(bars)
     for g, (workers, key) in enumerate(bars):
-        ratios = [next((r[key] for r in rows if r["width"] == w and r["workers"] == workers), 0) for w in widths]
+        ratios = [
+            next((r[key] for r in rows if r["width"] == w and r["workers"] == workers), 0) for w in widths
+        ]
         against = "its engine's threads" if key == "ratio" and workers == 1 else "all cores"
         if key == "ratio_all_cores" and workers > 1:
             continue  # with two workers both baselines are one engine on every core
-        ax.bar([i + g * bar for i in range(len(widths))], ratios, bar, label=f"{workers} worker(s) / engine alone, "
-               f"{against}", alpha=1.0 if key == "ratio" else 0.45)
+        ax.bar(
+            [i + g * bar for i in range(len(widths))],
+            ratios,
+            bar,
+            label=f"{workers} worker(s) / engine alone, {against}",
+            alpha=1.0 if key == "ratio" else 0.45,
+        )
     ax.axhline(0.9, color="r", ls="--", label="target 0.9x")
     ax.set_xticks([i + bar * (len(bars) - 1) / 2 for i in range(len(widths))], [str(w) for w in widths])
     ax.set_xlabel("batch width (MAX_NUM_SEQS)")
@@ -345,17 +435,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: width 32 only, fewer jobs")
     parser.add_argument("--urgent", type=int, help="priority-0 jobs per phase (default 40; --quick 10)")
-    parser.add_argument("--backlog-factor", type=int, default=10, help="backlog = this x what the workers hold")
+    parser.add_argument(
+        "--backlog-factor", type=int, default=10, help="backlog = this x what the workers hold"
+    )
     parser.add_argument("--widths", help="batch widths for tokens/s (default 32,128,256; --quick 32)")
     parser.add_argument("--tokens", type=int, default=128, help="max_tokens of a throughput job")
-    parser.add_argument("--repeat", type=int, default=1, help="tokens/s: run stack and engine alone this many "
-                        "times each, alternately, and report the median ratio (the VM's speed drifts)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="tokens/s: run stack and engine alone this many "
+        "times each, alternately, and report the median ratio (the VM's speed drifts)",
+    )
     parser.add_argument("--short-jobs", type=int, help="idle short jobs (default 60; --quick 20)")
-    parser.add_argument("--threads-per-worker", type=int, default=max(1, CORES // 2),
-                        help="OMP_NUM_THREADS of each of two workers (one worker uses the default)")
-    parser.add_argument("--torch-threads", type=int, help="OMP_NUM_THREADS of one worker, and so of its engine alone "
-                        "(default: the worker's default, ENGINE_THREADS = cores - 1)")
-    parser.add_argument("--skip", default="", help="comma list of sections to skip: urgent,throughput,two,idle")
+    parser.add_argument(
+        "--threads-per-worker",
+        type=int,
+        default=max(1, CORES // 2),
+        help="OMP_NUM_THREADS of each of two workers (one worker uses the default)",
+    )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        help="OMP_NUM_THREADS of one worker, and so of its engine alone "
+        "(default: the worker's default, ENGINE_THREADS = cores - 1)",
+    )
+    parser.add_argument(
+        "--skip", default="", help="comma list of sections to skip: urgent,throughput,two,idle"
+    )
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     n_urgent = args.urgent or (10 if args.quick else 40)
@@ -372,31 +479,45 @@ def main() -> None:
             print(f"urgent TTFT, {workers} worker(s):")
             row = urgent_ttft(workers, n_urgent, args.backlog_factor, env)
             result["urgent"].append(row)
-            print(f"  idle p50 {1000 * row['idle_p50_s']:.0f} ms p99 {1000 * row['idle_p99_s']:.0f} ms; backlog of "
-                  f"{row['backlog_jobs']} (capacity {row['capacity']}, >= {row['min_depth_over_capacity']:.1f}x "
-                  f"waiting in Redis at each arrival): p50 {1000 * row['backlog_p50_s']:.0f} ms p99 "
-                  f"{1000 * row['backlog_p99_s']:.0f} ms; target p99 <= {1000 * row['bound_s']:.0f} ms: "
-                  f"{'met' if row['met'] else 'NOT met'}; {row['handbacks']} hand-backs")
+            print(
+                f"  idle p50 {1000 * row['idle_p50_s']:.0f} ms p99 {1000 * row['idle_p99_s']:.0f} ms; backlog of "
+                f"{row['backlog_jobs']} (capacity {row['capacity']}, >= {row['min_depth_over_capacity']:.1f}x "
+                f"waiting in Redis at each arrival): p50 {1000 * row['backlog_p50_s']:.0f} ms p99 "
+                f"{1000 * row['backlog_p99_s']:.0f} ms; target p99 <= {1000 * row['bound_s']:.0f} ms: "
+                f"{'met' if row['met'] else 'NOT met'}; {row['handbacks']} hand-backs"
+            )
     if "throughput" not in skip:
         for workers, env in setups:
             for width in widths:
-                tries = sorted((throughput(width, workers, env, args.tokens) for _ in range(args.repeat)),
-                               key=lambda r: r["ratio"])
-                row = dict(tries[len(tries) // 2], ratios=[r["ratio"] for r in tries],
-                           ratios_all_cores=[r["ratio_all_cores"] for r in tries])
+                tries = sorted(
+                    (throughput(width, workers, env, args.tokens) for _ in range(args.repeat)),
+                    key=lambda r: r["ratio"],
+                )
+                row = dict(
+                    tries[len(tries) // 2],
+                    ratios=[r["ratio"] for r in tries],
+                    ratios_all_cores=[r["ratio_all_cores"] for r in tries],
+                )
                 result["throughput"].append(row)
-                print(f"tokens/s, width {width}, {workers} worker(s): stack {row['stack_tokens_per_s']:.0f}, engine "
-                      f"alone with {row['engine_threads']} threads {row['engine_tokens_per_s']:.0f} ({row['jobs']} jobs, "
-                      f"{row['tokens']} tokens, {row['failed']} failed): {row['ratio']:.2f}x; target >= 0.9x: "
-                      f"{'met' if row['met'] else 'NOT met'}; against the engine alone on all {CORES} cores "
-                      f"({row['engine_all_cores_tokens_per_s']:.0f}): {row['ratio_all_cores']:.2f}x"
-                      + (f"; median of {args.repeat}: {', '.join(f'{r:.2f}' for r in row['ratios'])}"
-                         if args.repeat > 1 else ""))
+                print(
+                    f"tokens/s, width {width}, {workers} worker(s): stack {row['stack_tokens_per_s']:.0f}, engine "
+                    f"alone with {row['engine_threads']} threads {row['engine_tokens_per_s']:.0f} ({row['jobs']} jobs, "
+                    f"{row['tokens']} tokens, {row['failed']} failed): {row['ratio']:.2f}x; target >= 0.9x: "
+                    f"{'met' if row['met'] else 'NOT met'}; against the engine alone on all {CORES} cores "
+                    f"({row['engine_all_cores_tokens_per_s']:.0f}): {row['ratio_all_cores']:.2f}x"
+                    + (
+                        f"; median of {args.repeat}: {', '.join(f'{r:.2f}' for r in row['ratios'])}"
+                        if args.repeat > 1
+                        else ""
+                    )
+                )
     if "idle" not in skip:
         row = result["idle"] = idle_latency(args.short_jobs or (20 if args.quick else 60))
-        print(f"idle short jobs: p50 {1000 * row['p50_s']:.0f} ms p99 {1000 * row['p99_s']:.0f} ms max "
-              f"{1000 * row['max_s']:.0f} ms ({row['max_over_p50']:.2f}x p50; target <= 3x: "
-              f"{'met' if row['met'] else 'NOT met'}); first job after start {1000 * row['first_job_s']:.0f} ms")
+        print(
+            f"idle short jobs: p50 {1000 * row['p50_s']:.0f} ms p99 {1000 * row['p99_s']:.0f} ms max "
+            f"{1000 * row['max_s']:.0f} ms ({row['max_over_p50']:.2f}x p50; target <= 3x: "
+            f"{'met' if row['met'] else 'NOT met'}); first job after start {1000 * row['first_job_s']:.0f} ms"
+        )
     (OUT / "backlog.json").write_text(json.dumps(result, indent=2, default=str))
     if result["urgent"] and result["throughput"] and "idle" in result:
         path = plot(result, OUT / "backlog.png")

@@ -52,8 +52,17 @@ def workload(n: int, rate: float, seed: int = 7) -> list[dict]:
         t += rng.expovariate(rate)
         priority = rng.choices([p for p, _ in PRIORITY_MIX], [w for _, w in PRIORITY_MIX])[0]
         prompt = f"Job {i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 40)))
-        jobs.append({"at": t, "body": {"prompt": prompt, "max_tokens": rng.randint(8, 32), "priority": priority,
-                                       "temperature": 0.0}})
+        jobs.append(
+            {
+                "at": t,
+                "body": {
+                    "prompt": prompt,
+                    "max_tokens": rng.randint(8, 32),
+                    "priority": priority,
+                    "temperature": 0.0,
+                },
+            }
+        )
     return jobs
 
 
@@ -63,6 +72,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 # --- 1. the stack under the workload ------------------------------------------------------------------
+
 
 def sample_metrics(stack, stop: threading.Event, samples: list[dict], t0: float) -> None:
     from prometheus_client.parser import text_string_to_metric_families
@@ -118,8 +128,12 @@ def run_workload(stack, jobs: list[dict]) -> tuple[list[dict], list[dict]]:
     with ThreadPoolExecutor(8) as pool:
         while len(finished) < len(ids):
             pending = [job_id for job_id in ids if job_id not in finished]
-            for job in pool.map(lambda job_id: session().get(f"{stack.url}/jobs/{job_id}", headers=stack.headers,
-                                                             timeout=30).json(), pending):
+            for job in pool.map(
+                lambda job_id: (
+                    session().get(f"{stack.url}/jobs/{job_id}", headers=stack.headers, timeout=30).json()
+                ),
+                pending,
+            ):
                 if job["status"] in ("succeeded", "failed", "cancelled"):
                     finished[job["id"]] = job
             time.sleep(1.0)  # latency comes from the jobs' own timestamps: polling less only spares the CPU
@@ -129,6 +143,7 @@ def run_workload(stack, jobs: list[dict]) -> tuple[list[dict], list[dict]]:
 
 
 # --- 2. the engine alone ------------------------------------------------------------------------------
+
 
 def run_engine_alone(settings, jobs: list[dict], results: list[dict]) -> list[dict]:
     """Replay the jobs into an Engine at their arrival times, each generating what the system generated."""
@@ -141,27 +156,41 @@ def run_engine_alone(settings, jobs: list[dict], results: list[dict]) -> list[di
         now = time.time() - t0
         while next_job < len(jobs) and jobs[next_job]["at"] <= now:
             job, n = jobs[next_job], results[next_job]["usage"]["completion_tokens"]
-            engine.add_request(str(next_job), job["body"]["prompt"],
-                               SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
-                               priority=job["body"]["priority"], arrival_time=t0 + job["at"])
+            engine.add_request(
+                str(next_job),
+                job["body"]["prompt"],
+                SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+                priority=job["body"]["priority"],
+                arrival_time=t0 + job["at"],
+            )
             next_job += 1
         if not engine.has_unfinished_requests():
             time.sleep(min(0.002, max(0.0, jobs[next_job]["at"] - now)))
             continue
         for out in engine.step():
             if out.finished:
-                timings[out.request_id] = {"latency": out.finish_time - out.arrival_time,
-                                           "ttft": out.first_token_time - out.arrival_time,
-                                           "tokens": len(out.token_ids), "finish": out.finish_time - t0}
+                timings[out.request_id] = {
+                    "latency": out.finish_time - out.arrival_time,
+                    "ttft": out.first_token_time - out.arrival_time,
+                    "tokens": len(out.token_ids),
+                    "finish": out.finish_time - t0,
+                }
     return [timings[str(i)] for i in range(len(jobs))]
 
 
 # --- 3. the API's submission rate ---------------------------------------------------------------------
 
+
 def offer(stack, rate: float, seconds: float) -> dict:
     """Open loop: POST /jobs `rate` times a second for `seconds`, from bench/http_load.py's lean client."""
-    return http_load.offer(stack.url, "/jobs", {"prompt": "rate test", "max_tokens": 1, "priority": 5},
-                           stack.headers, rate=rate, seconds=seconds)
+    return http_load.offer(
+        stack.url,
+        "/jobs",
+        {"prompt": "rate test", "max_tokens": 1, "priority": 5},
+        stack.headers,
+        rate=rate,
+        seconds=seconds,
+    )
 
 
 def ramp(stack, rates: list[float], seconds: float) -> tuple[list[dict], float]:
@@ -170,8 +199,10 @@ def ramp(stack, rates: list[float], seconds: float) -> tuple[list[dict], float]:
         step = offer(stack, rate, seconds)
         steps.append(step)
         ok = step["errors"] <= 0.01 * step["sent"] and step["accepted_per_s"] >= 0.95 * rate
-        print(f"  offered {rate:5.0f}/s: accepted {step['accepted_per_s']:6.1f}/s, errors {step['errors']}, "
-              f"p50 {step['p50_ms']:.0f} ms, p99 {step['p99_ms']:.0f} ms{'' if ok else '  <- not sustained'}")
+        print(
+            f"  offered {rate:5.0f}/s: accepted {step['accepted_per_s']:6.1f}/s, errors {step['errors']}, "
+            f"p50 {step['p50_ms']:.0f} ms, p99 {step['p99_ms']:.0f} ms{'' if ok else '  <- not sustained'}"
+        )
         if not ok:
             break
         best = rate
@@ -179,6 +210,7 @@ def ramp(stack, rates: list[float], seconds: float) -> tuple[list[dict], float]:
 
 
 # --- report and plots ---------------------------------------------------------------------------------
+
 
 def seconds_between(job: dict, a: str, b: str) -> float:
     return (datetime.fromisoformat(job[b]) - datetime.fromisoformat(job[a])).total_seconds()
@@ -191,9 +223,15 @@ def summarise(jobs, results, alone) -> dict:
         lat = [seconds_between(results[i], "created_at", "finished_at") for i in idx]
         ttft = [seconds_between(results[i], "created_at", "first_token_at") for i in idx]
         eng = [alone[i]["latency"] for i in idx]
-        by_priority[p] = {"jobs": len(idx), "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99),
-                          "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-                          "engine_latency_p50_s": pct(eng, 50), "engine_latency_p99_s": pct(eng, 99)}
+        by_priority[p] = {
+            "jobs": len(idx),
+            "latency_p50_s": pct(lat, 50),
+            "latency_p99_s": pct(lat, 99),
+            "ttft_p50_s": pct(ttft, 50),
+            "ttft_p99_s": pct(ttft, 99),
+            "engine_latency_p50_s": pct(eng, 50),
+            "engine_latency_p99_s": pct(eng, 99),
+        }
     lat = [seconds_between(r, "created_at", "finished_at") for r in results]
     diffs = [s - a["latency"] for s, a in zip(lat, alone, strict=True)]
     tokens = sum(r["usage"]["completion_tokens"] for r in results)
@@ -201,20 +239,26 @@ def summarise(jobs, results, alone) -> dict:
     done = [datetime.fromisoformat(r["finished_at"]) for r in results]
     span = (max(done) - min(created)).total_seconds()
     engine_span = max(a["finish"] for a in alone) - jobs[0]["at"]
-    return {"by_priority": by_priority, "tokens": tokens, "system_tokens_per_s": tokens / span,
-            "engine_tokens_per_s": tokens / engine_span,
-            "overhead_median_ms": 1000 * statistics.median(diffs),
-            "overhead_p90_ms": 1000 * pct(diffs, 90),
-            # where a job's time goes: created -> claimed by the worker (HTTP commit to Redis to the task thread
-            # to the claim's UPDATE), then claimed -> finished (the engine, plus the final write)
-            "dispatch_median_ms": 1000 * statistics.median(seconds_between(r, "created_at", "started_at")
-                                                           for r in results),
-            "run_minus_engine_median_ms": 1000 * statistics.median(
-                seconds_between(r, "started_at", "finished_at") - a["latency"]
-                for r, a in zip(results, alone, strict=True)),
-            "system_latency_median_ms": 1000 * statistics.median(lat),
-            "engine_latency_median_ms": 1000 * statistics.median(a["latency"] for a in alone),
-            "failed_jobs": sum(r["status"] != "succeeded" for r in results)}
+    return {
+        "by_priority": by_priority,
+        "tokens": tokens,
+        "system_tokens_per_s": tokens / span,
+        "engine_tokens_per_s": tokens / engine_span,
+        "overhead_median_ms": 1000 * statistics.median(diffs),
+        "overhead_p90_ms": 1000 * pct(diffs, 90),
+        # where a job's time goes: created -> claimed by the worker (HTTP commit to Redis to the task thread
+        # to the claim's UPDATE), then claimed -> finished (the engine, plus the final write)
+        "dispatch_median_ms": 1000
+        * statistics.median(seconds_between(r, "created_at", "started_at") for r in results),
+        "run_minus_engine_median_ms": 1000
+        * statistics.median(
+            seconds_between(r, "started_at", "finished_at") - a["latency"]
+            for r, a in zip(results, alone, strict=True)
+        ),
+        "system_latency_median_ms": 1000 * statistics.median(lat),
+        "engine_latency_median_ms": 1000 * statistics.median(a["latency"] for a in alone),
+        "failed_jobs": sum(r["status"] != "succeeded" for r in results),
+    }
 
 
 def plot(jobs, results, alone, samples, steps, out: Path) -> list[Path]:
@@ -230,21 +274,41 @@ def plot(jobs, results, alone, samples, steps, out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(8, 4))
     for p, _ in PRIORITY_MIX:
         idx = [i for i, j in enumerate(jobs) if j["body"]["priority"] == p]
-        ax.scatter([(datetime.fromisoformat(results[i]["finished_at"]) - t_first).total_seconds() for i in idx],
-                   [seconds_between(results[i], "created_at", "finished_at") for i in idx],
-                   s=10, color=colors[p], label=f"priority {p} (system)")
-        ax.scatter([alone[i]["finish"] - jobs[0]["at"] for i in idx], [alone[i]["latency"] for i in idx], s=10,
-                   marker="x", color=colors[p], alpha=0.4, label=f"priority {p} (engine alone)")
+        ax.scatter(
+            [(datetime.fromisoformat(results[i]["finished_at"]) - t_first).total_seconds() for i in idx],
+            [seconds_between(results[i], "created_at", "finished_at") for i in idx],
+            s=10,
+            color=colors[p],
+            label=f"priority {p} (system)",
+        )
+        ax.scatter(
+            [alone[i]["finish"] - jobs[0]["at"] for i in idx],
+            [alone[i]["latency"] for i in idx],
+            s=10,
+            marker="x",
+            color=colors[p],
+            alpha=0.4,
+            label=f"priority {p} (engine alone)",
+        )
     ax.set(xlabel="time (s)", ylabel="job latency (s)", title="Job latency over time, per priority")
     ax.legend(fontsize=7, ncol=2)
     paths.append(_save(fig, out / "e2e_latency.png"))
 
     ts = [s["t"] for s in samples]
     fig, ax = plt.subplots(figsize=(8, 3.5))
-    ax.stackplot(ts, *[[s.get(f"queue_{p}", 0) for s in samples] for p, _ in PRIORITY_MIX],
-                 labels=[f"priority {p}" for p, _ in PRIORITY_MIX], colors=[colors[p] for p, _ in PRIORITY_MIX])
-    ax.plot(ts, [s.get("genq_engine_waiting_sequences", 0) for s in samples], color="k", lw=1,
-            label="waiting in the engine")
+    ax.stackplot(
+        ts,
+        *[[s.get(f"queue_{p}", 0) for s in samples] for p, _ in PRIORITY_MIX],
+        labels=[f"priority {p}" for p, _ in PRIORITY_MIX],
+        colors=[colors[p] for p, _ in PRIORITY_MIX],
+    )
+    ax.plot(
+        ts,
+        [s.get("genq_engine_waiting_sequences", 0) for s in samples],
+        color="k",
+        lw=1,
+        label="waiting in the engine",
+    )
     ax.set(xlabel="time (s)", ylabel="jobs", title="Queue depth in Redis per priority (API /metrics)")
     ax.legend(fontsize=7)
     paths.append(_save(fig, out / "e2e_queue.png"))
@@ -253,9 +317,18 @@ def plot(jobs, results, alone, samples, steps, out: Path) -> list[Path]:
     ax.plot(ts, [s.get("genq_engine_device_kv_usage", 0) for s in samples], label="device KV usage")
     ax.plot(ts, [s.get("genq_engine_host_kv_usage", 0) for s in samples], label="host KV usage (swap)")
     ax2 = ax.twinx()
-    ax2.plot(ts, [s.get("genq_engine_running_sequences", 0) for s in samples], color="tab:green", lw=0.8,
-             label="running sequences")
-    ax.set(xlabel="time (s)", ylabel="fraction of blocks", title="KV cache usage and batch size (worker /metrics)")
+    ax2.plot(
+        ts,
+        [s.get("genq_engine_running_sequences", 0) for s in samples],
+        color="tab:green",
+        lw=0.8,
+        label="running sequences",
+    )
+    ax.set(
+        xlabel="time (s)",
+        ylabel="fraction of blocks",
+        title="KV cache usage and batch size (worker /metrics)",
+    )
     ax2.set_ylabel("running sequences")
     fig.legend(fontsize=7, loc="upper right")
     paths.append(_save(fig, out / "e2e_kv.png"))
@@ -286,11 +359,15 @@ def main() -> None:
     parser.add_argument("--ramp-seconds", type=float, default=None, help="seconds per ramp step (default 4)")
     args = parser.parse_args()
     n = args.jobs or (20 if args.quick else 120)
-    rates = [float(r) for r in (args.ramp or ("100,300" if args.quick else "50,100,200,300,400,600")).split(",")]
+    rates = [
+        float(r) for r in (args.ramp or ("100,300" if args.quick else "50,100,200,300,400,600")).split(",")
+    ]
     ramp_seconds = args.ramp_seconds or (2.0 if args.quick else 4.0)
     OUT.mkdir(exist_ok=True)
-    print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs; {n} jobs at {args.rate}/s, "
-          f"gunicorn x{args.api_workers or 'gunicorn.conf.py'}, MAX_NUM_SEQS {args.max_num_seqs}")
+    print(
+        f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs; {n} jobs at {args.rate}/s, "
+        f"gunicorn x{args.api_workers or 'gunicorn.conf.py'}, MAX_NUM_SEQS {args.max_num_seqs}"
+    )
 
     jobs = workload(n, args.rate)
     settings = bench_settings(max_num_seqs=args.max_num_seqs)
@@ -305,20 +382,30 @@ def main() -> None:
     summary = summarise(jobs, results, alone)
     summary.update(max_accepted_rate=best, ramp=steps, jobs=n, rate=args.rate, quick=args.quick)
 
-    print(f"\n{'priority':>8} {'jobs':>5} {'lat p50':>8} {'lat p99':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'engine p50':>10} {'engine p99':>10}")
+    print(
+        f"\n{'priority':>8} {'jobs':>5} {'lat p50':>8} {'lat p99':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'engine p50':>10} {'engine p99':>10}"
+    )
     for p, row in summary["by_priority"].items():
-        print(f"{p:>8} {row['jobs']:>5} {row['latency_p50_s']:8.3f} {row['latency_p99_s']:8.3f} "
-              f"{row['ttft_p50_s']:9.3f} {row['ttft_p99_s']:9.3f} {row['engine_latency_p50_s']:10.3f} "
-              f"{row['engine_latency_p99_s']:10.3f}")
-    print(f"throughput: system {summary['system_tokens_per_s']:.0f} tokens/s, engine alone "
-          f"{summary['engine_tokens_per_s']:.0f} tokens/s ({summary['tokens']} tokens)")
-    print(f"overhead over the engine alone: median {summary['overhead_median_ms']:.1f} ms per job "
-          f"(p90 {summary['overhead_p90_ms']:.1f} ms; created -> claimed median {summary['dispatch_median_ms']:.1f} ms, "
-          f"claimed -> finished minus the engine alone {summary['run_minus_engine_median_ms']:.1f} ms); target < 20 ms: "
-          f"{'met' if summary['overhead_median_ms'] < 20 else 'NOT met'}")
-    print(f"API: highest submission rate sustained with < 1% errors: {best:.0f} jobs/s; target >= 300: "
-          f"{'met' if best >= 300 else 'NOT met'}")
+        print(
+            f"{p:>8} {row['jobs']:>5} {row['latency_p50_s']:8.3f} {row['latency_p99_s']:8.3f} "
+            f"{row['ttft_p50_s']:9.3f} {row['ttft_p99_s']:9.3f} {row['engine_latency_p50_s']:10.3f} "
+            f"{row['engine_latency_p99_s']:10.3f}"
+        )
+    print(
+        f"throughput: system {summary['system_tokens_per_s']:.0f} tokens/s, engine alone "
+        f"{summary['engine_tokens_per_s']:.0f} tokens/s ({summary['tokens']} tokens)"
+    )
+    print(
+        f"overhead over the engine alone: median {summary['overhead_median_ms']:.1f} ms per job "
+        f"(p90 {summary['overhead_p90_ms']:.1f} ms; created -> claimed median {summary['dispatch_median_ms']:.1f} ms, "
+        f"claimed -> finished minus the engine alone {summary['run_minus_engine_median_ms']:.1f} ms); target < 20 ms: "
+        f"{'met' if summary['overhead_median_ms'] < 20 else 'NOT met'}"
+    )
+    print(
+        f"API: highest submission rate sustained with < 1% errors: {best:.0f} jobs/s; target >= 300: "
+        f"{'met' if best >= 300 else 'NOT met'}"
+    )
     (OUT / "e2e.json").write_text(json.dumps(summary, indent=2))
     paths = plot(jobs, results, alone, samples, steps, OUT)
     if not args.quick:

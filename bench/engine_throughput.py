@@ -71,17 +71,25 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from anywhere without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 
-MODEL_KWARGS = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                    intermediate_size=1408, vocab_size=8192, max_position_embeddings=2048)
-BUDGET = 512            # max_num_batched_tokens for genq, max_batch_tokens for transformers CB
+MODEL_KWARGS = dict(
+    hidden_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    intermediate_size=1408,
+    vocab_size=8192,
+    max_position_embeddings=2048,
+)
+BUDGET = 512  # max_num_batched_tokens for genq, max_batch_tokens for transformers CB
 MAX_NUM_SEQS = 64
 STATIC_BATCH = 16
 NO_CONTEXT = "bench_no_context"
 
 
 # --- workload and model ---------------------------------------------------------------------------
+
 
 def make_workload(n: int, seed: int, prompt_range=(16, 256), output_range=(16, 128), vocab=8192):
     """[(prompt_token_ids, max_tokens)], seeded. Ids avoid 0-2 (pad/bos/eos of the Llama config)."""
@@ -115,6 +123,7 @@ def useful_tokens(reqs) -> int:
 
 # --- 1. genq ----------------------------------------------------------------------------------------
 
+
 def find_torch_model(engine):
     """The transformers model inside the engine (looked up read-only, two attribute levels deep)."""
     seen = set()
@@ -138,7 +147,9 @@ class StepRecorder:
     def __init__(self, model, pbar=None):
         self.steps: list[tuple[int, int]] = []
         self.pbar = pbar
-        self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True) if model is not None else None
+        self.handle = (
+            model.register_forward_pre_hook(self._hook, with_kwargs=True) if model is not None else None
+        )
 
     def _hook(self, module, args, kwargs):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
@@ -188,8 +199,10 @@ def generate_takes_param_list(engine) -> bool:
     try:
         outs = engine.generate([[5, 6, 7, 8], [9, 10, 11]], probe)
     except (TypeError, AttributeError, ValueError) as exc:
-        print(f"  engine.generate does not take a list of SamplingParams ({type(exc).__name__}: {exc}); "
-              "using add_request/step")
+        print(
+            f"  engine.generate does not take a list of SamplingParams ({type(exc).__name__}: {exc}); "
+            "using add_request/step"
+        )
         return False
     ok = [len(o.token_ids) for o in outs] == [3, 5]
     if not ok:
@@ -206,10 +219,20 @@ class GenqSystem:
         from batching import Engine, EngineConfig
 
         max_len = max(len(p) + n for p, n in reqs)
-        num_blocks = sum(-(-(len(p) + n) // 16) for p, n in reqs) + 64   # the whole workload fits: no preemption
-        config = EngineConfig(model=model_dir, dtype="float32", device=device, block_size=16,
-                              num_device_blocks=num_blocks, num_host_blocks=0, max_num_seqs=MAX_NUM_SEQS,
-                              max_num_batched_tokens=BUDGET, max_model_len=max(max_len, 1024))
+        num_blocks = (
+            sum(-(-(len(p) + n) // 16) for p, n in reqs) + 64
+        )  # the whole workload fits: no preemption
+        config = EngineConfig(
+            model=model_dir,
+            dtype="float32",
+            device=device,
+            block_size=16,
+            num_device_blocks=num_blocks,
+            num_host_blocks=0,
+            max_num_seqs=MAX_NUM_SEQS,
+            max_num_batched_tokens=BUDGET,
+            max_model_len=max(max_len, 1024),
+        )
         self.engine = Engine(config)
         self.reqs = reqs
         self.list_params = generate_takes_param_list(self.engine)
@@ -231,6 +254,7 @@ class GenqSystem:
 
 # --- 2. transformers generate() in static batches --------------------------------------------------
 
+
 def hf_generate_batch(model, batch, device, max_new_tokens=None):
     """Left-padded greedy generate() of `batch`; returns each request's first n_i new tokens."""
     width = max(len(p) for p, _ in batch)
@@ -240,7 +264,7 @@ def hf_generate_batch(model, batch, device, max_new_tokens=None):
     config = GenerationConfig(max_new_tokens=new, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    return [out[i, width:width + n].tolist() for i, (_, n) in enumerate(batch)]
+    return [out[i, width : width + n].tolist() for i, (_, n) in enumerate(batch)]
 
 
 class StaticSystem:
@@ -249,7 +273,7 @@ class StaticSystem:
     def __init__(self, model, reqs, device, warm_reqs):
         self.model, self.device = model, device
         hf_generate_batch(model, warm_reqs, device)
-        self.batches = [reqs[i:i + STATIC_BATCH] for i in range(0, len(reqs), STATIC_BATCH)]
+        self.batches = [reqs[i : i + STATIC_BATCH] for i in range(0, len(reqs), STATIC_BATCH)]
         self.computed_tokens = sum(len(b) * max(n for _, n in b) for b in self.batches)
 
     def run(self, pbar):
@@ -263,12 +287,17 @@ class StaticSystem:
 
 # --- 3. transformers continuous batching -------------------------------------------------------------
 
+
 def hf_cb_run(model, reqs, num_blocks, pbar=None):
     gen_config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(n for _, n in reqs))
     cb_config = ContinuousBatchingConfig(max_batch_tokens=BUDGET, num_blocks=num_blocks)
     results = {}
-    with torch.no_grad(), model.continuous_batching_context_manager(
-            generation_config=gen_config, continuous_batching_config=cb_config, block=True, timeout=60) as manager:
+    with (
+        torch.no_grad(),
+        model.continuous_batching_context_manager(
+            generation_config=gen_config, continuous_batching_config=cb_config, block=True, timeout=60
+        ) as manager,
+    ):
         attn = model.config._attn_implementation
         t0 = time.perf_counter()
         ids = [manager.add_request(list(p), max_new_tokens=n, eos_token_id=-1) for p, n in reqs]
@@ -295,26 +324,36 @@ class ContinuousBatchingSystem:
 
     def __init__(self, model, reqs, warm_reqs):
         self.model, self.reqs = model, reqs
-        self.num_blocks = sum(-(-(len(p) + n) // 256) for p, n in reqs) + 8   # page_size 256: no eviction
+        self.num_blocks = sum(-(-(len(p) + n) // 256) for p, n in reqs) + 8  # page_size 256: no eviction
         hf_cb_run(model, warm_reqs, self.num_blocks)
         self.attn_implementation, self.config = None, None
 
     def run(self, pbar):
         elapsed, tokens, attn, resolved = hf_cb_run(self.model, self.reqs, self.num_blocks, pbar)
         self.attn_implementation = attn
-        self.config = {k: getattr(resolved, k) for k in ("page_size", "num_blocks", "max_batch_tokens",
-                                                         "max_requests_per_batch", "scheduler_type",
-                                                         "use_cuda_graph", "default_compile_level")}
+        self.config = {
+            k: getattr(resolved, k)
+            for k in (
+                "page_size",
+                "num_blocks",
+                "max_batch_tokens",
+                "max_requests_per_batch",
+                "scheduler_type",
+                "use_cuda_graph",
+                "default_compile_level",
+            )
+        }
         return elapsed, tokens
 
 
 # --- 4. forward-only limit ------------------------------------------------------------------------
 
+
 def no_context_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Each token attends to itself only: the output is its own value. value: [1, Hkv, T, D]."""
     n_rep = query.shape[1] // value.shape[1]
-    out = value.repeat_interleave(n_rep, dim=1) if n_rep > 1 else value    # [1, H, T, D]
-    return out.transpose(1, 2), None                                        # [1, T, H, D]
+    out = value.repeat_interleave(n_rep, dim=1) if n_rep > 1 else value  # [1, H, T, D]
+    return out.transpose(1, 2), None  # [1, T, H, D]
 
 
 def no_mask(*args, **kwargs):
@@ -323,17 +362,17 @@ def no_mask(*args, **kwargs):
 
 def simulate_schedule(reqs, budget=BUDGET, max_num_seqs=MAX_NUM_SEQS):
     """[(T, rows)] per step of a stall-free chunked-prefill schedule with ample KV blocks."""
-    waiting = [[len(p), n] for p, n in reqs]     # [uncomputed prompt tokens, tokens still to emit]
+    waiting = [[len(p), n] for p, n in reqs]  # [uncomputed prompt tokens, tokens still to emit]
     running: list[list[int]] = []
     steps = []
     while waiting or running:
         left, rows = budget, 0
-        for seq in running:                      # decodes first (prefill done)
+        for seq in running:  # decodes first (prefill done)
             if seq[0] == 0 and left > 0:
                 left -= 1
                 rows += 1
                 seq[1] -= 1
-        for seq in running:                      # prefill chunks in progress
+        for seq in running:  # prefill chunks in progress
             if seq[0] > 0 and left > 0:
                 k = min(seq[0], left)
                 seq[0] -= k
@@ -363,8 +402,8 @@ def forward_only(model, steps, device, pbar=None) -> float:
     with torch.inference_mode():
         for T, rows in steps:
             input_ids = torch.randint(3, vocab, (1, T), generator=gen).to(device)
-            position_ids = torch.arange(T, device=device)[None, :]          # [1, T]; values do not change the cost
-            keep = torch.arange(T - rows, T, device=device)                  # [rows] logit rows
+            position_ids = torch.arange(T, device=device)[None, :]  # [1, T]; values do not change the cost
+            keep = torch.arange(T - rows, T, device=device)  # [rows] logit rows
             t0 = time.perf_counter()
             model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=keep, use_cache=False)
             if device.startswith("cuda"):
@@ -387,7 +426,7 @@ class ForwardOnlySystem:
         self.model.set_attn_implementation(NO_CONTEXT)
         self.device, self.reqs = device, reqs
         self.steps, self.source = None, None
-        forward_only(self.model, simulate_schedule(reqs)[:8], device)             # warm-up
+        forward_only(self.model, simulate_schedule(reqs)[:8], device)  # warm-up
 
     def set_schedule(self, genq_steps, useful):
         if genq_steps and sum(r for _, r in genq_steps) == useful:
@@ -400,6 +439,7 @@ class ForwardOnlySystem:
 
 
 # --- timing under a shared machine ------------------------------------------------------------------
+
 
 class Interference:
     """Share of the machine's CPU time used by other processes while a pass ran (Linux /proc/stat)."""
@@ -435,14 +475,17 @@ def code_version() -> dict:
 
     def git(*args):
         try:
-            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
+            return subprocess.run(
+                ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return None
 
-    return dict(head=git("rev-parse", "--short", "HEAD"),
-                batching_commit=git("log", "-1", "--format=%h", "--", "batching"),
-                batching_dirty=bool(git("status", "--porcelain", "--", "batching")))
+    return dict(
+        head=git("rev-parse", "--short", "HEAD"),
+        batching_commit=git("log", "-1", "--format=%h", "--", "batching"),
+        batching_dirty=bool(git("status", "--porcelain", "--", "batching")),
+    )
 
 
 def _busy_seconds():
@@ -469,8 +512,10 @@ def run_passes(systems: dict, repeat: int, useful: int, on_first=None, quiet_wai
                 on_first(key, system)
             if quiet_wait:
                 wait_for_quiet(quiet_wait)
-            with tqdm(total=useful, desc=f"{system.label} {k + 1}/{repeat}", unit="tok") as pbar, \
-                    Interference() as load:
+            with (
+                tqdm(total=useful, desc=f"{system.label} {k + 1}/{repeat}", unit="tok") as pbar,
+                Interference() as load,
+            ):
                 elapsed, tokens = system.run(pbar)
             results[key]["times"].append(elapsed)
             results[key]["others"].append(load.share)
@@ -480,6 +525,7 @@ def run_passes(systems: dict, repeat: int, useful: int, on_first=None, quiet_wai
 
 
 # --- correctness ------------------------------------------------------------------------------------
+
 
 def reference_tokens(model, reqs, device):
     """Unpadded single-request greedy generate() of each request."""
@@ -501,16 +547,24 @@ def prefix_match(candidates, references):
 
 # --- main -------------------------------------------------------------------------------------------
 
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=None, help="number of requests (default 64; 12 with --quick)")
+    ap.add_argument(
+        "--requests", type=int, default=None, help="number of requests (default 64; 12 with --quick)"
+    )
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--quick", action="store_true", help="small workload for a smoke run")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1, help="timed passes per system; the fastest counts")
-    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
-                    help="before each pass wait up to S seconds for other processes to leave the CPU idle")
+    ap.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="before each pass wait up to S seconds for other processes to leave the CPU idle",
+    )
     ap.add_argument("--check", type=int, default=4, help="requests compared with single-request generate()")
     ap.add_argument("--skip", default="", help="comma-separated systems to skip: genq,static,cb,forward")
     ap.add_argument("--json", help="write the figures to this file")
@@ -524,17 +578,31 @@ def main(argv=None):
     reqs = make_workload(n, args.seed, **ranges)
     warm = make_workload(4, args.seed + 1, prompt_range=(8, 32), output_range=(4, 8))
     useful = useful_tokens(reqs)
-    print(f"workload: {n} requests, prompt tokens {sum(len(p) for p, _ in reqs)}, useful output tokens {useful}")
-    print(f"torch {torch.__version__} threads={torch.get_num_threads()} device={args.device} "
-          f"({platform.processor() or platform.machine()}, {os.cpu_count()} CPUs)")
+    print(
+        f"workload: {n} requests, prompt tokens {sum(len(p) for p, _ in reqs)}, useful output tokens {useful}"
+    )
+    print(
+        f"torch {torch.__version__} threads={torch.get_num_threads()} device={args.device} "
+        f"({platform.processor() or platform.machine()}, {os.cpu_count()} CPUs)"
+    )
 
-    fig = dict(requests=n, useful_tokens=useful, threads=torch.get_num_threads(), device=args.device,
-               load_avg_start=os.getloadavg(), repeat=args.repeat, code=code_version(),
-               quick=args.quick, model=MODEL_KWARGS, budget=BUDGET, max_num_seqs=MAX_NUM_SEQS)
+    fig = dict(
+        requests=n,
+        useful_tokens=useful,
+        threads=torch.get_num_threads(),
+        device=args.device,
+        load_avg_start=os.getloadavg(),
+        repeat=args.repeat,
+        code=code_version(),
+        quick=args.quick,
+        model=MODEL_KWARGS,
+        budget=BUDGET,
+        max_num_seqs=MAX_NUM_SEQS,
+    )
     with tempfile.TemporaryDirectory(prefix="genq-bench-") as model_dir:
         build_model_dir(model_dir, args.seed)
         hf_model = load_hf_model(model_dir, args.device)
-        refs = reference_tokens(hf_model, reqs[:args.check], args.device)
+        refs = reference_tokens(hf_model, reqs[: args.check], args.device)
         systems = {}
         if "genq" not in skip:
             try:
@@ -557,11 +625,15 @@ def main(argv=None):
 
     for key, res in results.items():
         best = min(range(len(res["times"])), key=res["times"].__getitem__)
-        entry = dict(tok_s=useful / res["times"][best], seconds=res["times"][best], passes=res["times"],
-                     others_cpu_share=res["others"][best])
+        entry = dict(
+            tok_s=useful / res["times"][best],
+            seconds=res["times"][best],
+            passes=res["times"],
+            others_cpu_share=res["others"][best],
+        )
         system = systems[key]
         if key in ("genq", "hf_generate_batch"):
-            match, equal = prefix_match(res["tokens"][:args.check], refs)
+            match, equal = prefix_match(res["tokens"][: args.check], refs)
             got = sum(len(t) for t in res["tokens"])
             entry.update(prefix_match=match, exact_requests=f"{equal}/{len(refs)}", generated=got)
             if got != useful:
@@ -573,8 +645,9 @@ def main(argv=None):
         elif key == "hf_generate_batch":
             entry.update(attn_implementation=system.attn_implementation, config=system.config)
         elif key == "forward_only":
-            entry.update(schedule=system.source, steps=len(system.steps),
-                         packed_tokens=sum(t for t, _ in system.steps))
+            entry.update(
+                schedule=system.source, steps=len(system.steps), packed_tokens=sum(t for t, _ in system.steps)
+            )
         fig[key] = entry
 
     fig["load_avg_end"] = os.getloadavg()
@@ -587,8 +660,12 @@ def main(argv=None):
 
 
 def report(fig):
-    names = [("genq", "genq engine"), ("hf_generate_static", f"HF generate() static x{STATIC_BATCH}"),
-             ("hf_generate_batch", "HF generate_batch (CB)"), ("forward_only", "forward-only limit")]
+    names = [
+        ("genq", "genq engine"),
+        ("hf_generate_static", f"HF generate() static x{STATIC_BATCH}"),
+        ("hf_generate_batch", "HF generate_batch (CB)"),
+        ("forward_only", "forward-only limit"),
+    ]
     print(f"\n{'system':<30}{'tok/s':>10}{'seconds':>10}   {'passes (s)':<22}other processes' CPU share")
     for key, label in names:
         if key in fig:
@@ -598,21 +675,33 @@ def report(fig):
             print(f"{label:<30}{f['tok_s']:>10.1f}{f['seconds']:>10.2f}   {passes:<22}{other}")
     ratios = {}
     if "genq" in fig:
-        for key, label in (("hf_generate_batch", "genq / generate_batch"), ("forward_only", "genq / forward-only"),
-                           ("hf_generate_static", "genq / static generate()")):
+        for key, label in (
+            ("hf_generate_batch", "genq / generate_batch"),
+            ("forward_only", "genq / forward-only"),
+            ("hf_generate_static", "genq / static generate()"),
+        ):
             if key in fig:
                 ratios[label] = fig["genq"]["tok_s"] / fig[key]["tok_s"]
                 print(f"{label:<30}{ratios[label]:>10.2f}x")
-        print(f"genq API: {fig['genq']['api']}; {fig['genq']['steps']} steps; greedy prefix match vs "
-              f"generate(): {fig['genq']['prefix_match']:.1%} ({fig['genq']['exact_requests']} requests exact)")
+        print(
+            f"genq API: {fig['genq']['api']}; {fig['genq']['steps']} steps; greedy prefix match vs "
+            f"generate(): {fig['genq']['prefix_match']:.1%} ({fig['genq']['exact_requests']} requests exact)"
+        )
     if "hf_generate_batch" in fig:
         cb = fig["hf_generate_batch"]
-        print(f"HF CB: attn={cb['attn_implementation']} {cb['config']}; prefix match {cb['prefix_match']:.1%}")
+        print(
+            f"HF CB: attn={cb['attn_implementation']} {cb['config']}; prefix match {cb['prefix_match']:.1%}"
+        )
     print(f"code: {fig['code']}")
-    print("load average (1/5/15 min) at start {:.1f}/{:.1f}/{:.1f}, at end {:.1f}/{:.1f}/{:.1f}".format(
-        *fig["load_avg_start"], *fig["load_avg_end"]))
+    print(
+        "load average (1/5/15 min) at start {:.1f}/{:.1f}/{:.1f}, at end {:.1f}/{:.1f}/{:.1f}".format(
+            *fig["load_avg_start"], *fig["load_avg_end"]
+        )
+    )
     if "forward_only" in fig:
-        print(f"forward-only schedule: {fig['forward_only']['schedule']}, {fig['forward_only']['steps']} steps")
+        print(
+            f"forward-only schedule: {fig['forward_only']['schedule']}, {fig['forward_only']['steps']} steps"
+        )
     fig["ratios"] = ratios
 
 

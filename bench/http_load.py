@@ -63,13 +63,19 @@ class _Connection:
 def build_request(url: str, path: str, body: dict, headers: dict[str, str]) -> tuple[str, int, bytes]:
     parts = urlsplit(url)
     payload = json.dumps(body).encode()
-    head = [f"POST {path} HTTP/1.1", f"Host: {parts.netloc}", "Content-Type: application/json",
-            f"Content-Length: {len(payload)}", *(f"{k}: {v}" for k, v in headers.items())]
+    head = [
+        f"POST {path} HTTP/1.1",
+        f"Host: {parts.netloc}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(payload)}",
+        *(f"{k}: {v}" for k, v in headers.items()),
+    ]
     return parts.hostname, parts.port or 80, ("\r\n".join(head) + "\r\n\r\n").encode() + payload
 
 
-async def _offer(host: str, port: int, raw: bytes, rate: float, seconds: float, connections: int,
-                 timeout: float) -> list[tuple[int, float]]:
+async def _offer(
+    host: str, port: int, raw: bytes, rate: float, seconds: float, connections: int, timeout: float
+) -> list[tuple[int, float]]:
     idle = asyncio.Queue()
     for _ in range(connections):
         idle.put_nowait(_Connection(host, port))
@@ -100,8 +106,18 @@ async def _offer(host: str, port: int, raw: bytes, rate: float, seconds: float, 
     return results
 
 
-def offer(url: str, path: str, body: dict, headers: dict[str, str], *, rate: float, seconds: float,
-          connections: int = 64, timeout: float = 5.0, accepted: int = 202) -> dict:
+def offer(
+    url: str,
+    path: str,
+    body: dict,
+    headers: dict[str, str],
+    *,
+    rate: float,
+    seconds: float,
+    connections: int = 64,
+    timeout: float = 5.0,
+    accepted: int = 202,
+) -> dict:
     """POST `body` to `path` `rate` times a second for `seconds` (open loop); counts and latencies.
 
     Latency is measured from each request's scheduled time, so a server that falls behind shows it
@@ -113,5 +129,12 @@ def offer(url: str, path: str, body: dict, headers: dict[str, str], *, rate: flo
     ok = sorted(latency for status, latency in results if status == accepted)
     every = sorted(latency for _, latency in results)
     pick = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")  # noqa: E731
-    return {"offered": rate, "sent": len(results), "accepted": len(ok), "errors": len(results) - len(ok),
-            "accepted_per_s": len(ok) / elapsed, "p50_ms": 1000 * pick(every, 0.5), "p99_ms": 1000 * pick(every, 0.99)}
+    return {
+        "offered": rate,
+        "sent": len(results),
+        "accepted": len(ok),
+        "errors": len(results) - len(ok),
+        "accepted_per_s": len(ok) / elapsed,
+        "p50_ms": 1000 * pick(every, 0.5),
+        "p99_ms": 1000 * pick(every, 0.99),
+    }

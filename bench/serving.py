@@ -75,7 +75,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from anywhere without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 
 from batching import Engine, EngineConfig, SamplingParams  # noqa: E402
 from bench.engine_throughput import Interference, build_model_dir, code_version, wait_for_quiet  # noqa: E402
@@ -84,10 +84,20 @@ from workers.process_tuning import settle_for_serving  # noqa: E402
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_PNG = str(BENCH_DIR / "out" / "serving.png")
 MODEL_SIZES = {
-    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=704),
-    "issue2": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                   intermediate_size=1408),
+    "small": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=704,
+    ),
+    "issue2": dict(
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=1408,
+    ),
 }
 BUDGET = 256
 BLOCK_SIZE = 16
@@ -98,23 +108,32 @@ CONFIGS = {
     "prio_swap": dict(preemption_mode="swap"),
     "prio_swap_nochunk": dict(preemption_mode="swap", enable_chunked_prefill=False),
 }
-CLASSES = ("urgent", "bulk", "long")       # priority 0 short, priority 9 short, priority 9 long prompt
+CLASSES = ("urgent", "bulk", "long")  # priority 0 short, priority 9 short, priority 9 long prompt
 
 
 # --- the trace --------------------------------------------------------------------------------------
 
+
 @dataclass(slots=True)
 class Arrival:
-    t: float                 # seconds after the start of the run
+    t: float  # seconds after the start of the run
     prompt: list[int]
     max_tokens: int
     priority: int
-    cls: str                 # one of CLASSES
+    cls: str  # one of CLASSES
     burst: int | None = None
 
 
-def make_trace(duration: float, rate: float, burst_every: float, seed: int, vocab: int = 8192,
-               burst_size: int = 4, long_len=(1400, 1600), urgent_share: float = 0.1) -> list[Arrival]:
+def make_trace(
+    duration: float,
+    rate: float,
+    burst_every: float,
+    seed: int,
+    vocab: int = 8192,
+    burst_size: int = 4,
+    long_len=(1400, 1600),
+    urgent_share: float = 0.1,
+) -> list[Arrival]:
     rng = random.Random(seed)
 
     def prompt(n):
@@ -124,8 +143,15 @@ def make_trace(duration: float, rate: float, burst_every: float, seed: int, voca
     t = rng.expovariate(rate)
     while t < duration:
         urgent = rng.random() < urgent_share
-        trace.append(Arrival(t, prompt(rng.randint(32, 256)), rng.randint(16, 128), 0 if urgent else 9,
-                             "urgent" if urgent else "bulk"))
+        trace.append(
+            Arrival(
+                t,
+                prompt(rng.randint(32, 256)),
+                rng.randint(16, 128),
+                0 if urgent else 9,
+                "urgent" if urgent else "bulk",
+            )
+        )
         t += rng.expovariate(rate)
     burst, t = 0, burst_every / 2
     while t < duration:
@@ -137,26 +163,27 @@ def make_trace(duration: float, rate: float, burst_every: float, seed: int, voca
 
 # --- driving the engine -----------------------------------------------------------------------------
 
+
 @dataclass(slots=True)
 class Record:
     arrival: Arrival
-    token_times: list[float] = field(default_factory=list)     # trace time of the step output of each token
-    resume_gap: list[bool] = field(default_factory=list)       # per gap: the request was preempted during it
+    token_times: list[float] = field(default_factory=list)  # trace time of the step output of each token
+    resume_gap: list[bool] = field(default_factory=list)  # per gap: the request was preempted during it
     num_preemptions: int = 0
     finished: bool = False
-    engine_times: dict = field(default_factory=dict)           # RequestOutput timing fields, trace seconds
+    engine_times: dict = field(default_factory=dict)  # RequestOutput timing fields, trace seconds
 
 
 @dataclass(slots=True)
 class Step:
-    start: float             # trace seconds
+    start: float  # trace seconds
     end: float
-    num_tokens: int          # stats()["last_step_num_tokens"]
-    budget_used: int         # stats()["last_step_budget_used"]: tokens priced by the step's cost (decodes, context)
+    num_tokens: int  # stats()["last_step_num_tokens"]
+    budget_used: int  # stats()["last_step_budget_used"]: tokens priced by the step's cost (decodes, context)
     kv_usage: float
     num_waiting: int
     num_swapped: int
-    blocks_copied: int       # blocks swapped out + in during this step
+    blocks_copied: int  # blocks swapped out + in during this step
 
     @property
     def seconds(self) -> float:
@@ -164,9 +191,17 @@ class Step:
 
 
 def make_engine(model_dir, device, num_device_blocks, num_host_blocks, **overrides) -> Engine:
-    kw = dict(model=model_dir, dtype="float32", device=device, block_size=BLOCK_SIZE,
-              num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks, max_num_seqs=MAX_NUM_SEQS,
-              max_num_batched_tokens=BUDGET, max_model_len=2048)
+    kw = dict(
+        model=model_dir,
+        dtype="float32",
+        device=device,
+        block_size=BLOCK_SIZE,
+        num_device_blocks=num_device_blocks,
+        num_host_blocks=num_host_blocks,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=BUDGET,
+        max_model_len=2048,
+    )
     kw.update(overrides)
     return Engine(EngineConfig(**kw))
 
@@ -214,8 +249,18 @@ def drive(engine: Engine, trace: list[Arrival], fcfs: bool, time_cap: float, lab
         end = time.perf_counter() - t0
         st = engine.stats()
         moved = st["num_blocks_swapped_out"] + st["num_blocks_swapped_in"]
-        steps.append(Step(start, end, st["last_step_num_tokens"], st["last_step_budget_used"],
-                          st["device_kv_usage"], st["num_waiting"], st["num_swapped"], moved - swapped_blocks))
+        steps.append(
+            Step(
+                start,
+                end,
+                st["last_step_num_tokens"],
+                st["last_step_budget_used"],
+                st["device_kv_usage"],
+                st["num_waiting"],
+                st["num_swapped"],
+                moved - swapped_blocks,
+            )
+        )
         swapped_blocks = moved
         for out in outs:
             rec = records.get(out.request_id)
@@ -230,8 +275,10 @@ def drive(engine: Engine, trace: list[Arrival], fcfs: bool, time_cap: float, lab
             rec.num_preemptions = out.num_preemptions
             if out.finished:
                 rec.finished = out.finish_reason == "length"
-                rec.engine_times = {k: (getattr(out, k) - wall0 if getattr(out, k) is not None else None)
-                                    for k in ("arrival_time", "first_token_time", "finish_time")}
+                rec.engine_times = {
+                    k: (getattr(out, k) - wall0 if getattr(out, k) is not None else None)
+                    for k in ("arrival_time", "first_token_time", "finish_time")
+                }
                 bar.update(1)
     bar.close()
     return records, steps, engine.stats()
@@ -268,6 +315,7 @@ def idle_full_steps(engine: Engine, vocab: int, n_chunks: int = 3) -> list[float
 
 
 # --- analysis ---------------------------------------------------------------------------------------
+
 
 def pct(xs, q):
     return float(np.percentile(xs, q)) if len(xs) else None
@@ -318,25 +366,54 @@ def analyse(records, steps, stats, budget=BUDGET) -> dict:
         burst_tbt_with_resume=dict(n=len(burst_tbt_with_resume), p99=pct(burst_tbt_with_resume, 99)),
         full_step=dict(n=len(full), median=pct(full, 50), p99=pct(full, 99)),
         swap_step=dict(n=len(copying), median=pct(copying, 50), p99=pct(copying, 99)),
-        step=dict(n=len(steps), median=pct([st.seconds for st in steps], 50),
-                  p99=pct([st.seconds for st in steps], 99), max=max((st.seconds for st in steps), default=None),
-                  max_tokens=max((st.num_tokens for st in steps), default=0)),
+        step=dict(
+            n=len(steps),
+            median=pct([st.seconds for st in steps], 50),
+            p99=pct([st.seconds for st in steps], 99),
+            max=max((st.seconds for st in steps), default=None),
+            max_tokens=max((st.num_tokens for st in steps), default=0),
+        ),
         kv_usage_mean=float(np.mean([st.kv_usage for st in steps])) if steps else None,
         max_waiting=max((st.num_waiting for st in steps), default=0),
         max_swapped=max((st.num_swapped for st in steps), default=0),
-        unfinished=unfinished, tokens=tokens, tok_s=tokens / span if span else None,
-        preemptions=stats.get("num_preemptions"), blocks_swapped_out=stats.get("num_blocks_swapped_out"),
-        recomputed_tokens=stats.get("num_recomputed_tokens"), windows=windows,
+        unfinished=unfinished,
+        tokens=tokens,
+        tok_s=tokens / span if span else None,
+        preemptions=stats.get("num_preemptions"),
+        blocks_swapped_out=stats.get("num_blocks_swapped_out"),
+        recomputed_tokens=stats.get("num_recomputed_tokens"),
+        windows=windows,
         _raw=dict(ttft=ttft, tbt=tbt, burst_tbt=burst_tbt),
-        requests=[dict(id=rid, cls=r.arrival.cls, priority=r.arrival.priority, burst=r.arrival.burst,
-                       prompt_tokens=len(r.arrival.prompt), max_tokens=r.arrival.max_tokens,
-                       arrival=round(r.arrival.t, 6), token_times=[round(t, 6) for t in r.token_times],
-                       resume_gaps=[k + 1 for k, g in enumerate(r.resume_gap) if g],
-                       num_preemptions=r.num_preemptions, finished=r.finished, engine_times=r.engine_times)
-                  for rid, r in records.items()],
-        steps=[dict(start=round(st.start, 6), end=round(st.end, 6), tokens=st.num_tokens, budget_used=st.budget_used,
-                    kv=round(st.kv_usage, 4), waiting=st.num_waiting, swapped=st.num_swapped,
-                    copied=st.blocks_copied) for st in steps],
+        requests=[
+            dict(
+                id=rid,
+                cls=r.arrival.cls,
+                priority=r.arrival.priority,
+                burst=r.arrival.burst,
+                prompt_tokens=len(r.arrival.prompt),
+                max_tokens=r.arrival.max_tokens,
+                arrival=round(r.arrival.t, 6),
+                token_times=[round(t, 6) for t in r.token_times],
+                resume_gaps=[k + 1 for k, g in enumerate(r.resume_gap) if g],
+                num_preemptions=r.num_preemptions,
+                finished=r.finished,
+                engine_times=r.engine_times,
+            )
+            for rid, r in records.items()
+        ],
+        steps=[
+            dict(
+                start=round(st.start, 6),
+                end=round(st.end, 6),
+                tokens=st.num_tokens,
+                budget_used=st.budget_used,
+                kv=round(st.kv_usage, 4),
+                waiting=st.num_waiting,
+                swapped=st.num_swapped,
+                copied=st.blocks_copied,
+            )
+            for st in steps
+        ],
     )
 
 
@@ -366,46 +443,63 @@ def check_targets(res: dict, idle: list[float]) -> dict:
 
 # --- output -----------------------------------------------------------------------------------------
 
+
 def ms(x):
     return "-" if x is None else f"{1000 * x:.0f}"
 
 
 def print_report(res: dict, targets: dict, idle_full: list[float]) -> None:
-    print(f"\n{'config':<18}{'class':<8}{'n':>5}{'TTFT p50':>10}{'p99':>8}{'TBT p50':>9}{'p99':>8}"
-          f"{'resume gaps':>13}{'unfin':>6}   (ms)")
+    print(
+        f"\n{'config':<18}{'class':<8}{'n':>5}{'TTFT p50':>10}{'p99':>8}{'TBT p50':>9}{'p99':>8}"
+        f"{'resume gaps':>13}{'unfin':>6}   (ms)"
+    )
     for name, r in res.items():
         for c in CLASSES:
             t, b, g = r["ttft"][c], r["tbt"][c], r["resume_gaps"][c]
-            print(f"{name:<18}{c:<8}{t['n']:>5}{ms(t['p50']):>10}{ms(t['p99']):>8}{ms(b['p50']):>9}"
-                  f"{ms(b['p99']):>8}{g['n']:>6} {ms(g['max']):>6}{r['unfinished'][c]:>6}")
-    print(f"\n{'config':<18}{'tok/s':>6}{'steps':>6}{'step p50':>9}{'p99':>6}{'full p50':>9}{'p99':>6}"
-          f"{'swap-step p50':>14}{'burst TBT p50':>14}{'p99':>6}{'(+resume)':>10}{'preempt':>8}{'swap-out':>9}"
-          f"{'recomp':>7}{'KV use':>7}{'max wait':>9}{'others':>7}")
+            print(
+                f"{name:<18}{c:<8}{t['n']:>5}{ms(t['p50']):>10}{ms(t['p99']):>8}{ms(b['p50']):>9}"
+                f"{ms(b['p99']):>8}{g['n']:>6} {ms(g['max']):>6}{r['unfinished'][c]:>6}"
+            )
+    print(
+        f"\n{'config':<18}{'tok/s':>6}{'steps':>6}{'step p50':>9}{'p99':>6}{'full p50':>9}{'p99':>6}"
+        f"{'swap-step p50':>14}{'burst TBT p50':>14}{'p99':>6}{'(+resume)':>10}{'preempt':>8}{'swap-out':>9}"
+        f"{'recomp':>7}{'KV use':>7}{'max wait':>9}{'others':>7}"
+    )
     for name, r in res.items():
-        print(f"{name:<18}{r['tok_s'] or 0:>6.0f}{r['step']['n']:>6}{ms(r['step']['median']):>9}"
-              f"{ms(r['step']['p99']):>6}{ms(r['full_step']['median']):>9}{ms(r['full_step']['p99']):>6}"
-              f"{ms(r['swap_step']['median']):>14}{ms(r['burst_tbt']['p50']):>14}{ms(r['burst_tbt']['p99']):>6}"
-              f"{ms(r['burst_tbt_with_resume']['p99']):>10}{r['preemptions'] or 0:>8}"
-              f"{r['blocks_swapped_out'] or 0:>9}{r['recomputed_tokens'] or 0:>7}{r['kv_usage_mean'] or 0:>7.0%}"
-              f"{r['max_waiting']:>9}{_share(r['others_cpu_share']):>7}")
-    print(f"\nidle urgent TTFT p50/p99: {ms(targets['idle_ttft_p50'])}/{ms(targets['idle_ttft_p99'])} ms; "
-          f"idle prefill-only full-budget step p50: {ms(pct(idle_full, 50))} ms "
-          f"(others' CPU share {_share(targets.get('idle_others_cpu_share'))})")
+        print(
+            f"{name:<18}{r['tok_s'] or 0:>6.0f}{r['step']['n']:>6}{ms(r['step']['median']):>9}"
+            f"{ms(r['step']['p99']):>6}{ms(r['full_step']['median']):>9}{ms(r['full_step']['p99']):>6}"
+            f"{ms(r['swap_step']['median']):>14}{ms(r['burst_tbt']['p50']):>14}{ms(r['burst_tbt']['p99']):>6}"
+            f"{ms(r['burst_tbt_with_resume']['p99']):>10}{r['preemptions'] or 0:>8}"
+            f"{r['blocks_swapped_out'] or 0:>9}{r['recomputed_tokens'] or 0:>7}{r['kv_usage_mean'] or 0:>7.0%}"
+            f"{r['max_waiting']:>9}{_share(r['others_cpu_share']):>7}"
+        )
+    print(
+        f"\nidle urgent TTFT p50/p99: {ms(targets['idle_ttft_p50'])}/{ms(targets['idle_ttft_p99'])} ms; "
+        f"idle prefill-only full-budget step p50: {ms(pct(idle_full, 50))} ms "
+        f"(others' CPU share {_share(targets.get('idle_others_cpu_share'))})"
+    )
 
     def fmt(x, unit="x"):
         return "-" if x is None else f"{x:.2f}{unit}"
 
-    print(f"[{'PASS' if targets['urgent_ttft_target_met'] else 'FAIL'}] prio_swap urgent p99 TTFT / idle p99: "
-          f"{fmt(targets.get('prio_swap_urgent_p99_over_idle'))} (target <= 2x); fcfs: "
-          f"{fmt(targets.get('fcfs_urgent_p99_over_idle'))}; prio_recompute: "
-          f"{fmt(targets.get('prio_recompute_urgent_p99_over_idle'))}")
+    print(
+        f"[{'PASS' if targets['urgent_ttft_target_met'] else 'FAIL'}] prio_swap urgent p99 TTFT / idle p99: "
+        f"{fmt(targets.get('prio_swap_urgent_p99_over_idle'))} (target <= 2x); fcfs: "
+        f"{fmt(targets.get('fcfs_urgent_p99_over_idle'))}; prio_recompute: "
+        f"{fmt(targets.get('prio_recompute_urgent_p99_over_idle'))}"
+    )
     if "chunked_tbt_target_met" in targets:
-        print(f"[{'PASS' if targets['chunked_tbt_target_met'] else 'FAIL'}] chunked p99 TBT during bursts / median "
-              f"full-budget step ({ms(targets['full_step_median'])} ms): "
-              f"{fmt(targets['chunked_burst_tbt_p99_over_full_step'])} (target <= 1.25x)")
+        print(
+            f"[{'PASS' if targets['chunked_tbt_target_met'] else 'FAIL'}] chunked p99 TBT during bursts / median "
+            f"full-budget step ({ms(targets['full_step_median'])} ms): "
+            f"{fmt(targets['chunked_burst_tbt_p99_over_full_step'])} (target <= 1.25x)"
+        )
     if "chunking_gain_target_met" in targets:
-        print(f"[{'PASS' if targets['chunking_gain_target_met'] else 'FAIL'}] p99 TBT during bursts, chunking off / "
-              f"on: {fmt(targets['nochunk_over_chunked_burst_tbt_p99'])} (target >= 3x)")
+        print(
+            f"[{'PASS' if targets['chunking_gain_target_met'] else 'FAIL'}] p99 TBT during bursts, chunking off / "
+            f"on: {fmt(targets['nochunk_over_chunked_burst_tbt_p99'])} (target >= 3x)"
+        )
 
 
 def _share(x):
@@ -414,6 +508,7 @@ def _share(x):
 
 def plot(res: dict, targets: dict, idle: list[float], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
@@ -427,10 +522,12 @@ def plot(res: dict, targets: dict, idle: list[float], path: Path) -> None:
             xs = np.sort(np.asarray(xs) * 1000)
             ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), **kw)
 
-    panels = [(axes[0], "TTFT, urgent (priority 0)", lambda r: r["_raw"]["ttft"]["urgent"]),
-              (axes[1], "TTFT, bulk (priority 9, short)", lambda r: r["_raw"]["ttft"]["bulk"]),
-              (axes[2], "time between tokens, all", lambda r: sum(r["_raw"]["tbt"].values(), [])),
-              (axes[3], "time between tokens during long-prompt bursts", lambda r: r["_raw"]["burst_tbt"])]
+    panels = [
+        (axes[0], "TTFT, urgent (priority 0)", lambda r: r["_raw"]["ttft"]["urgent"]),
+        (axes[1], "TTFT, bulk (priority 9, short)", lambda r: r["_raw"]["ttft"]["bulk"]),
+        (axes[2], "time between tokens, all", lambda r: sum(r["_raw"]["tbt"].values(), [])),
+        (axes[3], "time between tokens during long-prompt bursts", lambda r: r["_raw"]["burst_tbt"]),
+    ]
     for ax, title, get in panels:
         for name, r in res.items():
             cdf(ax, get(r), label=name, color=colors.get(name), drawstyle="steps-post")
@@ -443,7 +540,9 @@ def plot(res: dict, targets: dict, idle: list[float], path: Path) -> None:
     if targets.get("idle_ttft_p99"):
         axes[0].axvline(2000 * targets["idle_ttft_p99"], color="k", linestyle=":", label="2x idle p99")
     if targets.get("full_step_median"):
-        axes[3].axvline(1000 * targets["full_step_median"], color="k", linestyle="--", label="median full step")
+        axes[3].axvline(
+            1000 * targets["full_step_median"], color="k", linestyle="--", label="median full step"
+        )
         axes[3].axvline(1250 * targets["full_step_median"], color="k", linestyle=":", label="1.25x")
     for ax in (axes[0], axes[2]):
         ax.set_ylabel("fraction of requests / gaps")
@@ -458,29 +557,47 @@ def plot(res: dict, targets: dict, idle: list[float], path: Path) -> None:
 
 # --- main -------------------------------------------------------------------------------------------
 
+
 def main(argv=None):
     global BUDGET
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="short trace, smoke run")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) - 1),
-                    help="torch intra-op threads (default: one core less than the machine has; see the docstring)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 1) - 1),
+        help="torch intra-op threads (default: one core less than the machine has; see the docstring)",
+    )
     ap.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small")
     ap.add_argument("--duration", type=float, help="seconds of arrivals (default 45; 10 with --quick)")
     ap.add_argument("--rate", type=float, default=8.0, help="short requests per second (Poisson)")
     ap.add_argument("--burst-every", type=float, default=5.0, help="seconds between long-prompt bursts")
     ap.add_argument("--device-blocks", type=int, default=192, help="device KV pool, blocks of 16 tokens")
     ap.add_argument("--host-blocks", type=int, default=2048, help="host KV pool for swap configs")
-    ap.add_argument("--idle-samples", type=int, default=None,
-                    help="urgent prompts timed on an idle engine (default: all of the trace's, so that both "
-                         "p99s are over the same prompts)")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
-    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
-                    help="before each run wait up to S seconds for other processes to leave the CPU idle")
+    ap.add_argument(
+        "--idle-samples",
+        type=int,
+        default=None,
+        help="urgent prompts timed on an idle engine (default: all of the trace's, so that both "
+        "p99s are over the same prompts)",
+    )
+    ap.add_argument(
+        "--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS)
+    )
+    ap.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="before each run wait up to S seconds for other processes to leave the CPU idle",
+    )
     ap.add_argument("--budget", type=int, default=BUDGET, help=f"token budget per step (default {BUDGET})")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the figures to this file")
-    ap.add_argument("--png", default=DEFAULT_PNG, help="where the plot goes (the default is copied to bench/)")
+    ap.add_argument(
+        "--png", default=DEFAULT_PNG, help="where the plot goes (the default is copied to bench/)"
+    )
     args = ap.parse_args(argv)
     BUDGET = args.budget
 
@@ -489,10 +606,14 @@ def main(argv=None):
     trace = make_trace(duration, args.rate, args.burst_every, args.seed)
     counts = {c: sum(a.cls == c for a in trace) for c in CLASSES}
     model_kwargs = MODEL_SIZES[args.model_size]
-    print(f"trace: {duration:.0f}s, {len(trace)} requests {counts}, rate {args.rate}/s, bursts of 4 long "
-          f"prompts every {args.burst_every}s")
-    print(f"model: {args.model_size} {model_kwargs}; device {args.device}, torch threads {torch.get_num_threads()}; "
-          f"budget {BUDGET}, {args.device_blocks} device blocks x {BLOCK_SIZE}, {args.host_blocks} host blocks")
+    print(
+        f"trace: {duration:.0f}s, {len(trace)} requests {counts}, rate {args.rate}/s, bursts of 4 long "
+        f"prompts every {args.burst_every}s"
+    )
+    print(
+        f"model: {args.model_size} {model_kwargs}; device {args.device}, torch threads {torch.get_num_threads()}; "
+        f"budget {BUDGET}, {args.device_blocks} device blocks x {BLOCK_SIZE}, {args.host_blocks} host blocks"
+    )
 
     results, idle, idle_full, stats, idle_load = {}, [], [], {}, None
     load_start = os.getloadavg()
@@ -505,9 +626,9 @@ def main(argv=None):
             host = opts.pop("num_host_blocks", args.host_blocks)
             engine = make_engine(model_dir, args.device, args.device_blocks, host, **opts)
             warm_up(engine, 8192)
-            settle_for_serving()   # as the worker does once its engine is built (workers/engine_host.py)
+            settle_for_serving()  # as the worker does once its engine is built (workers/engine_host.py)
             if name == "prio_swap":
-                urgent = [a.prompt for a in trace if a.cls == "urgent"][:args.idle_samples]   # None: all
+                urgent = [a.prompt for a in trace if a.cls == "urgent"][: args.idle_samples]  # None: all
                 if args.wait_quiet:
                     wait_for_quiet(args.wait_quiet)
                 with Interference() as idle_load:
@@ -526,24 +647,48 @@ def main(argv=None):
     load = (load_start, os.getloadavg())
     code = code_version()
     print(f"code: {code}")
-    print("load average (1/5/15 min) at start {:.1f}/{:.1f}/{:.1f}, at end {:.1f}/{:.1f}/{:.1f}".format(*load[0], *load[1]))
+    print(
+        "load average (1/5/15 min) at start {:.1f}/{:.1f}/{:.1f}, at end {:.1f}/{:.1f}/{:.1f}".format(
+            *load[0], *load[1]
+        )
+    )
     print(f"total wall time {time.perf_counter() - t_start:.0f}s")
 
-    png = Path(args.png if not (args.quick and args.png == DEFAULT_PNG) else DEFAULT_PNG.replace(".png", "_quick.png"))
+    png = Path(
+        args.png
+        if not (args.quick and args.png == DEFAULT_PNG)
+        else DEFAULT_PNG.replace(".png", "_quick.png")
+    )
     plot(results, targets, idle, png)
     print(f"wrote {png}")
     if not args.quick and args.png == DEFAULT_PNG:
         shutil.copyfile(png, BENCH_DIR / "serving.png")
         print(f"wrote {BENCH_DIR / 'serving.png'}")
     if args.json:
-        fig = dict(duration=duration, rate=args.rate, burst_every=args.burst_every, requests=counts,
-                   model=model_kwargs, budget=BUDGET, block_size=BLOCK_SIZE, device_blocks=args.device_blocks,
-                   host_blocks=args.host_blocks, threads=torch.get_num_threads(), device=args.device,
-                   load_avg=load, code=code, idle_ttft=idle, idle_full_steps=idle_full, targets=targets,
-                   configs={k: {kk: vv for kk, vv in v.items() if kk not in ("_raw", "requests", "steps")}
-                            for k, v in results.items()},
-                   trace={k: dict(requests=v["requests"], steps=v["steps"]) for k, v in results.items()},
-                   engine_stats=stats)
+        fig = dict(
+            duration=duration,
+            rate=args.rate,
+            burst_every=args.burst_every,
+            requests=counts,
+            model=model_kwargs,
+            budget=BUDGET,
+            block_size=BLOCK_SIZE,
+            device_blocks=args.device_blocks,
+            host_blocks=args.host_blocks,
+            threads=torch.get_num_threads(),
+            device=args.device,
+            load_avg=load,
+            code=code,
+            idle_ttft=idle,
+            idle_full_steps=idle_full,
+            targets=targets,
+            configs={
+                k: {kk: vv for kk, vv in v.items() if kk not in ("_raw", "requests", "steps")}
+                for k, v in results.items()
+            },
+            trace={k: dict(requests=v["requests"], steps=v["steps"]) for k, v in results.items()},
+            engine_stats=stats,
+        )
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(fig, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")

@@ -63,7 +63,9 @@ class Stack:
         finally:
             app.close()
         if len(replies) != len(self.workers):
-            raise RuntimeError(f"{command}: {len(replies)} of {len(self.workers)} workers answered: {replies}")
+            raise RuntimeError(
+                f"{command}: {len(replies)} of {len(self.workers)} workers answered: {replies}"
+            )
 
     def stop_worker(self) -> None:
         """Stop the workers now (cold shutdown), e.g. to measure the API alone."""
@@ -73,18 +75,34 @@ class Stack:
 
 def bench_settings(**overrides) -> Settings:
     run = uuid.uuid4().hex[:10]
-    values = dict(database_url=f"{POSTGRES}/genq_bench_{run}", redis_url=f"{REDIS}/0",
-                  redis_key_prefix=f"genq-bench-{run}:", model="tiny-llama", dtype="float32", device="cpu",
-                  rate_limit="1000000/second", max_queued_per_tenant=10**7, max_queued_jobs=10**7,
-                  log_level="WARNING")
+    values = dict(
+        database_url=f"{POSTGRES}/genq_bench_{run}",
+        redis_url=f"{REDIS}/0",
+        redis_key_prefix=f"genq-bench-{run}:",
+        model="tiny-llama",
+        dtype="float32",
+        device="cpu",
+        rate_limit="1000000/second",
+        max_queued_per_tenant=10**7,
+        max_queued_jobs=10**7,
+        log_level="WARNING",
+    )
     values.update(overrides)
     return Settings(**values)
 
 
 @contextmanager
-def local_stack(settings: Settings, *, api_workers: int | None = None, api_threads: int | None = None,
-                access_log: bool = False, workers: int = 1, concurrency: int = 8, worker_env: dict | None = None,
-                log_dir: Path) -> Iterator[Stack]:
+def local_stack(
+    settings: Settings,
+    *,
+    api_workers: int | None = None,
+    api_threads: int | None = None,
+    access_log: bool = False,
+    workers: int = 1,
+    concurrency: int = 8,
+    worker_env: dict | None = None,
+    log_dir: Path,
+) -> Iterator[Stack]:
     """Build the database, start gunicorn (gunicorn.conf.py, unless `api_workers` / `api_threads` say
     otherwise) and `workers` Celery workers (each its own engine, metrics port and `-n` name; `worker_env`
     is added to their environment), wait until all answer; tear all down after."""
@@ -95,28 +113,69 @@ def local_stack(settings: Settings, *, api_workers: int | None = None, api_threa
         create_database_if_missing(settings.database_url)
         cleanup.callback(drop_database, settings.database_url)
         cleanup.callback(_delete_keys, settings)
-        subprocess.run([sys.executable, "-m", "alembic", "upgrade", "head"], cwd=ROOT, env=env, check=True,
-                       capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "alembic", "upgrade", "head"],
+            cwd=ROOT,
+            env=env,
+            check=True,
+            capture_output=True,
+        )
         engine = make_engine(settings.database_url)
         with make_session_factory(engine).begin() as session:
             key = create_key(session, "bench")
         engine.dispose()
-        sizes = [*(["--workers", str(api_workers)] if api_workers else []),
-                 *(["--threads", str(api_threads)] if api_threads else [])]
-        api = _start([BIN / "gunicorn", "--bind", f"127.0.0.1:{api_port}", *sizes, "--log-level", "warning",
-                      "webapi:create_app()"], {**env, "API_ACCESS_LOG": "-" if access_log else ""}, log_dir / "api.log")
+        sizes = [
+            *(["--workers", str(api_workers)] if api_workers else []),
+            *(["--threads", str(api_threads)] if api_threads else []),
+        ]
+        api = _start(
+            [
+                BIN / "gunicorn",
+                "--bind",
+                f"127.0.0.1:{api_port}",
+                *sizes,
+                "--log-level",
+                "warning",
+                "webapi:create_app()",
+            ],
+            {**env, "API_ACCESS_LOG": "-" if access_log else ""},
+            log_dir / "api.log",
+        )
         cleanup.callback(_stop, api)
         stack = Stack(settings, f"http://127.0.0.1:{api_port}", key, [], log_dir, [])
         cleanup.callback(stack.stop_worker)
         for i in range(workers):
             port = free_port()
             stack.worker_metrics_urls.append(f"http://127.0.0.1:{port}/metrics")
-            stack.workers.append(_start(
-                [BIN / "celery", "-A", "workers", "worker", "--pool", "threads", "--concurrency", str(concurrency),
-                 "-Q", "generate", "--loglevel", "WARNING", "--without-mingle", "--without-gossip",
-                 "-n", f"bench{i}-{uuid.uuid4().hex[:6]}@%h"],
-                {**env, **(worker_env or {}), "WORKER_METRICS_PORT": str(port), "WORKER_METRICS_ADDRESS": "127.0.0.1"},
-                log_dir / f"worker{i}.log"))
+            stack.workers.append(
+                _start(
+                    [
+                        BIN / "celery",
+                        "-A",
+                        "workers",
+                        "worker",
+                        "--pool",
+                        "threads",
+                        "--concurrency",
+                        str(concurrency),
+                        "-Q",
+                        "generate",
+                        "--loglevel",
+                        "WARNING",
+                        "--without-mingle",
+                        "--without-gossip",
+                        "-n",
+                        f"bench{i}-{uuid.uuid4().hex[:6]}@%h",
+                    ],
+                    {
+                        **env,
+                        **(worker_env or {}),
+                        "WORKER_METRICS_PORT": str(port),
+                        "WORKER_METRICS_ADDRESS": "127.0.0.1",
+                    },
+                    log_dir / f"worker{i}.log",
+                )
+            )
         _wait_for(stack.url + "/healthz", api, log_dir / "api.log")
         for i, (url, worker) in enumerate(zip(stack.worker_metrics_urls, stack.workers)):
             _wait_for(url, worker, log_dir / f"worker{i}.log")
@@ -126,8 +185,14 @@ def local_stack(settings: Settings, *, api_workers: int | None = None, api_threa
 
 def _start(command: list, env: dict, log: Path) -> subprocess.Popen:
     with log.open("w") as out:
-        return subprocess.Popen([str(c) for c in command], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(
+            [str(c) for c in command],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -165,7 +230,9 @@ def _wait_until_engine_ready(stack: Stack, timeout: float = 180) -> None:
             time.sleep(0.2)
     r = requests.post(stack.url + "/jobs", json={"prompt": "warm up", "max_tokens": 1}, headers=stack.headers)
     r.raise_for_status()
-    while requests.get(stack.url + r.headers["Location"], headers=stack.headers).json()["status"] != "succeeded":
+    while (
+        requests.get(stack.url + r.headers["Location"], headers=stack.headers).json()["status"] != "succeeded"
+    ):
         if time.monotonic() > deadline:
             raise RuntimeError("the worker did not run the warm-up job")
         time.sleep(0.1)

@@ -14,7 +14,7 @@ def normalize_url(url: str) -> str:
     """DATABASE_URL as SQLAlchemy wants it: `postgres://` and `postgresql://` use the psycopg 3 driver."""
     for scheme in ("postgres://", "postgresql://"):
         if url.startswith(scheme):
-            return "postgresql+psycopg://" + url[len(scheme):]
+            return "postgresql+psycopg://" + url[len(scheme) :]
     return url
 
 
@@ -22,8 +22,12 @@ def make_engine(url: str, connect_timeout: float = 3.0, **kwargs) -> Engine:
     """A pooled engine that checks connections before use (Postgres may have restarted) and gives up
     connecting after `connect_timeout` seconds, so a down database is an error at once, never a hang."""
     kwargs.setdefault("pool_timeout", max(connect_timeout, 1.0))
-    return create_engine(normalize_url(url), pool_pre_ping=True,
-                         connect_args={"connect_timeout": max(1, round(connect_timeout))}, **kwargs)
+    return create_engine(
+        normalize_url(url),
+        pool_pre_ping=True,
+        connect_args={"connect_timeout": max(1, round(connect_timeout))},
+        **kwargs,
+    )
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:

@@ -82,4 +82,8 @@ def move_to_head(client: redis.Redis, settings: Settings, job_id: uuid.UUID, pri
 
 def queue_key(settings: Settings, queue: str, priority: int) -> str:
     """The Redis list holding `queue`'s messages of `priority` (kombu's naming: the plain name for 0)."""
-    return f"{settings.redis_key_prefix}{queue}{SEP}{priority}" if priority else f"{settings.redis_key_prefix}{queue}"
+    return (
+        f"{settings.redis_key_prefix}{queue}{SEP}{priority}"
+        if priority
+        else f"{settings.redis_key_prefix}{queue}"
+    )

@@ -31,7 +31,9 @@ from jobstore.models import Job, JobStatus
 
 ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING)
 JOBS = Job.__table__
-_ATTRIBUTE = {attr.columns[0].key: attr.key for attr in inspect(Job).column_attrs}  # "metadata" -> "metadata_"
+_ATTRIBUTE = {
+    attr.columns[0].key: attr.key for attr in inspect(Job).column_attrs
+}  # "metadata" -> "metadata_"
 RECONCILER_LOCK = 0x67656E71  # pg advisory lock id ("genq") taken by the reconciler
 
 
@@ -44,8 +46,15 @@ def request_fingerprint(request: Mapping) -> str:
     return hashlib.sha256(json.dumps(request, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def create_job(db: Session | Connection, tenant_id: uuid.UUID, request: Mapping, *, prompt_tokens: int | None = None,
-               idempotency_key: str | None = None, max_queued: int | None = None) -> tuple[Job | None, bool]:
+def create_job(
+    db: Session | Connection,
+    tenant_id: uuid.UUID,
+    request: Mapping,
+    *,
+    prompt_tokens: int | None = None,
+    idempotency_key: str | None = None,
+    max_queued: int | None = None,
+) -> tuple[Job | None, bool]:
     """Insert a queued job from a validated request, in one statement; returns (job, created).
 
     - With `max_queued`, the job is inserted only while the tenant has fewer queued jobs; at the cap
@@ -57,9 +66,14 @@ def create_job(db: Session | Connection, tenant_id: uuid.UUID, request: Mapping,
     `db` may be a Session or a Core Connection (the API uses an autocommit connection: no BEGIN, no
     COMMIT round trip). The returned Job is a plain object, attached to no session.
     """
-    values = dict(request, tenant_id=tenant_id, status=JobStatus.QUEUED, prompt_tokens=prompt_tokens,
-                  idempotency_key=idempotency_key,
-                  request_hash=request_fingerprint(request) if idempotency_key else None)
+    values = dict(
+        request,
+        tenant_id=tenant_id,
+        status=JobStatus.QUEUED,
+        prompt_tokens=prompt_tokens,
+        idempotency_key=idempotency_key,
+        request_hash=request_fingerprint(request) if idempotency_key else None,
+    )
     if max_queued is not None:
         values["max_queued"] = max_queued
     row = db.execute(_insert_job(tuple(values)), values).one_or_none()
@@ -84,16 +98,19 @@ def _insert_job(names: tuple[str, ...]):
     """
     columns = [name for name in names if name != "max_queued"]
     if "max_queued" in names:
-        queued = (select(func.count()).select_from(JOBS)
-                  .where(JOBS.c.tenant_id == bindparam("tenant_id"), JOBS.c.status == JobStatus.QUEUED)
-                  .scalar_subquery())
+        queued = (
+            select(func.count())
+            .select_from(JOBS)
+            .where(JOBS.c.tenant_id == bindparam("tenant_id"), JOBS.c.status == JobStatus.QUEUED)
+            .scalar_subquery()
+        )
         values = select(*[bindparam(name, type_=JOBS.c[name].type) for name in columns])
         stmt = insert(JOBS).from_select(columns, values.where(queued < bindparam("max_queued")))
     else:
         stmt = insert(JOBS).values({name: bindparam(name, type_=JOBS.c[name].type) for name in columns})
-    return (stmt.on_conflict_do_nothing(index_elements=["tenant_id", "idempotency_key"],
-                                        index_where=text("idempotency_key IS NOT NULL"))
-            .returning(*JOBS.c))
+    return stmt.on_conflict_do_nothing(
+        index_elements=["tenant_id", "idempotency_key"], index_where=text("idempotency_key IS NOT NULL")
+    ).returning(*JOBS.c)
 
 
 def check_job_row(job: Job, max_model_len: int | None = None) -> None:
@@ -108,25 +125,32 @@ def check_job_row(job: Job, max_model_len: int | None = None) -> None:
             job.prompt.encode("utf-8")
         except UnicodeEncodeError:
             raise ValueError("prompt: the stored bytes are not valid UTF-8") from None
-    fields = {name: getattr(job, "metadata_" if name == "metadata" else name) for name in JobCreate.model_fields}
+    fields = {
+        name: getattr(job, "metadata_" if name == "metadata" else name) for name in JobCreate.model_fields
+    }
     fields["stop"] = list(fields["stop"] or [])
     if fields["input_ids"] is not None:
         fields["input_ids"] = list(fields["input_ids"])
     try:
         JobCreate.model_validate(fields)
     except ValidationError as exc:
-        raise ValueError("; ".join(f"{'.'.join(map(str, e['loc'])) or 'job'}: {e['msg']}" for e in exc.errors())) from None
+        raise ValueError(
+            "; ".join(f"{'.'.join(map(str, e['loc'])) or 'job'}: {e['msg']}" for e in exc.errors())
+        ) from None
     if not isinstance(job.output_token_ids, list) or len(job.output_token_ids) > job.max_tokens:
         raise ValueError("output_token_ids: more tokens than max_tokens")
     if max_model_len is not None and job.max_tokens + len(job.input_ids or ()) > max_model_len:
-        raise ValueError(f"max_tokens: {len(job.input_ids or ())} prompt tokens + max_tokens {job.max_tokens} > "
-                         f"max_model_len {max_model_len}")
+        raise ValueError(
+            f"max_tokens: {len(job.input_ids or ())} prompt tokens + max_tokens {job.max_tokens} > "
+            f"max_model_len {max_model_len}"
+        )
 
 
 def job_for_key(db: Session | Connection, tenant_id: uuid.UUID, idempotency_key: str) -> Job | None:
     """The tenant's job created with this Idempotency-Key, if any (a plain Job, attached to no session)."""
-    row = db.execute(select(*JOBS.c).where(JOBS.c.tenant_id == tenant_id,
-                                            JOBS.c.idempotency_key == idempotency_key)).one_or_none()
+    row = db.execute(
+        select(*JOBS.c).where(JOBS.c.tenant_id == tenant_id, JOBS.c.idempotency_key == idempotency_key)
+    ).one_or_none()
     return None if row is None else _job_from_row(row)
 
 
@@ -140,8 +164,14 @@ def get_job(db: Session | Connection, job_id: uuid.UUID, tenant_id: uuid.UUID | 
     return None if row is None else _job_from_row(row)
 
 
-def list_jobs(session: Session, tenant_id: uuid.UUID, *, status: JobStatus | None = None, limit: int = 20,
-              before: tuple[datetime, uuid.UUID] | None = None) -> list[Job]:
+def list_jobs(
+    session: Session,
+    tenant_id: uuid.UUID,
+    *,
+    status: JobStatus | None = None,
+    limit: int = 20,
+    before: tuple[datetime, uuid.UUID] | None = None,
+) -> list[Job]:
     """A tenant's jobs, newest first, starting after the (created_at, id) position `before`."""
     stmt = select(Job).where(Job.tenant_id == tenant_id)
     if status is not None:
@@ -153,25 +183,38 @@ def list_jobs(session: Session, tenant_id: uuid.UUID, *, status: JobStatus | Non
 
 def mark_enqueued(db: Session | Connection, job_ids: Sequence[uuid.UUID]) -> None:
     """Record that a message for these queued jobs went to Redis."""
-    db.execute(update(JOBS).where(JOBS.c.id.in_(job_ids), JOBS.c.status == JobStatus.QUEUED)
-               .values(enqueued_at=func.now()))
+    db.execute(
+        update(JOBS)
+        .where(JOBS.c.id.in_(job_ids), JOBS.c.status == JobStatus.QUEUED)
+        .values(enqueued_at=func.now())
+    )
 
 
-def claim_job(db: Session | Connection, job_id: uuid.UUID, worker_id: str, lease_seconds: float) -> Job | None:
+def claim_job(
+    db: Session | Connection, job_id: uuid.UUID, worker_id: str, lease_seconds: float
+) -> Job | None:
     """queued → running for `worker_id` with a fresh lease; the job (a plain Job), or None if it is not queued."""
-    row = db.execute(_claim_statement(), {"job": job_id, "worker": worker_id,
-                                          "lease": timedelta(seconds=lease_seconds)}).one_or_none()
+    row = db.execute(
+        _claim_statement(), {"job": job_id, "worker": worker_id, "lease": timedelta(seconds=lease_seconds)}
+    ).one_or_none()
     return None if row is None else _job_from_row(row)
 
 
 @functools.cache
 def _claim_statement():
     """Built once: the claim is on every job's path from the queue to the engine."""
-    return (update(JOBS).where(JOBS.c.id == bindparam("job"), JOBS.c.status == JobStatus.QUEUED)
-            .values(status=JobStatus.RUNNING, worker_id=bindparam("worker"),
-                    lease_expires_at=func.now() + bindparam("lease", type_=Interval()),
-                    started_at=func.coalesce(JOBS.c.started_at, func.now()), attempts=JOBS.c.attempts + 1)
-            .returning(*JOBS.c))
+    return (
+        update(JOBS)
+        .where(JOBS.c.id == bindparam("job"), JOBS.c.status == JobStatus.QUEUED)
+        .values(
+            status=JobStatus.RUNNING,
+            worker_id=bindparam("worker"),
+            lease_expires_at=func.now() + bindparam("lease", type_=Interval()),
+            started_at=func.coalesce(JOBS.c.started_at, func.now()),
+            attempts=JOBS.c.attempts + 1,
+        )
+        .returning(*JOBS.c)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,8 +236,9 @@ class Output:
     prompt_tokens: int | None = None
 
 
-def save_progress(db: Session | Connection, outputs: Sequence[Output], lease_seconds: float
-                  ) -> set[tuple[uuid.UUID, str]]:
+def save_progress(
+    db: Session | Connection, outputs: Sequence[Output], lease_seconds: float
+) -> set[tuple[uuid.UUID, str]]:
     """Append each running job's new tokens and renew its lease, in one statement whatever the number of jobs.
 
     Returns the (job id, worker_id) pairs whose lease held; an output missing from it is no longer its
@@ -211,15 +255,27 @@ def finish_jobs(db: Session | Connection, outputs: Sequence[Output]) -> set[tupl
     if not outputs:
         return set()
     params = _output_params(outputs)
-    params.update(reasons=[o.finish_reason for o in outputs], prompt_counts=[o.prompt_tokens for o in outputs])
+    params.update(
+        reasons=[o.finish_reason for o in outputs], prompt_counts=[o.prompt_tokens for o in outputs]
+    )
     return set(map(tuple, db.execute(_FINISH, params)))
 
 
-def finish_job(db: Session | Connection, job_id: uuid.UUID, worker_id: str, *, token_ids: Sequence[int], text: str,
-               finish_reason: str, prompt_tokens: int, first_token_at: datetime | None = None) -> bool:
+def finish_job(
+    db: Session | Connection,
+    job_id: uuid.UUID,
+    worker_id: str,
+    *,
+    token_ids: Sequence[int],
+    text: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    first_token_at: datetime | None = None,
+) -> bool:
     """running → succeeded with this whole output; False if the job is no longer the worker's."""
-    output = Output(job_id, worker_id, 0, token_ids, 0, text.encode("utf-8"), first_token_at, finish_reason,
-                    prompt_tokens)
+    output = Output(
+        job_id, worker_id, 0, token_ids, 0, text.encode("utf-8"), first_token_at, finish_reason, prompt_tokens
+    )
     return (job_id, worker_id) in finish_jobs(db, [output])
 
 
@@ -232,10 +288,17 @@ def _output_params(outputs: Sequence[Output]) -> dict:
         lo.append(len(flat) + 1)
         flat.extend(o.new_tokens)
         hi.append(len(flat))
-    return dict(ids=[o.job_id for o in outputs], workers=[o.worker_id for o in outputs],
-                kept=[o.kept_tokens for o in outputs], lo=lo, hi=hi, tokens=flat,
-                text_kept=[o.kept_text_bytes for o in outputs], tails=[o.text_tail for o in outputs],
-                firsts=[o.first_token_at for o in outputs])
+    return dict(
+        ids=[o.job_id for o in outputs],
+        workers=[o.worker_id for o in outputs],
+        kept=[o.kept_tokens for o in outputs],
+        lo=lo,
+        hi=hi,
+        tokens=flat,
+        text_kept=[o.kept_text_bytes for o in outputs],
+        tails=[o.text_tail for o in outputs],
+        firsts=[o.first_token_at for o in outputs],
+    )
 
 
 # One row per job from parallel arrays: the statement's text is the same for 1 job or 500 (planned once).
@@ -256,41 +319,78 @@ _PROGRESS = text(f"""UPDATE jobs AS j SET {_APPENDED},
 _FINISH = text(f"""UPDATE jobs AS j SET {_APPENDED},
     status = 'succeeded', finished_at = now(), lease_expires_at = NULL,
     finish_reason = v.reason, prompt_tokens = v.prompt_count
-    FROM {_OUTPUT_ROWS.format(extra=", CAST(:reasons AS varchar[]), CAST(:prompt_counts AS integer[])",
-                              extra_names=", reason, prompt_count")} {_LEASED}""")
+    FROM {
+    _OUTPUT_ROWS.format(
+        extra=", CAST(:reasons AS varchar[]), CAST(:prompt_counts AS integer[])",
+        extra_names=", reason, prompt_count",
+    )
+} {_LEASED}""")
 
 
 def _leased(**values):
     """UPDATE of a running job leased by :worker (bind parameters :job, :worker)."""
-    return (update(JOBS).where(JOBS.c.id == bindparam("job"), JOBS.c.status == JobStatus.RUNNING,
-                               JOBS.c.worker_id == bindparam("worker")).values(**values))
+    return (
+        update(JOBS)
+        .where(
+            JOBS.c.id == bindparam("job"),
+            JOBS.c.status == JobStatus.RUNNING,
+            JOBS.c.worker_id == bindparam("worker"),
+        )
+        .values(**values)
+    )
 
 
 def fail_job(db: Session | Connection, job_id: uuid.UUID, worker_id: str, *, code: str, message: str) -> bool:
     """running → failed with an error; False if the job is no longer the worker's."""
-    return _update_leased(db, job_id, worker_id, status=JobStatus.FAILED, finished_at=func.now(),
-                          lease_expires_at=None, error_code=code, error_message=message)
+    return _update_leased(
+        db,
+        job_id,
+        worker_id,
+        status=JobStatus.FAILED,
+        finished_at=func.now(),
+        lease_expires_at=None,
+        error_code=code,
+        error_message=message,
+    )
 
 
 def cancel_job(db: Session | Connection, job_id: uuid.UUID, tenant_id: uuid.UUID) -> Job | None:
     """queued/running → cancelled; returns the job as it now is (any status), None if not the tenant's."""
     row = db.execute(
-        update(JOBS).where(JOBS.c.id == job_id, JOBS.c.tenant_id == tenant_id, JOBS.c.status.in_(ACTIVE))
-        .values(status=JobStatus.CANCELLED, finished_at=func.now(), lease_expires_at=None,
-                finish_reason=func.coalesce(JOBS.c.finish_reason, "abort"))
+        update(JOBS)
+        .where(JOBS.c.id == job_id, JOBS.c.tenant_id == tenant_id, JOBS.c.status.in_(ACTIVE))
+        .values(
+            status=JobStatus.CANCELLED,
+            finished_at=func.now(),
+            lease_expires_at=None,
+            finish_reason=func.coalesce(JOBS.c.finish_reason, "abort"),
+        )
         .returning(*JOBS.c)
     ).one_or_none()
     return _job_from_row(row) if row is not None else get_job(db, job_id, tenant_id)
 
 
-def release_job(db: Session | Connection, job_id: uuid.UUID, worker_id: str, *, token_ids: Sequence[int],
-                text: str, preempted: bool = False) -> bool:
+def release_job(
+    db: Session | Connection,
+    job_id: uuid.UUID,
+    worker_id: str,
+    *,
+    token_ids: Sequence[int],
+    text: str,
+    preempted: bool = False,
+) -> bool:
     """running → queued, keeping the tokens so far and dropping the lease, so that a worker resumes the job
     at once: a worker shutting down hands its jobs back, and a full worker hands back its least urgent job
     when more urgent work waits in Redis (`preempted`: counted in `handbacks`, which bounds how often one
     job is preempted). False if the job is no longer the worker's."""
-    values = dict(status=JobStatus.QUEUED, worker_id=None, lease_expires_at=None, enqueued_at=None,
-                  output_token_ids=list(token_ids), output_text=text)
+    values = dict(
+        status=JobStatus.QUEUED,
+        worker_id=None,
+        lease_expires_at=None,
+        enqueued_at=None,
+        output_token_ids=list(token_ids),
+        output_text=text,
+    )
     if preempted:
         values["handbacks"] = JOBS.c.handbacks + 1
     return _update_leased(db, job_id, worker_id, **values)
@@ -300,9 +400,15 @@ def forget_sent(session: Session, sent_before_seconds: float = 0.0) -> int:
     """Mark queued jobs sent to Redis more than `sent_before_seconds` ago as never sent, so the reconciler
     sends them again (Redis lost its data, or the message went missing); returns how many."""
     result = session.execute(
-        update(Job).where(Job.status == JobStatus.QUEUED, Job.enqueued_at.is_not(None),
-                          Job.enqueued_at <= func.now() - timedelta(seconds=sent_before_seconds))
-        .values(enqueued_at=None).execution_options(synchronize_session=False))
+        update(Job)
+        .where(
+            Job.status == JobStatus.QUEUED,
+            Job.enqueued_at.is_not(None),
+            Job.enqueued_at <= func.now() - timedelta(seconds=sent_before_seconds),
+        )
+        .values(enqueued_at=None)
+        .execution_options(synchronize_session=False)
+    )
     return result.rowcount
 
 
@@ -311,7 +417,8 @@ def requeue_expired(session: Session) -> list[tuple[uuid.UUID, int]]:
 
     Returns their (id, priority), to be sent to Redis again at once."""
     rows = session.execute(
-        update(Job).where(Job.status == JobStatus.RUNNING, Job.lease_expires_at < func.now())
+        update(Job)
+        .where(Job.status == JobStatus.RUNNING, Job.lease_expires_at < func.now())
         .values(status=JobStatus.QUEUED, worker_id=None, lease_expires_at=None, enqueued_at=None)
         .returning(Job.id, Job.priority)
     )
@@ -322,9 +429,13 @@ def unsent_jobs(session: Session, grace_seconds: float, limit: int = 1000) -> li
     """(id, priority) of queued jobs never sent to Redis, committed more than `grace_seconds` ago."""
     rows = session.execute(
         select(Job.id, Job.priority)
-        .where(Job.status == JobStatus.QUEUED, Job.enqueued_at.is_(None),
-               Job.created_at < func.now() - timedelta(seconds=grace_seconds))
-        .order_by(Job.priority, Job.created_at).limit(limit)
+        .where(
+            Job.status == JobStatus.QUEUED,
+            Job.enqueued_at.is_(None),
+            Job.created_at < func.now() - timedelta(seconds=grace_seconds),
+        )
+        .order_by(Job.priority, Job.created_at)
+        .limit(limit)
     )
     return [(row.id, row.priority) for row in rows]
 
@@ -336,8 +447,13 @@ def try_reconciler_lock(session: Session) -> bool:
 
 def queued_by_tenant(db: Session | Connection) -> dict[uuid.UUID, int]:
     """Queued jobs per tenant (tenants with none are left out)."""
-    return dict(db.execute(select(JOBS.c.tenant_id, func.count()).where(JOBS.c.status == JobStatus.QUEUED)
-                           .group_by(JOBS.c.tenant_id)).all())
+    return dict(
+        db.execute(
+            select(JOBS.c.tenant_id, func.count())
+            .where(JOBS.c.status == JobStatus.QUEUED)
+            .group_by(JOBS.c.tenant_id)
+        ).all()
+    )
 
 
 def _job_from_row(row) -> Job:

@@ -37,6 +37,7 @@ def tenant_for_key(session: Session, key: str) -> Tenant | None:
 def tenant_for_key_hash(session: Session, key_hash: str) -> Tenant | None:
     """The tenant owning the key whose `hash_key` is `key_hash`, or None when unknown or revoked."""
     return session.scalars(
-        select(Tenant).join(ApiKey, ApiKey.tenant_id == Tenant.id)
+        select(Tenant)
+        .join(ApiKey, ApiKey.tenant_id == Tenant.id)
         .where(ApiKey.key_hash == key_hash, ApiKey.revoked_at.is_(None))
     ).one_or_none()

@@ -100,8 +100,14 @@ class Job(Base):
     id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
     tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     status: Mapped[JobStatus] = mapped_column(
-        Enum(JobStatus, name="status", native_enum=False, length=16, create_constraint=True,
-             values_callable=lambda e: [m.value for m in e]),
+        Enum(
+            JobStatus,
+            name="status",
+            native_enum=False,
+            length=16,
+            create_constraint=True,
+            values_callable=lambda e: [m.value for m in e],
+        ),
         default=JobStatus.QUEUED,
     )
     priority: Mapped[int] = mapped_column(SmallInteger)
@@ -148,14 +154,24 @@ class Job(Base):
         CheckConstraint("(prompt IS NULL) <> (input_ids IS NULL)", name="prompt_xor_input_ids"),
         # GET /jobs: a tenant's jobs newest first, optionally by status (keyset pagination)
         Index("ix_jobs_tenant_created", "tenant_id", text("created_at DESC"), text("id DESC")),
-        Index("ix_jobs_tenant_status_created", "tenant_id", "status", text("created_at DESC"), text("id DESC")),
+        Index(
+            "ix_jobs_tenant_status_created", "tenant_id", "status", text("created_at DESC"), text("id DESC")
+        ),
         # Idempotency-Key: one job per (tenant, key)
-        Index("uq_jobs_tenant_idempotency_key", "tenant_id", "idempotency_key", unique=True,
-              postgresql_where=text("idempotency_key IS NOT NULL")),
+        Index(
+            "uq_jobs_tenant_idempotency_key",
+            "tenant_id",
+            "idempotency_key",
+            unique=True,
+            postgresql_where=text("idempotency_key IS NOT NULL"),
+        ),
         # reconciler: expired leases, and queued jobs never sent to Redis
         Index("ix_jobs_running_lease", "lease_expires_at", postgresql_where=text("status = 'running'")),
-        Index("ix_jobs_queued_unsent", "created_at",
-              postgresql_where=text("status = 'queued' AND enqueued_at IS NULL")),
+        Index(
+            "ix_jobs_queued_unsent",
+            "created_at",
+            postgresql_where=text("status = 'queued' AND enqueued_at IS NULL"),
+        ),
         # POST /jobs: the queued-job caps count this (small) index, not the whole table
         Index("ix_jobs_queued_tenant", "tenant_id", postgresql_where=text("status = 'queued'")),
     )

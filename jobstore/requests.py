@@ -21,16 +21,24 @@ class JobCreate(BaseModel):
 
     prompt: str | None = Field(None, min_length=1, description="Text to continue. Give this or input_ids.")
     input_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] | None = Field(
-        None, min_length=1, description="Token ids to continue, used as they are. Give this or prompt.")
-    max_tokens: int = Field(64, ge=1, description="Most tokens to generate; prompt + max_tokens <= max_model_len.")
+        None, min_length=1, description="Token ids to continue, used as they are. Give this or prompt."
+    )
+    max_tokens: int = Field(
+        64, ge=1, description="Most tokens to generate; prompt + max_tokens <= max_model_len."
+    )
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False, description="0 samples greedily.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling; 1 is off.")
     top_k: int = Field(0, ge=0, lt=2**31, description="Sample from the k most likely tokens; 0 is off.")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same tokens, whatever the batch.")
-    stop: list[StopString] = Field(default_factory=list, max_length=8, description="Stop before these strings.")
+    seed: int | None = Field(
+        None, ge=0, le=2**63 - 1, description="Same seed, same tokens, whatever the batch."
+    )
+    stop: list[StopString] = Field(
+        default_factory=list, max_length=8, description="Stop before these strings."
+    )
     priority: int = Field(DEFAULT_PRIORITY, ge=0, le=9, description="0 is the most urgent, 9 the least.")
     metadata: dict[MetadataKey, MetadataValue] = Field(
-        default_factory=dict, max_length=16, description="Your own labels, returned with the job.")
+        default_factory=dict, max_length=16, description="Your own labels, returned with the job."
+    )
 
     @field_validator("stop", "metadata")
     @classmethod

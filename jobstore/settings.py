@@ -20,7 +20,9 @@ class Settings:
 
     # --- the model (read by the API for its limits and by the worker for its engine)
     model: str = "tiny-llama"
-    max_model_len: int = 2048  # prompt tokens + max_tokens must fit (also the engine's limit); tiny-llama's own
+    max_model_len: int = (
+        2048  # prompt tokens + max_tokens must fit (also the engine's limit); tiny-llama's own
+    )
 
     # --- engine sizes (None: the engine's own default)
     dtype: str = "auto"
@@ -39,13 +41,19 @@ class Settings:
     progress_interval: float = 0.5  # seconds between progress writes (and cancel checks) of a running job
     reconcile_interval: float = 10.0  # seconds between reconciler runs (celery beat)
     enqueue_grace_seconds: float = 10.0  # a queued job not sent to Redis after this is sent by the reconciler
-    resend_after_seconds: float = 3600.0  # a queued job sent this long ago and still not claimed is sent again
+    resend_after_seconds: float = (
+        3600.0  # a queued job sent this long ago and still not claimed is sent again
+    )
     db_retry_seconds: float = 60.0  # a worker retries a failing database write (with backoff) this long
     db_connect_timeout: float = 3.0  # seconds to connect to Postgres before giving up (the API answers 503)
 
     # --- a worker's intake (workers/intake.py)
-    worker_reserve: int | None = None  # jobs held beyond max_num_seqs, ready to start; None: max(2, max_num_seqs // 8)
-    queue_watch_interval: float = 0.05  # seconds between looks at Redis for more urgent work, while a worker is full
+    worker_reserve: int | None = (
+        None  # jobs held beyond max_num_seqs, ready to start; None: max(2, max_num_seqs // 8)
+    )
+    queue_watch_interval: float = (
+        0.05  # seconds between looks at Redis for more urgent work, while a worker is full
+    )
     max_handbacks: int = 3  # a job is handed back for more urgent work at most this often
 
     # --- the API
@@ -71,10 +79,17 @@ class Settings:
 
     def engine_options(self) -> dict:
         """Keyword arguments for batching.EngineConfig; unset sizes are left to the engine."""
-        options = dict(model=self.model, dtype=self.dtype, device=self.device, max_num_seqs=self.max_num_seqs,
-                       max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
-                       block_size=self.block_size, num_device_blocks=self.num_device_blocks,
-                       num_host_blocks=self.num_host_blocks)
+        options = dict(
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            block_size=self.block_size,
+            num_device_blocks=self.num_device_blocks,
+            num_host_blocks=self.num_host_blocks,
+        )
         return {k: v for k, v in options.items() if v is not None}
 
     def engine_thread_count(self) -> int | None:

@@ -23,8 +23,12 @@ def run_migrations_offline() -> None:
     """Emit SQL to stdout (`alembic upgrade head --sql`)."""
     from jobstore.db import normalize_url
 
-    context.configure(url=normalize_url(database_url()), target_metadata=target_metadata,
-                      literal_binds=True, compare_type=True)
+    context.configure(
+        url=normalize_url(database_url()),
+        target_metadata=target_metadata,
+        literal_binds=True,
+        compare_type=True,
+    )
     with context.begin_transaction():
         context.run_migrations()
 

@@ -55,8 +55,12 @@ def settings() -> Settings:
         database_url=f"{POSTGRES}/genq_test_{run}",
         redis_url=f"{REDIS}/{random.randint(1, 15)}",
         redis_key_prefix=f"genq-test-{run}:",
-        model="tiny-llama", dtype="float32", device="cpu",
-        lease_seconds=5.0, progress_interval=0.25, enqueue_grace_seconds=1.0,
+        model="tiny-llama",
+        dtype="float32",
+        device="cpu",
+        lease_seconds=5.0,
+        progress_interval=0.25,
+        enqueue_grace_seconds=1.0,
     )
 
 
@@ -65,8 +69,14 @@ def database(settings: Settings) -> Iterator[str]:
     """A fresh database built by `alembic upgrade head`, dropped at the end of the session."""
     create_database_if_missing(settings.database_url)
     try:
-        subprocess.run([sys.executable, "-m", "alembic", "upgrade", "head"], cwd=ROOT, env=settings_env(settings),
-                       check=True, capture_output=True, text=True)
+        subprocess.run(
+            [sys.executable, "-m", "alembic", "upgrade", "head"],
+            cwd=ROOT,
+            env=settings_env(settings),
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         yield settings.database_url
     finally:
         drop_database(settings.database_url)

@@ -54,7 +54,9 @@ class Client:
         headers = {**self.headers, **kwargs.pop("headers", {})}
         while True:
             try:
-                r = self._session().request(method, self.url + path, headers=headers, timeout=self.timeout, **kwargs)
+                r = self._session().request(
+                    method, self.url + path, headers=headers, timeout=self.timeout, **kwargs
+                )
                 if r.status_code not in RETRY_STATUSES:
                     return r
                 wait = float(r.headers.get("Retry-After") or delay)
@@ -146,13 +148,25 @@ def _error(r: requests.Response) -> dict:
         return {"code": f"http_{r.status_code}", "message": r.text[:500]}
 
 
-def run_batch(items: list[dict], client: Client, state: State, *, concurrency: int = 8, poll_interval: float = 0.5,
-              progress: bool = True) -> list[dict]:
+def run_batch(
+    items: list[dict],
+    client: Client,
+    state: State,
+    *,
+    concurrency: int = 8,
+    poll_interval: float = 0.5,
+    progress: bool = True,
+) -> list[dict]:
     """Submit what the state lacks, poll until every job is final; the result rows in input order."""
     todo = [item for item in items if item["custom_id"] not in state.entries]
     with ThreadPoolExecutor(concurrency) as pool:
-        with tqdm(total=len(items), initial=len(items) - len(todo), desc="submitted", unit="job",
-                  disable=not progress) as bar:
+        with tqdm(
+            total=len(items),
+            initial=len(items) - len(todo),
+            desc="submitted",
+            unit="job",
+            disable=not progress,
+        ) as bar:
             for entry in pool.map(lambda item: submit_one(client, item), todo):
                 state.record(entry)
                 bar.update()
@@ -174,10 +188,22 @@ def run_batch(items: list[dict], client: Client, state: State, *, concurrency: i
 def result_row(custom_id: str, entry: dict, jobs: dict[str, dict]) -> dict:
     job = jobs.get(entry.get("job_id"))
     if job is None:
-        return {"custom_id": custom_id, "job_id": None, "status": "rejected", "output": None, "usage": None,
-                "error": entry.get("error")}
-    return {"custom_id": custom_id, "job_id": job["id"], "status": job["status"], "output": job.get("output"),
-            "usage": job.get("usage"), "error": job.get("error")}
+        return {
+            "custom_id": custom_id,
+            "job_id": None,
+            "status": "rejected",
+            "output": None,
+            "usage": None,
+            "error": entry.get("error"),
+        }
+    return {
+        "custom_id": custom_id,
+        "job_id": job["id"],
+        "status": job["status"],
+        "output": job.get("output"),
+        "usage": job.get("usage"),
+        "error": job.get("error"),
+    }
 
 
 def write_results(path: Path, rows: list[dict]) -> None:
@@ -194,13 +220,20 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     submit = commands.add_parser("submit", help="submit a JSONL file of requests and write the results")
     submit.add_argument("input", type=Path, help="JSONL: one {custom_id, ...POST /jobs body} per line")
-    submit.add_argument("--url", default=os.environ.get("GENQ_URL", "http://127.0.0.1:8000"),
-                        help="the API (default $GENQ_URL or http://127.0.0.1:8000)")
-    submit.add_argument("--key", default=os.environ.get("GENQ_API_KEY"), help="API key (default $GENQ_API_KEY)")
+    submit.add_argument(
+        "--url",
+        default=os.environ.get("GENQ_URL", "http://127.0.0.1:8000"),
+        help="the API (default $GENQ_URL or http://127.0.0.1:8000)",
+    )
+    submit.add_argument(
+        "--key", default=os.environ.get("GENQ_API_KEY"), help="API key (default $GENQ_API_KEY)"
+    )
     submit.add_argument("--out", type=Path, required=True, help="results JSONL, in input order")
     submit.add_argument("--state", type=Path, help="resume file (default <out>.state.jsonl)")
     submit.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
-    submit.add_argument("--poll-interval", type=float, default=0.5, help="seconds between polls (default 0.5)")
+    submit.add_argument(
+        "--poll-interval", type=float, default=0.5, help="seconds between polls (default 0.5)"
+    )
     submit.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     if not args.key:
@@ -208,8 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     state = State(args.state or args.out.with_name(args.out.name + ".state.jsonl"))
     try:
         items = read_requests(args.input)
-        rows = run_batch(items, Client(args.url, args.key), state, concurrency=args.concurrency,
-                         poll_interval=args.poll_interval, progress=not args.no_progress)
+        rows = run_batch(
+            items,
+            Client(args.url, args.key),
+            state,
+            concurrency=args.concurrency,
+            poll_interval=args.poll_interval,
+            progress=not args.no_progress,
+        )
     except BatchError as exc:
         print(f"genq-batch: {exc}", file=sys.stderr)
         return 2
@@ -219,8 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     counts: dict[str, int] = {}
     for row in rows:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
-    print(f"{len(rows)} results written to {args.out}: "
-          + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())), file=sys.stderr)
+    print(
+        f"{len(rows)} results written to {args.out}: "
+        + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())),
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -57,7 +57,9 @@ def init_errors(app: Flask) -> None:
     @app.errorhandler(PoolTimeout)
     def database_down(exc: Exception):
         log.error("database unavailable: %s", getattr(exc, "orig", None) or exc)
-        return error_response(503, "unavailable", "the database is unavailable; retry later", {"Retry-After": "5"})
+        return error_response(
+            503, "unavailable", "the database is unavailable; retry later", {"Retry-After": "5"}
+        )
 
     @app.errorhandler(Exception)
     def internal_error(exc: Exception):

@@ -34,7 +34,6 @@ class Services:
     sent_marks: SentMarks  # jobs sent to Redis, recorded in Postgres in batches
     queue_size: QueueSize  # queued jobs per tenant and in all, counted at most once a second
 
-
     def close(self) -> None:
         """Record the pending "sent" marks, then close every database connection (tests, shutdown)."""
         self.sent_marks.close()
@@ -44,16 +43,29 @@ class Services:
 def init_extensions(app: Flask, settings: Settings) -> None:
     engine = make_engine(settings.database_url, settings.db_connect_timeout)
     limiter = Limiter(
-        rate_limit_key, app=app, storage_uri=settings.redis_url, key_prefix=f"{settings.redis_key_prefix}ratelimit",
-        default_limits=[settings.rate_limit], default_limits_exempt_when=lambda: request.blueprint != "jobs",
+        rate_limit_key,
+        app=app,
+        storage_uri=settings.redis_url,
+        key_prefix=f"{settings.redis_key_prefix}ratelimit",
+        default_limits=[settings.rate_limit],
+        default_limits_exempt_when=lambda: request.blueprint != "jobs",
         storage_options={"socket_timeout": 2, "socket_connect_timeout": 2},
         headers_enabled=False,  # X-RateLimit-* on every answer would cost a second Redis call per request
-        swallow_errors=True, in_memory_fallback_enabled=True,  # Redis down: count in memory, never a 500
+        swallow_errors=True,
+        in_memory_fallback_enabled=True,  # Redis down: count in memory, never a 500
     )
     sessions = make_session_factory(engine)
-    app.extensions["genq"] = Services(settings, engine, sessions, make_celery(settings), limiter,
-                                      engine.execution_options(isolation_level="AUTOCOMMIT"),
-                                      KeyCache(settings.auth_cache_seconds), SentMarks(sessions), QueueSize(engine))
+    app.extensions["genq"] = Services(
+        settings,
+        engine,
+        sessions,
+        make_celery(settings),
+        limiter,
+        engine.execution_options(isolation_level="AUTOCOMMIT"),
+        KeyCache(settings.auth_cache_seconds),
+        SentMarks(sessions),
+        QueueSize(engine),
+    )
     app.teardown_appcontext(_close_session)
     app.register_error_handler(RateLimitExceeded, _rate_limited)
 
@@ -64,8 +76,9 @@ def _rate_limited(exc: RateLimitExceeded):
         retry_after = max(1, math.ceil(services().limiter.current_limit.reset_at - time.time()))
     except Exception:  # noqa: BLE001 - Redis just went away: any sensible wait will do
         retry_after = 1
-    return error_response(429, "too_many_requests", f"rate limit exceeded: {exc.description}",
-                          {"Retry-After": str(retry_after)})
+    return error_response(
+        429, "too_many_requests", f"rate limit exceeded: {exc.description}", {"Retry-After": str(retry_after)}
+    )
 
 
 def rate_limit_key() -> str:

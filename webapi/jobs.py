@@ -42,17 +42,32 @@ def create_job(body: JobCreate):
             check_not_overloaded()
         near_cap = services().queue_size.of(tenant_id) >= cap // 2  # below: see webapi/queue_size.py
         try:
-            job, created = jobs.create_job(conn, tenant_id, body.model_dump(), prompt_tokens=prompt_tokens,
-                                           idempotency_key=key, max_queued=cap if near_cap else None)
+            job, created = jobs.create_job(
+                conn,
+                tenant_id,
+                body.model_dump(),
+                prompt_tokens=prompt_tokens,
+                idempotency_key=key,
+                max_queued=cap if near_cap else None,
+            )
         except jobs.IdempotencyConflict:
-            raise APIError(422, "idempotency_key_reused",
-                           "Idempotency-Key: already used with a different body") from None
+            raise APIError(
+                422, "idempotency_key_reused", "Idempotency-Key: already used with a different body"
+            ) from None
     if job is None:
-        raise APIError(429, "too_many_queued_jobs", f"you have {cap} jobs queued, the "
-                       "most allowed; retry when some have started", {"Retry-After": "5"})
+        raise APIError(
+            429,
+            "too_many_queued_jobs",
+            f"you have {cap} jobs queued, the most allowed; retry when some have started",
+            {"Retry-After": "5"},
+        )
     if created:
         enqueue(job)
-    return JobOut.from_job(job).model_dump(mode="json"), 202, {"Location": url_for("jobs.get_job", job_id=job.id)}
+    return (
+        JobOut.from_job(job).model_dump(mode="json"),
+        202,
+        {"Location": url_for("jobs.get_job", job_id=job.id)},
+    )
 
 
 @bp.get("/<uuid:job_id>")
@@ -66,10 +81,15 @@ def get_job(job_id: uuid.UUID):
 @endpoint(query=ListQuery, responses={200: JobPage})
 def list_jobs(query: ListQuery):
     """List the caller's jobs, newest first, a page at a time."""
-    page = jobs.list_jobs(db(), current_tenant().id, status=query.status and JobStatus(query.status),
-                          limit=query.limit + 1, before=decode_cursor(query.cursor))
+    page = jobs.list_jobs(
+        db(),
+        current_tenant().id,
+        status=query.status and JobStatus(query.status),
+        limit=query.limit + 1,
+        before=decode_cursor(query.cursor),
+    )
     more = len(page) > query.limit
-    page = page[:query.limit]
+    page = page[: query.limit]
     cursor = encode_cursor(page[-1]) if more else None
     return JobPage(jobs=[JobOut.from_job(j) for j in page], next_cursor=cursor).model_dump(mode="json")
 
@@ -97,7 +117,9 @@ def owned_job(job: Job | None) -> Job:
 def check_not_overloaded() -> None:
     """429 with Retry-After when all tenants together have MAX_QUEUED_JOBS queued (counted once a second)."""
     if services().queue_size.total() >= services().settings.max_queued_jobs:
-        raise APIError(429, "overloaded", "the service has too many jobs queued; retry later", {"Retry-After": "10"})
+        raise APIError(
+            429, "overloaded", "the service has too many jobs queued; retry later", {"Retry-After": "10"}
+        )
 
 
 def check_model_limits(body: JobCreate) -> int:
@@ -109,16 +131,24 @@ def check_model_limits(body: JobCreate) -> int:
     if body.input_ids is not None:
         prompt_tokens = len(body.input_ids)
         if tokenizer is not None and max(body.input_ids) >= len(tokenizer):
-            raise APIError(422, "invalid_request", f"input_ids: token ids must be below {len(tokenizer)}, "
-                                                   f"the vocabulary size of {settings.model}")
+            raise APIError(
+                422,
+                "invalid_request",
+                f"input_ids: token ids must be below {len(tokenizer)}, "
+                f"the vocabulary size of {settings.model}",
+            )
     elif tokenizer is None:
         raise APIError(422, "invalid_request", f"prompt: {settings.model} has no tokenizer; send input_ids")
     else:
         prompt_tokens = len(tokenizer.encode(body.prompt))
     if prompt_tokens + body.max_tokens > settings.max_model_len:
         field = "max_tokens" if body.max_tokens >= settings.max_model_len else "prompt"
-        raise APIError(422, "invalid_request", f"{field}: prompt too long for the model: {prompt_tokens} prompt "
-                       f"tokens + max_tokens {body.max_tokens} > max_model_len {settings.max_model_len}")
+        raise APIError(
+            422,
+            "invalid_request",
+            f"{field}: prompt too long for the model: {prompt_tokens} prompt "
+            f"tokens + max_tokens {body.max_tokens} > max_model_len {settings.max_model_len}",
+        )
     return prompt_tokens
 
 

@@ -17,14 +17,21 @@ from jobstore.dispatch import QUEUE
 from jobstore.jobs import ACTIVE
 from jobstore.models import Job
 
-HTTP_REQUESTS = Counter("genq_http_requests_total", "HTTP requests answered", ["method", "endpoint", "status"])
+HTTP_REQUESTS = Counter(
+    "genq_http_requests_total", "HTTP requests answered", ["method", "endpoint", "status"]
+)
 HTTP_LATENCY = Histogram("genq_http_request_duration_seconds", "Time to answer an HTTP request", ["endpoint"])
 JOBS_SUBMITTED = Counter("genq_jobs_submitted_total", "Jobs accepted and sent to the queue", ["priority"])
 JOBS_ACTIVE = Gauge("genq_jobs", "Jobs queued or running, read from Postgres at scrape time", ["status"])
-JOBS_BY_PRIORITY = Gauge("genq_jobs_by_priority", "Jobs queued or running per priority (Postgres, at scrape time)",
-                         ["status", "priority"])
+JOBS_BY_PRIORITY = Gauge(
+    "genq_jobs_by_priority",
+    "Jobs queued or running per priority (Postgres, at scrape time)",
+    ["status", "priority"],
+)
 JOBS_CANCELLED = Counter("genq_jobs_cancelled_total", "Jobs cancelled through the API", ["priority"])
-QUEUE_DEPTH = Gauge("genq_queue_depth", "Messages waiting in Redis per priority (at scrape time)", ["priority"])
+QUEUE_DEPTH = Gauge(
+    "genq_queue_depth", "Messages waiting in Redis per priority (at scrape time)", ["priority"]
+)
 PRIORITIES = range(10)
 log = logging.getLogger(__name__)
 
@@ -47,9 +54,14 @@ def init_metrics(app: Flask) -> None:
 
 def refresh_job_gauges(session: Session) -> None:
     """Set genq_jobs{status} and genq_jobs_by_priority{status, priority} for the live states from one GROUP BY."""
-    counts = {(status, priority): n for status, priority, n in session.execute(
-        select(Job.status, Job.priority, func.count()).where(Job.status.in_(ACTIVE))
-        .group_by(Job.status, Job.priority)).all()}
+    counts = {
+        (status, priority): n
+        for status, priority, n in session.execute(
+            select(Job.status, Job.priority, func.count())
+            .where(Job.status.in_(ACTIVE))
+            .group_by(Job.status, Job.priority)
+        ).all()
+    }
     for status in ACTIVE:
         JOBS_ACTIVE.labels(status.value).set(sum(counts.get((status, p), 0) for p in PRIORITIES))
         for p in PRIORITIES:

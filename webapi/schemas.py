@@ -68,11 +68,19 @@ class JobOut(BaseModel):
     def from_job(cls, job: Job) -> JobOut:
         error = ErrorInfo(code=job.error_code, message=job.error_message or "") if job.error_code else None
         return cls(
-            id=job.id, status=JobStatus(job.status).value, priority=job.priority, created_at=job.created_at,
-            started_at=job.started_at, first_token_at=job.first_token_at, finished_at=job.finished_at,
-            output=JobOutput(text=job.output_text, token_ids=job.output_token_ids, finish_reason=job.finish_reason),
+            id=job.id,
+            status=JobStatus(job.status).value,
+            priority=job.priority,
+            created_at=job.created_at,
+            started_at=job.started_at,
+            first_token_at=job.first_token_at,
+            finished_at=job.finished_at,
+            output=JobOutput(
+                text=job.output_text, token_ids=job.output_token_ids, finish_reason=job.finish_reason
+            ),
             usage=Usage(prompt_tokens=job.prompt_tokens, completion_tokens=len(job.output_token_ids)),
-            error=error, metadata=job.metadata_,
+            error=error,
+            metadata=job.metadata_,
         )
 
 

@@ -28,7 +28,9 @@ class SentMarks:
         self.sessions, self.interval, self.give_up_after = sessions, interval, give_up_after
         self._pending: list[uuid.UUID] = []
         self._lock = threading.Lock()
-        self._flusher: tuple[int, threading.Thread] | None = None  # (pid, thread): gunicorn forks after create_app
+        self._flusher: tuple[int, threading.Thread] | None = (
+            None  # (pid, thread): gunicorn forks after create_app
+        )
         self._closed = threading.Event()
         self._failures = 0
 
@@ -54,8 +56,12 @@ class SentMarks:
         except Exception as exc:  # noqa: BLE001 - the marks only spare the reconciler a duplicate send
             self._failures += 1
             keep = self._failures < self.give_up_after and not self._closed.is_set()
-            log.warning("could not record %d jobs as sent (%s): %s", len(batch), "will retry" if keep else
-                        "giving up; the reconciler sends them again", exc)
+            log.warning(
+                "could not record %d jobs as sent (%s): %s",
+                len(batch),
+                "will retry" if keep else "giving up; the reconciler sends them again",
+                exc,
+            )
             if keep:
                 with self._lock:
                     self._pending[:0] = batch

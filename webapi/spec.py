@@ -21,8 +21,14 @@ from webapi.schemas import ErrorResponse
 REF = "#/components/schemas/{model}"
 PATH_ARG = re.compile(r"<(?:([^:<>]+):)?([^<>]+)>")  # werkzeug's <converter:name>
 ERROR_STATUSES = {
-    400: "Malformed JSON", 401: "Missing or unknown API key", 404: "No such job for this key", 409: "Conflict",
-    413: "Body too large", 415: "Body is not JSON", 422: "Invalid field or limit", 503: "Unavailable",
+    400: "Malformed JSON",
+    401: "Missing or unknown API key",
+    404: "No such job for this key",
+    409: "Conflict",
+    413: "Body too large",
+    415: "Body is not JSON",
+    422: "Invalid field or limit",
+    503: "Unavailable",
 }
 
 
@@ -37,9 +43,15 @@ class Operation:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-def endpoint(*, responses: dict[int, type[BaseModel]], body: type[BaseModel] | None = None,
-             query: type[BaseModel] | None = None, errors: tuple[int, ...] = (), auth: bool = True,
-             headers: dict[str, str] | None = None):
+def endpoint(
+    *,
+    responses: dict[int, type[BaseModel]],
+    body: type[BaseModel] | None = None,
+    query: type[BaseModel] | None = None,
+    errors: tuple[int, ...] = (),
+    auth: bool = True,
+    headers: dict[str, str] | None = None,
+):
     """Validate the JSON body / query string into `body=` / `query=` and document the view."""
 
     def decorate(view):
@@ -52,10 +64,21 @@ def endpoint(*, responses: dict[int, type[BaseModel]], body: type[BaseModel] | N
             return view(*args, **kwargs)
 
         validated.operation = Operation(
-            summary=(view.__doc__ or "").strip().splitlines()[0], responses=responses, body=body, query=query,
-            errors=sorted({*errors, *([401] if auth else []), *([400, 413, 415, 422] if body else []),
-                           *([422] if query else [])}),
-            auth=auth, headers=headers or {})
+            summary=(view.__doc__ or "").strip().splitlines()[0],
+            responses=responses,
+            body=body,
+            query=query,
+            errors=sorted(
+                {
+                    *errors,
+                    *([401] if auth else []),
+                    *([400, 413, 415, 422] if body else []),
+                    *([422] if query else []),
+                }
+            ),
+            auth=auth,
+            headers=headers or {},
+        )
         return validated
 
     return decorate
@@ -64,7 +87,9 @@ def endpoint(*, responses: dict[int, type[BaseModel]], body: type[BaseModel] | N
 def parse_body(model: type[BaseModel]) -> BaseModel:
     """The request body as `model`: 415 if not JSON, 413 if too large, 400 if malformed, 422 if invalid."""
     if not request.is_json:
-        raise APIError(415, "unsupported_media_type", "send the body as JSON with Content-Type: application/json")
+        raise APIError(
+            415, "unsupported_media_type", "send the body as JSON with Content-Type: application/json"
+        )
     try:
         return model.model_validate_json(request.get_data(cache=False))
     except ValidationError as exc:
@@ -95,7 +120,9 @@ def openapi(app: Flask, title: str, version: str) -> dict:
         models.update({m: "validation" for m in (op.body, op.query) if m is not None})
         for method in sorted(rule.methods - {"HEAD", "OPTIONS"}):
             paths.setdefault(_path(rule.rule), {})[method.lower()] = _operation(rule, op)
-    _, schemas = models_json_schema(sorted(models.items(), key=lambda item: item[0].__name__), ref_template=REF)
+    _, schemas = models_json_schema(
+        sorted(models.items(), key=lambda item: item[0].__name__), ref_template=REF
+    )
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version},
@@ -113,27 +140,47 @@ def _path(rule: str) -> str:
 
 def _operation(rule, op: Operation) -> dict:
     doc: dict = {"summary": op.summary, "operationId": rule.endpoint.replace(".", "_"), "responses": {}}
-    params = [{"name": name, "in": "path", "required": True,
-               "schema": {"type": "string", "format": "uuid"} if converter == "uuid" else {"type": "string"}}
-              for converter, name in PATH_ARG.findall(rule.rule)]
+    params = [
+        {
+            "name": name,
+            "in": "path",
+            "required": True,
+            "schema": {"type": "string", "format": "uuid"} if converter == "uuid" else {"type": "string"},
+        }
+        for converter, name in PATH_ARG.findall(rule.rule)
+    ]
     if op.query is not None:
         for name, prop in op.query.model_json_schema()["properties"].items():
-            params.append({"name": name, "in": "query", "required": False, "schema": prop,
-                           "description": prop.get("description", "")})
-    params += [{"name": name, "in": "header", "required": False, "schema": {"type": "string"}, "description": text}
-               for name, text in op.headers.items()]
+            params.append(
+                {
+                    "name": name,
+                    "in": "query",
+                    "required": False,
+                    "schema": prop,
+                    "description": prop.get("description", ""),
+                }
+            )
+    params += [
+        {"name": name, "in": "header", "required": False, "schema": {"type": "string"}, "description": text}
+        for name, text in op.headers.items()
+    ]
     if params:
         doc["parameters"] = params
     if op.body is not None:
-        doc["requestBody"] = {"required": True, "content": {
-            "application/json": {"schema": {"$ref": REF.format(model=op.body.__name__)}}}}
+        doc["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": REF.format(model=op.body.__name__)}}},
+        }
     for status, model in op.responses.items():
-        doc["responses"][str(status)] = {"description": (model.__doc__ or model.__name__).strip().splitlines()[0],
-                                         "content": {"application/json": {"schema": {"$ref": REF.format(
-                                             model=model.__name__)}}}}
+        doc["responses"][str(status)] = {
+            "description": (model.__doc__ or model.__name__).strip().splitlines()[0],
+            "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}},
+        }
     for status in (*op.errors, *([404] if rule.arguments else [])):
-        doc["responses"][str(status)] = {"description": ERROR_STATUSES[status], "content": {
-            "application/json": {"schema": {"$ref": REF.format(model="ErrorResponse")}}}}
+        doc["responses"][str(status)] = {
+            "description": ERROR_STATUSES[status],
+            "content": {"application/json": {"schema": {"$ref": REF.format(model="ErrorResponse")}}},
+        }
     if op.auth:
         doc["security"] = [{"bearer": []}]
     return doc

@@ -23,10 +23,10 @@ class Held:
     """What the rule needs to know of a held job."""
 
     key: Hashable
-    priority: int          # 0 most urgent
+    priority: int  # 0 most urgent
     created_at: datetime
-    handbacks: int         # times it was handed back for more urgent work so far
-    pinned: bool = False   # being claimed: counted, never handed back
+    handbacks: int  # times it was handed back for more urgent work so far
+    pinned: bool = False  # being claimed: counted, never handed back
 
 
 @dataclass(frozen=True, slots=True)

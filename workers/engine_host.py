@@ -54,7 +54,9 @@ class RequestHandle:
     `output` read from any thread is one step's consistent snapshot.
     """
 
-    def __init__(self, request_id: str, priority: int, on_done: Callable[[RequestHandle], None] | None = None):
+    def __init__(
+        self, request_id: str, priority: int, on_done: Callable[[RequestHandle], None] | None = None
+    ):
         self.request_id = request_id
         self.priority = priority
         self.first_token_at: datetime | None = None  # wall clock of the first token (the engine's clock)
@@ -65,7 +67,9 @@ class RequestHandle:
         self._prompt_token_ids: list[int] = []
         self._token_ids: list[int] = []
         self._text_parts: list[str] = []
-        self._state: tuple | None = None  # (tokens, text parts list, parts, finished, reason, preemptions, finish time)
+        self._state: tuple | None = (
+            None  # (tokens, text parts list, parts, finished, reason, preemptions, finish time)
+        )
 
     @property
     def output(self) -> RequestOutput | None:
@@ -75,8 +79,19 @@ class RequestHandle:
             return None
         n, parts, k, finished, reason, preemptions, finish_time = state
         first = self.first_token_at.timestamp() if self.first_token_at is not None else None
-        return RequestOutput(self.request_id, self._prompt_token_ids, self._token_ids[:n], "".join(parts[:k]),
-                             finished, reason, preemptions, self._arrival_time, first, finish_time, self.priority)
+        return RequestOutput(
+            self.request_id,
+            self._prompt_token_ids,
+            self._token_ids[:n],
+            "".join(parts[:k]),
+            finished,
+            reason,
+            preemptions,
+            self._arrival_time,
+            first,
+            finish_time,
+            self.priority,
+        )
 
     def _apply(self, delta: Delta) -> None:
         if delta.prompt_token_ids is not None:
@@ -88,8 +103,15 @@ class RequestHandle:
             self._text_parts = []
         if delta.text_tail:
             self._text_parts.append(delta.text_tail)
-        self._state = (len(self._token_ids), self._text_parts, len(self._text_parts), delta.finished,
-                       delta.finish_reason, delta.num_preemptions, delta.finish_time)
+        self._state = (
+            len(self._token_ids),
+            self._text_parts,
+            len(self._text_parts),
+            delta.finished,
+            delta.finish_reason,
+            delta.num_preemptions,
+            delta.finish_time,
+        )
 
     def _fail(self, error: Exception) -> None:
         self.error = error
@@ -104,17 +126,25 @@ class RequestHandle:
 class EngineHost:
     """Owns the engine process and the two threads that talk to it. `start()` waits until it is built."""
 
-    def __init__(self, config: EngineConfig, *, threads: int | None = None, report_interval: float = 0.05,
-                 on_give_up: Callable[[], None] | None = None, max_losses: int = 3, loss_window: float = 300.0):
-        self.config = config           # the engine's own (resolved) config once it is built
-        self.info: dict = {}           # device, dtype, KV blocks, decode attention path (for logs and stats)
-        self.pid: int | None = None    # the engine process's
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        threads: int | None = None,
+        report_interval: float = 0.05,
+        on_give_up: Callable[[], None] | None = None,
+        max_losses: int = 3,
+        loss_window: float = 300.0,
+    ):
+        self.config = config  # the engine's own (resolved) config once it is built
+        self.info: dict = {}  # device, dtype, KV blocks, decode attention path (for logs and stats)
+        self.pid: int | None = None  # the engine process's
         self.losses: list[float] = []  # monotonic times the engine process died
         self._requested, self._threads, self._report_interval = config, threads, report_interval
         self._on_give_up, self._max_losses, self._loss_window = on_give_up, max_losses, loss_window
         self._lock = threading.Condition()
         self._handles: dict[str, RequestHandle] = {}  # requests in the engine (or on their way)
-        self._commands = None                         # the pipe to the engine process; None while it (re)starts
+        self._commands = None  # the pipe to the engine process; None while it (re)starts
         self._process: multiprocessing.Process | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stats: dict[int, Future] = {}
@@ -146,9 +176,15 @@ class EngineHost:
             process.kill()
             self._monitor.join(timeout)
 
-    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int,
-               resume_token_ids: list[int] | None = None,
-               on_done: Callable[[RequestHandle], None] | None = None) -> RequestHandle:
+    def submit(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int,
+        resume_token_ids: list[int] | None = None,
+        on_done: Callable[[RequestHandle], None] | None = None,
+    ) -> RequestHandle:
         """Queue a request for the engine; the handle's `done` is set (and `on_done` called) when it ends."""
         handle = RequestHandle(request_id, priority, on_done)
         with self._lock:
@@ -186,9 +222,9 @@ class EngineHost:
                 connection = self._commands
                 if command[0] == "add":
                     if self._handles.get(command[1]) is not command[-1]:
-                        continue       # lost with an engine process while it waited: never re-add it
+                        continue  # lost with an engine process while it waited: never re-add it
                     command = command[:-1]
-            if connection is None:     # stopping with no engine process
+            if connection is None:  # stopping with no engine process
                 return
             try:
                 connection.send(command)
@@ -233,12 +269,20 @@ class EngineHost:
                 self._fail(lost, HostStopped("the worker is shutting down"))
                 break
             self.losses.append(time.monotonic())
-            log.error("the engine process (pid %s) died (exit code %s) with %d requests; they go back to the queue "
-                      "with their tokens, and a new engine process starts", process.pid, process.exitcode, len(lost))
+            log.error(
+                "the engine process (pid %s) died (exit code %s) with %d requests; they go back to the queue "
+                "with their tokens, and a new engine process starts",
+                process.pid,
+                process.exitcode,
+                len(lost),
+            )
             self._fail(lost, EngineLost(f"the engine process died (exit code {process.exitcode})"))
             if len([t for t in self.losses if t > time.monotonic() - self._loss_window]) >= self._max_losses:
-                log.critical("the engine process died %d times in %.0fs; giving up", self._max_losses,
-                             self._loss_window)
+                log.critical(
+                    "the engine process died %d times in %.0fs; giving up",
+                    self._max_losses,
+                    self._loss_window,
+                )
                 self._give_up()
                 break
         for ticket in list(self._stats):
@@ -251,26 +295,48 @@ class EngineHost:
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no fork of a threaded worker
         commands_in, commands = context.Pipe(duplex=False)
         events, events_out = context.Pipe(duplex=False)
-        process = context.Process(target=engine_process.serve, name="genq-engine", daemon=True,
-                                  args=(self._requested, commands_in, events_out,
-                                        logging.getLogger().getEffectiveLevel(), self._report_interval, self._threads))
+        process = context.Process(
+            target=engine_process.serve,
+            name="genq-engine",
+            daemon=True,
+            args=(
+                self._requested,
+                commands_in,
+                events_out,
+                logging.getLogger().getEffectiveLevel(),
+                self._report_interval,
+                self._threads,
+            ),
+        )
         process.start()
-        commands_in.close()   # this process keeps only its own ends, so the engine's death reads as EOF
+        commands_in.close()  # this process keeps only its own ends, so the engine's death reads as EOF
         events_out.close()
         self._process, self.pid = process, process.pid
         try:
             message = events.recv()
         except (EOFError, OSError):
             process.join(5)
-            message = ("start_failed", f"the engine process exited while starting (exit code {process.exitcode})")
+            message = (
+                "start_failed",
+                f"the engine process exited while starting (exit code {process.exitcode})",
+            )
         if message[0] != "ready":
             process.join(5)
             return process, events, commands, message[1]
         _, self.config, self.info = message
-        log.info("engine process %d ready: %s on %s/%s (%d torch threads), %d device + %d host KV blocks, "
-                 "max_model_len %d, decode attention: %s", process.pid, self.config.model, self.info["device"],
-                 self.info["dtype"], self.info["torch_threads"], self.info["device_blocks"], self.info["host_blocks"],
-                 self.info["max_model_len"], self.info["decode_attention"])
+        log.info(
+            "engine process %d ready: %s on %s/%s (%d torch threads), %d device + %d host KV blocks, "
+            "max_model_len %d, decode attention: %s",
+            process.pid,
+            self.config.model,
+            self.info["device"],
+            self.info["dtype"],
+            self.info["torch_threads"],
+            self.info["device_blocks"],
+            self.info["host_blocks"],
+            self.info["max_model_len"],
+            self.info["decode_attention"],
+        )
         return process, events, commands, None
 
     def _read(self, events) -> None:

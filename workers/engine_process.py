@@ -30,16 +30,16 @@ from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when the thread that started it ends
-PR_SET_NAME = 15      # prctl(2): the name `ps -o comm` and `top` show
+PR_SET_NAME = 15  # prctl(2): the name `ps -o comm` and `top` show
 
 
 class Delta(NamedTuple):
     """What changed for one request in one step."""
 
     request_id: str
-    new_token_ids: list[int]        # generated since the request's last Delta
-    text_tail: str                  # appended to the text sent so far, or the whole text when `text_reset`
-    text_reset: bool                # the text's tail changed (a stop string cut it, a character completed)
+    new_token_ids: list[int]  # generated since the request's last Delta
+    text_tail: str  # appended to the text sent so far, or the whole text when `text_reset`
+    text_reset: bool  # the text's tail changed (a stop string cut it, a character completed)
     finished: bool
     finish_reason: str | None
     num_preemptions: int
@@ -60,7 +60,7 @@ class Reporter:
     def __init__(self, events: Connection, interval: float):
         self._events, self._interval = events, interval
         self._sent: dict[str, tuple[int, str]] = {}  # request id -> (tokens sent, text sent)
-        self._latest: dict[str, object] = {}         # request id -> its latest RequestOutput not sent yet
+        self._latest: dict[str, object] = {}  # request id -> its latest RequestOutput not sent yet
         self._step_times: list[float] = []
         self._stats: dict = {}
         self._urgent = False
@@ -77,8 +77,9 @@ class Reporter:
 
     def flush(self) -> None:
         if self._step_times:
-            self._events.send(("step", [self._encode(out) for out in self._latest.values()], self._stats,
-                               self._step_times))
+            self._events.send(
+                ("step", [self._encode(out) for out in self._latest.values()], self._stats, self._step_times)
+            )
         self._latest, self._step_times, self._urgent = {}, [], False
         self._last_flush = time.monotonic()
 
@@ -90,22 +91,38 @@ class Reporter:
         first = out.request_id not in self._sent
         n, text = self._sent.pop(out.request_id, (0, ""))
         reset = not out.text.startswith(text)
-        tail = out.text if reset else out.text[len(text):]
+        tail = out.text if reset else out.text[len(text) :]
         if not out.finished:
             self._sent[out.request_id] = (len(out.token_ids), out.text)
-        return Delta(out.request_id, out.token_ids[n:], tail, reset, out.finished, out.finish_reason,
-                     out.num_preemptions, out.first_token_time, out.finish_time,
-                     out.prompt_token_ids if first else None)
+        return Delta(
+            out.request_id,
+            out.token_ids[n:],
+            tail,
+            reset,
+            out.finished,
+            out.finish_reason,
+            out.num_preemptions,
+            out.first_token_time,
+            out.finish_time,
+            out.prompt_token_ids if first else None,
+        )
 
 
-def serve(config, commands: Connection, events: Connection, log_level: int, report_interval: float,
-          threads: int | None) -> None:
+def serve(
+    config,
+    commands: Connection,
+    events: Connection,
+    log_level: int,
+    report_interval: float,
+    threads: int | None,
+) -> None:
     """The engine process's main: build the engine from `config` (an EngineConfig) with `threads` torch
     threads (None: torch's default), then serve commands."""
     _detach_from_terminal_signals()
     _die_with_parent()
-    logging.basicConfig(level=log_level, stream=sys.stderr,
-                        format="[%(asctime)s: %(levelname)s/engine] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=log_level, stream=sys.stderr, format="[%(asctime)s: %(levelname)s/engine] %(name)s: %(message)s"
+    )
     try:
         import torch
 
@@ -118,7 +135,7 @@ def serve(config, commands: Connection, events: Connection, log_level: int, repo
     except BaseException as exc:  # any build failure goes to the worker, which reports it
         events.send(("start_failed", f"{exc.__class__.__name__}: {exc}\n{traceback.format_exc()}"))
         return
-    process_tuning.settle_for_serving()   # even steps: no GC walks of this heap, no mmap churn
+    process_tuning.settle_for_serving()  # even steps: no GC walks of this heap, no mmap churn
     events.send(("ready", engine.config, _describe(engine)))
     _loop(engine, commands, events, Reporter(events, report_interval))
 
@@ -179,11 +196,15 @@ def _describe(engine) -> dict:
     stats = engine.stats()
     import torch
 
-    return {"device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
-            "torch_threads": torch.get_num_threads(),
-            "device_blocks": stats["num_device_blocks"], "host_blocks": stats["num_host_blocks"],
-            "max_model_len": engine.max_model_len,
-            "decode_attention": "cpu kernel" if engine.runner.decode_kernel is not None else "torch"}
+    return {
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "torch_threads": torch.get_num_threads(),
+        "device_blocks": stats["num_device_blocks"],
+        "host_blocks": stats["num_host_blocks"],
+        "max_model_len": engine.max_model_len,
+        "decode_attention": "cpu kernel" if engine.runner.decode_kernel is not None else "torch",
+    }
 
 
 def _detach_from_terminal_signals() -> None:

@@ -34,7 +34,10 @@ async def _queues_per_priority(self, names):
     for name in names:
         counts = [next(lengths) for _ in self.priority_steps]
         rows.append({"name": name, "messages": sum(counts)})
-        rows += [{"name": f"{name} priority {p}", "messages": n} for p, n in zip(self.priority_steps, counts, strict=True)]
+        rows += [
+            {"name": f"{name} priority {p}", "messages": n}
+            for p, n in zip(self.priority_steps, counts, strict=True)
+        ]
     if hasattr(self.redis, "aclose"):
         await self.redis.aclose()
     return rows

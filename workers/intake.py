@@ -46,20 +46,29 @@ log = logging.getLogger(__name__)
 
 
 class Intake:
-    def __init__(self, book: JobBook, sessions: sessionmaker[Session], settings: Settings, worker_id: str,
-                 send: Callable[[uuid.UUID, int], None], capacity: int):
+    def __init__(
+        self,
+        book: JobBook,
+        sessions: sessionmaker[Session],
+        settings: Settings,
+        worker_id: str,
+        send: Callable[[uuid.UUID, int], None],
+        capacity: int,
+    ):
         self.capacity = capacity
         self._book, self._sessions, self._settings = book, sessions, settings
         self._worker_id, self._send = worker_id, send
         # two conditions on the book's lock, so that a freed slot wakes one task thread, not every waiter
-        self._room = threading.Condition(book.lock)   # task threads in wait_for_room
-        self._look = threading.Condition(book.lock)   # the watcher
+        self._room = threading.Condition(book.lock)  # task threads in wait_for_room
+        self._look = threading.Condition(book.lock)  # the watcher
         book.on_change = self._changed
         self._closing = False
-        self._waiting = 0       # task threads in wait_for_room
-        self._released = 0      # threads let go whose next message has not started yet
+        self._waiting = 0  # task threads in wait_for_room
+        self._released = 0  # threads let go whose next message has not started yet
         self._urgent: int | None = None  # a waiting priority the watcher found admissible
-        self._claiming: dict[str, admission.Held] = {}  # by lease: taken, being claimed; their places are kept
+        self._claiming: dict[
+            str, admission.Held
+        ] = {}  # by lease: taken, being claimed; their places are kept
         self._redis = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
         self._watcher = threading.Thread(target=self._watch, name="queue-watcher", daemon=True)
 
@@ -92,12 +101,19 @@ class Intake:
         with self._room:
             wanted = not self._closing and self._admit(priority).take
             if wanted:  # its place is kept while it is claimed
-                self._claiming[lease] = admission.Held(lease, priority, datetime.now(timezone.utc), 0, pinned=True)
-        if not wanted:  # shutting down, or full of work at least as urgent (another worker took what we woke for)
+                self._claiming[lease] = admission.Held(
+                    lease, priority, datetime.now(timezone.utc), 0, pinned=True
+                )
+        if (
+            not wanted
+        ):  # shutting down, or full of work at least as urgent (another worker took what we woke for)
             self._send(job_id, priority)
             metrics.JOBS.labels(str(priority), Outcome.DECLINED.value).inc()
-            log.info("job %s sent back to the queue unclaimed (%s)", job_id,
-                     "shutting down" if self._closing else "full of work at least as urgent")
+            log.info(
+                "job %s sent back to the queue unclaimed (%s)",
+                job_id,
+                "shutting down" if self._closing else "full of work at least as urgent",
+            )
             return Outcome.DECLINED
         try:
             job = self._write(self._claim, job_id, lease)
@@ -108,8 +124,13 @@ class Intake:
             done = self._finish_without_engine(job, lease)
             if done is not None:
                 return done
-            log.info("job %s claimed: priority %d, attempt %d%s", job_id, job.priority, job.attempts,
-                     f", resuming after {len(job.output_token_ids)} tokens" if job.output_token_ids else "")
+            log.info(
+                "job %s claimed: priority %d, attempt %d%s",
+                job_id,
+                job.priority,
+                job.attempts,
+                f", resuming after {len(job.output_token_ids)} tokens" if job.output_token_ids else "",
+            )
             with self._room:
                 # decided again with the row's own priority (the message's may differ) and what is held now;
                 # the job is held whatever (its place was kept while it was claimed)
@@ -118,8 +139,13 @@ class Intake:
                 self._book.add(job, lease)
                 if victim is not None:
                     moved = self._book.hand_back(victim)
-                    log.info("job %s (priority %d) takes the place of job %s (priority %d): handing it back", job_id,
-                             job.priority, moved.job.id, moved.job.priority)
+                    log.info(
+                        "job %s (priority %d) takes the place of job %s (priority %d): handing it back",
+                        job_id,
+                        job.priority,
+                        moved.job.id,
+                        moved.job.priority,
+                    )
                 metrics.set_intake(len(self._book), self.capacity)
         finally:
             with self._room:
@@ -153,8 +179,9 @@ class Intake:
     def _admit(self, priority: int) -> admission.Admission:
         if self._held() < self.capacity:  # what admit() answers, without listing every held job
             return admission.Admission(True)
-        return admission.admit(self._slots(), priority, capacity=self.capacity,
-                               max_handbacks=self._settings.max_handbacks)
+        return admission.admit(
+            self._slots(), priority, capacity=self.capacity, max_handbacks=self._settings.max_handbacks
+        )
 
     def _changed(self) -> None:
         """A job left the book (lock held): a waiting thread may have room now."""
@@ -175,12 +202,25 @@ class Intake:
             jobs.check_job_row(job, self._settings.max_model_len)
         except ValueError as exc:
             log.error("job %s has an invalid row; failing it: %s", job.id, exc)
-            self._write(jobs.fail_job, job.id, lease, code="invalid_job", message=f"the stored job is not valid: {exc}")
+            self._write(
+                jobs.fail_job,
+                job.id,
+                lease,
+                code="invalid_job",
+                message=f"the stored job is not valid: {exc}",
+            )
             metrics.job_done(job, None, Outcome.FAILED, error_code="invalid_job")
             return Outcome.FAILED
         if len(job.output_token_ids) == job.max_tokens:  # the last run saved every token, then died
-            self._write(jobs.finish_job, job.id, lease, token_ids=list(job.output_token_ids), text=job.output_text,
-                        finish_reason="length", prompt_tokens=job.prompt_tokens or 0)
+            self._write(
+                jobs.finish_job,
+                job.id,
+                lease,
+                token_ids=list(job.output_token_ids),
+                text=job.output_text,
+                finish_reason="length",
+                prompt_tokens=job.prompt_tokens or 0,
+            )
             log.info("job %s succeeded (every token was saved before)", job.id)
             metrics.job_done(job, None, Outcome.SUCCEEDED)
             return Outcome.SUCCEEDED
@@ -189,13 +229,18 @@ class Intake:
     def _write(self, fn: Callable, *args, **kwargs):
         """`fn(session, *args, **kwargs)` in a session of its own, retried with exponential backoff (each try
         a new session) while the database is unreachable."""
+
         def once():
             with self._sessions() as session:
                 return fn(session, *args, **kwargs)
 
-        retrying = Retrying(retry=retry_if_exception_type(DB_DOWN), wait=wait_exponential(multiplier=0.1, max=2.0),
-                            stop=stop_after_delay(self._settings.db_retry_seconds), reraise=True,
-                            before_sleep=before_sleep_log(log, logging.WARNING))
+        retrying = Retrying(
+            retry=retry_if_exception_type(DB_DOWN),
+            wait=wait_exponential(multiplier=0.1, max=2.0),
+            stop=stop_after_delay(self._settings.db_retry_seconds),
+            reraise=True,
+            before_sleep=before_sleep_log(log, logging.WARNING),
+        )
         return retrying(once)
 
     # --- the watcher thread ----------------------------------------------------------------------------
@@ -224,8 +269,12 @@ class Intake:
                 self._look.wait(interval)
 
     def _should_look(self) -> bool:
-        return (self._waiting > 0 and self._released == 0 and self._urgent is None
-                and 0 < self.capacity <= self._held())
+        return (
+            self._waiting > 0
+            and self._released == 0
+            and self._urgent is None
+            and 0 < self.capacity <= self._held()
+        )
 
     def _held(self) -> int:
         return len(self._book) + len(self._claiming)

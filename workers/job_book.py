@@ -48,12 +48,12 @@ class HeldJob:
     """A claimed job in this worker: its row as claimed, its lease, its engine request, and what is saved."""
 
     job: Job
-    lease: str                       # the worker_id its row carries: one per claim
+    lease: str  # the worker_id its row carries: one per claim
     handle: RequestHandle | None = None
-    kept_tokens: int = 0             # output tokens the row holds
-    kept_text: str = ""              # output text the row holds
+    kept_tokens: int = 0  # output tokens the row holds
+    kept_text: str = ""  # output text the row holds
     claimed_at: float = field(default_factory=time.monotonic)
-    slot: Held = field(init=False)   # what admission needs to know of it; fixed while it is held
+    slot: Held = field(init=False)  # what admission needs to know of it; fixed while it is held
 
     def __post_init__(self):
         self.slot = Held(self.lease, self.job.priority, self.job.created_at, self.job.handbacks)
@@ -63,41 +63,62 @@ class HeldJob:
         thread replaces it as it goes). With nothing new, it only renews the lease."""
         out = self.handle.output if self.handle is not None else None
         if out is None:
-            return jobs.Output(self.job.id, self.lease, self.kept_tokens, [], len(self.kept_text.encode()), b"")
+            return jobs.Output(
+                self.job.id, self.lease, self.kept_tokens, [], len(self.kept_text.encode()), b""
+            )
         tokens, text = list(out.token_ids), out.text
         kept = min(self.kept_tokens, len(tokens))  # generated tokens only grow: the row's are their prefix
         if text.startswith(self.kept_text):
-            kept_text, tail = self.kept_text, text[len(self.kept_text):]
+            kept_text, tail = self.kept_text, text[len(self.kept_text) :]
         else:  # the text's tail changed (a partial character completed, a stop string cut it): rewrite it
             kept_text, tail = "", text
-        return jobs.Output(self.job.id, self.lease, kept, tokens[kept:], len(kept_text.encode()), tail.encode(),
-                           self.handle.first_token_at, out.finish_reason if final else None,
-                           len(out.prompt_token_ids) if final else None)
+        return jobs.Output(
+            self.job.id,
+            self.lease,
+            kept,
+            tokens[kept:],
+            len(kept_text.encode()),
+            tail.encode(),
+            self.handle.first_token_at,
+            out.finish_reason if final else None,
+            len(out.prompt_token_ids) if final else None,
+        )
 
     def saved(self, output: jobs.Output) -> None:
         """The row now holds `output` (written by save_progress)."""
         self.kept_tokens = output.kept_tokens + len(output.new_tokens)
-        kept = self.kept_text.encode()[:output.kept_text_bytes] + output.text_tail
+        kept = self.kept_text.encode()[: output.kept_text_bytes] + output.text_tail
         self.kept_text = kept.decode()
 
 
 def sampling_params(job: Job) -> SamplingParams:
-    return SamplingParams(max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p,
-                          top_k=job.top_k, seed=job.seed, stop=list(job.stop))
+    return SamplingParams(
+        max_tokens=job.max_tokens,
+        temperature=job.temperature,
+        top_p=job.top_p,
+        top_k=job.top_k,
+        seed=job.seed,
+        stop=list(job.stop),
+    )
 
 
 class JobBook:
     """The held jobs of one worker process. Thread-safe; `lock` also guards intake's decisions."""
 
-    def __init__(self, host: EngineHost, sessions: sessionmaker[Session], settings: Settings,
-                 send: Callable[[uuid.UUID, int], None]):
+    def __init__(
+        self,
+        host: EngineHost,
+        sessions: sessionmaker[Session],
+        settings: Settings,
+        send: Callable[[uuid.UUID, int], None],
+    ):
         self.lock = threading.RLock()
         self.on_change: Callable[[], None] = lambda: None  # called (lock held) when a job leaves the book
         self._host, self._sessions, self._settings, self._send = host, sessions, settings, send
         # in the engine (what counts against capacity), by lease: a job re-dispatched to this worker while a stale
         # claim of it is still here is held twice, until the stale one's next write finds its lease gone
         self._held: dict[str, HeldJob] = {}
-        self._ended: list[HeldJob] = []               # requests done in the engine, result not yet written
+        self._ended: list[HeldJob] = []  # requests done in the engine, result not yet written
         self._returning: list[tuple[HeldJob, Outcome]] = []  # to hand back to the queue
         self._closing = False
         self._wake = threading.Event()
@@ -125,9 +146,13 @@ class JobBook:
             self._held[lease] = held
             # one engine request per attempt: a stale attempt still in the engine never blocks a new one
             held.handle = self._host.submit(
-                f"{job.id}/{job.attempts}", job.prompt if job.prompt is not None else list(job.input_ids),
-                sampling_params(job), job.priority, resume_token_ids=resumed or None,
-                on_done=lambda handle, held=held: self._ended_in_engine(held, handle))
+                f"{job.id}/{job.attempts}",
+                job.prompt if job.prompt is not None else list(job.input_ids),
+                sampling_params(job),
+                job.priority,
+                resume_token_ids=resumed or None,
+                on_done=lambda handle, held=held: self._ended_in_engine(held, handle),
+            )
 
     def hand_back(self, lease: str, outcome: Outcome = Outcome.PREEMPTED) -> HeldJob | None:
         """Take a held job out of the engine now; the writer saves its tokens and sends it back to the queue."""
@@ -239,9 +264,14 @@ class JobBook:
             for h in done:
                 out = h.handle.output
                 if (h.job.id, h.lease) in ours:
-                    log.info("job %s succeeded: %d tokens (%s) in %.2fs, %d preemptions", h.job.id,
-                             len(out.token_ids), out.finish_reason, time.monotonic() - h.claimed_at,
-                             out.num_preemptions)
+                    log.info(
+                        "job %s succeeded: %d tokens (%s) in %.2fs, %d preemptions",
+                        h.job.id,
+                        len(out.token_ids),
+                        out.finish_reason,
+                        time.monotonic() - h.claimed_at,
+                        out.num_preemptions,
+                    )
                     metrics.job_done(h.job, h.handle, Outcome.SUCCEEDED)
                 else:
                     log.info("job %s finished, but was no longer this worker's; result discarded", h.job.id)
@@ -261,7 +291,13 @@ class JobBook:
         # the engine refusing a request outright (ValueError, no output): the stored row is one the API would
         # have refused (e.g. a prompt over max_model_len written behind its back)
         refused = isinstance(error, ValueError) and held.handle.output is None
-        code = "invalid_job" if refused else "invalid_request" if isinstance(error, ValueError) else "engine_error"
+        code = (
+            "invalid_job"
+            if refused
+            else "invalid_request"
+            if isinstance(error, ValueError)
+            else "engine_error"
+        )
         if not jobs.fail_job(session, held.job.id, held.lease, code=code, message=str(error)):
             return Outcome.DISCARDED, None
         log.info("job %s failed (%s: %s)", held.job.id, code, error)
@@ -275,8 +311,14 @@ class JobBook:
                 out = h.handle.output
                 tokens = list(out.token_ids) if out is not None else list(h.job.output_token_ids)
                 text = out.text if out is not None else h.job.output_text
-                if jobs.release_job(session, h.job.id, h.lease, token_ids=tokens, text=text,
-                                    preempted=outcome is Outcome.PREEMPTED):
+                if jobs.release_job(
+                    session,
+                    h.job.id,
+                    h.lease,
+                    token_ids=tokens,
+                    text=text,
+                    preempted=outcome is Outcome.PREEMPTED,
+                ):
                     released.append((h, outcome, len(tokens)))
                 else:
                     log.info("job %s stopped while being handed back (no longer this worker's)", h.job.id)

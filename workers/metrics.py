@@ -35,27 +35,48 @@ STEP_TOKENS = Gauge("genq_engine_step_tokens", "Tokens scheduled in the last eng
 STEP_SEQS = Gauge("genq_engine_step_sequences", "Sequences in the last engine step")
 STEP_TIME = Histogram("genq_engine_step_seconds", "Time of one engine step", buckets=_FAST)
 STEPS = Counter("genq_engine_steps_total", "Engine steps")
-PROMPT_TOKENS = Counter("genq_engine_prompt_tokens_total", "Prompt tokens computed (prefill, recompute included)")
+PROMPT_TOKENS = Counter(
+    "genq_engine_prompt_tokens_total", "Prompt tokens computed (prefill, recompute included)"
+)
 GENERATED = Counter("genq_engine_generated_tokens_total", "Tokens generated")
-PREEMPTIONS = Counter("genq_engine_preemptions_total", "Sequences preempted by a more urgent one or for KV space")
+PREEMPTIONS = Counter(
+    "genq_engine_preemptions_total", "Sequences preempted by a more urgent one or for KV space"
+)
 SWAPPED_OUT = Counter("genq_engine_swapped_out_blocks_total", "KV blocks copied device -> host")
 SWAPPED_IN = Counter("genq_engine_swapped_in_blocks_total", "KV blocks copied host -> device")
-RECOMPUTED = Counter("genq_engine_recomputed_tokens_total", "Tokens recomputed after a preemption without swap")
+RECOMPUTED = Counter(
+    "genq_engine_recomputed_tokens_total", "Tokens recomputed after a preemption without swap"
+)
 ABORTED = Counter("genq_engine_aborted_requests_total", "Requests aborted in the engine (cancel, lost lease)")
 
 TTFT = Histogram("genq_job_ttft_seconds", "Job submission to its first token", ["priority"], buckets=_LATENCY)
-TBT = Histogram("genq_job_time_between_tokens_seconds", "Time between two tokens of a request, per token",
-                ["priority"], buckets=_FAST)
-LATENCY = Histogram("genq_job_latency_seconds", "Job submission to its final state (succeeded or failed)",
-                    ["priority"], buckets=_LATENCY)
-JOBS = Counter("genq_worker_jobs_total", "Jobs this worker stopped holding, by outcome (workers/outcomes.py: "
-               "succeeded, failed, stopped = cancelled or lease lost, preempted = handed back for a more urgent "
-               "job, handed_back / left = worker shutting down, engine_lost = handed back when the engine process died, discarded = finished after losing the lease, "
-               "dropped = message for a job not queued, declined = message sent back while full)",
-               ["priority", "outcome"])
+TBT = Histogram(
+    "genq_job_time_between_tokens_seconds",
+    "Time between two tokens of a request, per token",
+    ["priority"],
+    buckets=_FAST,
+)
+LATENCY = Histogram(
+    "genq_job_latency_seconds",
+    "Job submission to its final state (succeeded or failed)",
+    ["priority"],
+    buckets=_LATENCY,
+)
+JOBS = Counter(
+    "genq_worker_jobs_total",
+    "Jobs this worker stopped holding, by outcome (workers/outcomes.py: "
+    "succeeded, failed, stopped = cancelled or lease lost, preempted = handed back for a more urgent "
+    "job, handed_back / left = worker shutting down, engine_lost = handed back when the engine process died, discarded = finished after losing the lease, "
+    "dropped = message for a job not queued, declined = message sent back while full)",
+    ["priority", "outcome"],
+)
 HELD = Gauge("genq_worker_held_jobs", "Jobs this worker holds (in its engine)")
-CAPACITY = Gauge("genq_worker_capacity", "Jobs this worker holds at most before it only takes more urgent ones")
-FAILURES = Counter("genq_job_failures_total", "Jobs failed by this worker, by error code", ["priority", "code"])
+CAPACITY = Gauge(
+    "genq_worker_capacity", "Jobs this worker holds at most before it only takes more urgent ones"
+)
+FAILURES = Counter(
+    "genq_job_failures_total", "Jobs failed by this worker, by error code", ["priority", "code"]
+)
 
 # engine counters already seen, so Prometheus counters advance by the difference (reader thread only)
 _seen: dict[str, float] = {}
@@ -78,10 +99,16 @@ def observe_steps(stats: dict, step_times: list[float], tokens) -> None:
     STEP_SEQS.set(stats["last_step_num_seqs"])
     for seconds in step_times:
         STEP_TIME.observe(seconds)
-    for counter, key in ((STEPS, "num_steps"), (PROMPT_TOKENS, "num_prompt_tokens_computed"),
-                         (GENERATED, "num_generated_tokens"), (PREEMPTIONS, "num_preemptions"),
-                         (SWAPPED_OUT, "num_blocks_swapped_out"), (SWAPPED_IN, "num_blocks_swapped_in"),
-                         (RECOMPUTED, "num_recomputed_tokens"), (ABORTED, "num_aborted")):
+    for counter, key in (
+        (STEPS, "num_steps"),
+        (PROMPT_TOKENS, "num_prompt_tokens_computed"),
+        (GENERATED, "num_generated_tokens"),
+        (PREEMPTIONS, "num_preemptions"),
+        (SWAPPED_OUT, "num_blocks_swapped_out"),
+        (SWAPPED_IN, "num_blocks_swapped_in"),
+        (RECOMPUTED, "num_recomputed_tokens"),
+        (ABORTED, "num_aborted"),
+    ):
         value = stats[key]
         if value > _seen.get(key, 0):
             counter.inc(value - _seen.get(key, 0))
@@ -133,8 +160,12 @@ def start_server(port: int | None = None) -> int | None:
         try:
             start_http_server(port, addr=os.environ.get("WORKER_METRICS_ADDRESS", "0.0.0.0"))
         except OSError as exc:
-            log.error("worker metrics NOT served: port %d is unavailable (%s); another worker on this host? "
-                      "give each worker its own WORKER_METRICS_PORT (0 turns metrics off)", port, exc)
+            log.error(
+                "worker metrics NOT served: port %d is unavailable (%s); another worker on this host? "
+                "give each worker its own WORKER_METRICS_PORT (0 turns metrics off)",
+                port,
+                exc,
+            )
             return None
         _server_started = True
     log.info("worker metrics on http://0.0.0.0:%d/metrics", port)

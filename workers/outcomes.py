@@ -8,11 +8,11 @@ import enum
 class Outcome(str, enum.Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
-    STOPPED = "stopped"            # cancelled, or the lease was lost: the engine request was aborted
-    PREEMPTED = "preempted"        # handed back to the queue for a more urgent job (tokens kept)
-    HANDED_BACK = "handed_back"    # handed back at shutdown (tokens kept)
-    ENGINE_LOST = "engine_lost"    # handed back: the engine process died (tokens kept); a new one starts
-    LEFT = "left"                  # the engine stopped first: the lease lapses and the reconciler re-sends it
-    DISCARDED = "discarded"        # finished, but the job was no longer this worker's: result not written
-    DROPPED = "dropped"            # a message for a job that was not queued (finished, cancelled, taken)
-    DECLINED = "declined"          # the worker was full of work at least as urgent: message sent back unclaimed
+    STOPPED = "stopped"  # cancelled, or the lease was lost: the engine request was aborted
+    PREEMPTED = "preempted"  # handed back to the queue for a more urgent job (tokens kept)
+    HANDED_BACK = "handed_back"  # handed back at shutdown (tokens kept)
+    ENGINE_LOST = "engine_lost"  # handed back: the engine process died (tokens kept); a new one starts
+    LEFT = "left"  # the engine stopped first: the lease lapses and the reconciler re-sends it
+    DISCARDED = "discarded"  # finished, but the job was no longer this worker's: result not written
+    DROPPED = "dropped"  # a message for a job that was not queued (finished, cancelled, taken)
+    DECLINED = "declined"  # the worker was full of work at least as urgent: message sent back unclaimed

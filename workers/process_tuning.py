@@ -23,9 +23,9 @@ log = logging.getLogger(__name__)
 
 # mallopt(3) parameters
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
-MMAP_THRESHOLD = 32 << 20     # glibc's largest: blocks below this come from the reusable heap
-TRIM_THRESHOLD = 1 << 30      # give memory back only when this much is free at the top
-TOP_PAD = 64 << 20            # grow the heap in steps this large
+MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks below this come from the reusable heap
+TRIM_THRESHOLD = 1 << 30  # give memory back only when this much is free at the top
+TOP_PAD = 64 << 20  # grow the heap in steps this large
 
 
 def settle_for_serving() -> None:
@@ -40,10 +40,16 @@ def _keep_freed_memory() -> bool:
     try:
         libc = ctypes.CDLL(name)
         mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):   # not glibc (musl, macOS): nothing to tune
+    except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS): nothing to tune
         return False
-    ok = all(mallopt(param, value) == 1 for param, value in (
-        (M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD)))
+    ok = all(
+        mallopt(param, value) == 1
+        for param, value in (
+            (M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+            (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+            (M_TOP_PAD, TOP_PAD),
+        )
+    )
     if not ok:
         log.warning("malloc tuning was refused; engine steps may be less even")
     return ok

@@ -34,7 +34,9 @@ def reconcile(sessions: sessionmaker[Session], celery: Celery, settings: Setting
             return {"requeued": 0, "sent": 0}
         forgotten = jobs.forget_sent(session, 0.0 if redis_lost else settings.resend_after_seconds)
         if redis_lost:
-            log.warning("reconciler: Redis lost its data (marker key gone); sending %d queued jobs again", forgotten)
+            log.warning(
+                "reconciler: Redis lost its data (marker key gone); sending %d queued jobs again", forgotten
+            )
         requeued = jobs.requeue_expired(session)
         unsent = jobs.unsent_jobs(session, 0.0 if redis_lost else settings.enqueue_grace_seconds)
     # sent only once committed: a worker taking a message at once must find the job queued
@@ -44,8 +46,12 @@ def reconcile(sessions: sessionmaker[Session], celery: Celery, settings: Setting
     with sessions.begin() as session:
         jobs.mark_enqueued(session, list(to_send))
     if to_send:
-        log.info("reconciler: %d jobs requeued after their lease expired (%s); %d jobs sent to Redis",
-                 len(requeued), ", ".join(str(job_id) for job_id, _ in requeued[:10]), len(to_send))
+        log.info(
+            "reconciler: %d jobs requeued after their lease expired (%s); %d jobs sent to Redis",
+            len(requeued),
+            ", ".join(str(job_id) for job_id, _ in requeued[:10]),
+            len(to_send),
+        )
     if redis_lost:
         _set_marker(settings)
     return {"requeued": len(requeued), "sent": len(to_send), "resent": forgotten}

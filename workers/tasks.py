@@ -114,8 +114,12 @@ def intake() -> Intake:
             _book = JobBook(host, job_sessions(), settings, send_back).start()
             capacity = settings.worker_capacity(host.config.max_num_seqs)
             _intake = Intake(_book, job_sessions(), settings, WORKER_ID, send_back, capacity).start()
-            log.info("worker %s holds up to %d jobs (engine max_num_seqs %d)", WORKER_ID, capacity,
-                     host.config.max_num_seqs)
+            log.info(
+                "worker %s holds up to %d jobs (engine max_num_seqs %d)",
+                WORKER_ID,
+                capacity,
+                host.config.max_num_seqs,
+            )
         return _intake
 
 

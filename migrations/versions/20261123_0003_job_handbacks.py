@@ -13,15 +13,17 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = '0003'
-down_revision: str | None = '0002'
+revision: str = "0003"
+down_revision: str | None = "0002"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    op.add_column('jobs', sa.Column('handbacks', sa.SmallInteger(), server_default=sa.text('0'), nullable=False))
+    op.add_column(
+        "jobs", sa.Column("handbacks", sa.SmallInteger(), server_default=sa.text("0"), nullable=False)
+    )
 
 
 def downgrade() -> None:
-    op.drop_column('jobs', 'handbacks')
+    op.drop_column("jobs", "handbacks")

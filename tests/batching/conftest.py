@@ -14,24 +14,61 @@ from batching.tokenizer import BOS_ID, EOS_ID, byte_level_tokenizer
 VOCAB = 259  # the byte-level tokenizer's size
 
 TINY_CONFIGS = {
-    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=1024),
-    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=1024, use_sliding_window=False),
+    "llama": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    ),
+    "qwen2": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        use_sliding_window=False,
+    ),
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=1024),
     # variants that exercise sliding windows and logit soft-capping
-    "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=1024, sliding_window=12),
-    "gemma2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, sliding_window=12,
-                   attn_logit_softcapping=5.0, final_logit_softcapping=30.0, query_pre_attn_scalar=16),
+    "mistral": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        sliding_window=12,
+    ),
+    "gemma2": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        sliding_window=12,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=30.0,
+        query_pre_attn_scalar=16,
+    ),
 }
 
 
 def make_checkpoint(model_type: str, directory) -> str:
-    cfg = AutoConfig.for_model(model_type, vocab_size=VOCAB, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
-                               pad_token_id=0, initializer_range=0.25, tie_word_embeddings=False,
-                               **TINY_CONFIGS[model_type])
+    cfg = AutoConfig.for_model(
+        model_type,
+        vocab_size=VOCAB,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=0,
+        initializer_range=0.25,
+        tie_word_embeddings=False,
+        **TINY_CONFIGS[model_type],
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(directory)
@@ -52,9 +89,11 @@ def one_torch_thread():
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(model_type) -> path of a saved tiny random model with tokenizer."""
+
     @functools.cache
     def make(model_type: str) -> str:
         return make_checkpoint(model_type, tmp_path_factory.mktemp(model_type))
+
     return make
 
 
@@ -66,13 +105,21 @@ def reference():
     @functools.cache
     def generate(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
         if path not in models:
-            models[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
-                                                                attn_implementation="eager").eval()
+            models[path] = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float64, attn_implementation="eager"
+            ).eval()
         model = models[path]
         ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-        return out[0, len(prompt):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        return out[0, len(prompt) :].tolist()
+
     return generate
 
 
@@ -118,9 +165,11 @@ def llama_path(checkpoint) -> str:
 @pytest.fixture(scope="session")
 def make_engine(llama_path):
     """make_engine(**config) -> an Engine over the tiny llama checkpoint in float64 on the CPU."""
+
     def make(**kwargs) -> Engine:
         kwargs.setdefault("model", llama_path)
         kwargs.setdefault("dtype", "float64")
         kwargs.setdefault("device", "cpu")
         return Engine(EngineConfig(**kwargs))
+
     return make

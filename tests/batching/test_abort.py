@@ -14,8 +14,10 @@ OTHERS_MAX = 10
 @pytest.fixture(scope="module")
 def engines(make_engine):
     common = dict(block_size=2, num_device_blocks=60, max_num_batched_tokens=8, max_num_seqs=3)
-    return {"swap": make_engine(num_host_blocks=40, preemption_mode="swap", **common),
-            "recompute": make_engine(num_host_blocks=0, preemption_mode="recompute", **common)}
+    return {
+        "swap": make_engine(num_host_blocks=40, preemption_mode="swap", **common),
+        "recompute": make_engine(num_host_blocks=0, preemption_mode="recompute", **common),
+    }
 
 
 def put_victim_in(engine, where: str, prompts) -> None:
@@ -26,7 +28,7 @@ def put_victim_in(engine, where: str, prompts) -> None:
         engine.add_request("x", x, greedy(OTHERS_MAX), priority=5)
         engine.add_request("y", y, greedy(OTHERS_MAX), priority=5)
         engine.add_request("z", victim, greedy(OTHERS_MAX), priority=5)
-        engine.add_request("victim", victim, greedy(20), priority=5)   # 3 slots taken: it waits
+        engine.add_request("victim", victim, greedy(20), priority=5)  # 3 slots taken: it waits
         engine.step()
         engine.step()
         assert seqs["victim"].status == SequenceStatus.WAITING
@@ -49,7 +51,7 @@ def put_victim_in(engine, where: str, prompts) -> None:
     if where in ("swapped", "waiting_for_recompute"):
         engine.add_request("y", y, greedy(OTHERS_MAX), priority=0)
         engine.step()
-        engine.add_request("z", victim, greedy(OTHERS_MAX), priority=0)   # the slots are full: preempts
+        engine.add_request("z", victim, greedy(OTHERS_MAX), priority=0)  # the slots are full: preempts
         engine.step()
         expected = SequenceStatus.SWAPPED if where == "swapped" else SequenceStatus.WAITING
         assert seqs["victim"].status == expected and seqs["victim"].num_preemptions == 1
@@ -58,8 +60,16 @@ def put_victim_in(engine, where: str, prompts) -> None:
         engine.add_request("y", y, greedy(OTHERS_MAX), priority=5)
 
 
-@pytest.mark.parametrize("where,mode", [("waiting", "swap"), ("running", "swap"), ("mid_prefill", "swap"),
-                                        ("swapped", "swap"), ("waiting_for_recompute", "recompute")])
+@pytest.mark.parametrize(
+    "where,mode",
+    [
+        ("waiting", "swap"),
+        ("running", "swap"),
+        ("mid_prefill", "swap"),
+        ("swapped", "swap"),
+        ("waiting_for_recompute", "recompute"),
+    ],
+)
 def test_abort_frees_blocks_at_once(engines, llama_path, reference, where, mode):
     engine = engines[mode]
     bm = engine.block_manager
@@ -68,7 +78,12 @@ def test_abort_frees_blocks_at_once(engines, llama_path, reference, where, mode)
     victim = engine.requests["victim"]
     others = [s for s in engine.scheduler.live_sequences() if s is not victim]
     held_by_others = sum(len(s.block_table) for s in others), sum(len(s.host_block_table) for s in others)
-    assert victim.block_table or victim.host_block_table or where == "waiting" or where == "waiting_for_recompute"
+    assert (
+        victim.block_table
+        or victim.host_block_table
+        or where == "waiting"
+        or where == "waiting_for_recompute"
+    )
     tokens_so_far = list(victim.output_token_ids)
 
     assert engine.abort("victim") is True
@@ -78,7 +93,7 @@ def test_abort_frees_blocks_at_once(engines, llama_path, reference, where, mode)
     assert not victim.block_table and not victim.host_block_table
     assert victim not in engine.scheduler.live_sequences()
     engine.check_invariants()
-    assert engine.abort("victim") is False          # already gone
+    assert engine.abort("victim") is False  # already gone
 
     outputs = [o for o in engine.step() if o.request_id == "victim"]
     assert len(outputs) == 1
@@ -86,7 +101,7 @@ def test_abort_frees_blocks_at_once(engines, llama_path, reference, where, mode)
     assert out.finished and out.finish_reason == "abort"
     assert out.token_ids == tokens_so_far and out.finish_time is not None
     results = run_to_completion(engine)
-    assert "victim" not in results                 # reported once only
+    assert "victim" not in results  # reported once only
     x, y, z = prompts
     expected = {"x": x, "y": y, "z": z}
     for req_id, out in results.items():
@@ -107,7 +122,7 @@ def test_abort_before_first_step_reports_and_leaves_engine_idle(engines):
     engine = engines["recompute"]
     engine.add_request("a", [5, 6, 7], greedy(4))
     assert engine.abort("a") is True
-    assert engine.has_unfinished_requests()        # until the abort is reported
+    assert engine.has_unfinished_requests()  # until the abort is reported
     outs = engine.step()
     assert [(o.request_id, o.finish_reason, o.token_ids) for o in outs] == [("a", "abort", [])]
     assert not engine.has_unfinished_requests()

@@ -23,8 +23,11 @@ def new_seq(num_prompt_tokens: int, name: str = "s") -> Sequence:
 
 
 def state(bm: BlockManager, seqs) -> tuple:
-    return (list(bm.free_device), list(bm.free_host),
-            [(list(s.block_table), list(s.host_block_table), s.num_computed_tokens) for s in seqs])
+    return (
+        list(bm.free_device),
+        list(bm.free_host),
+        [(list(s.block_table), list(s.host_block_table), s.num_computed_tokens) for s in seqs],
+    )
 
 
 @pytest.mark.parametrize("tokens,size,blocks", [(0, 4, 0), (1, 4, 1), (4, 4, 1), (5, 4, 2), (7, 1, 7)])
@@ -37,7 +40,7 @@ def test_allocate_takes_only_missing_blocks_and_none_changes_nothing():
     a, b = new_seq(6, "a"), new_seq(9, "b")
     assert bm.allocate(a, 6) == [0, 1]
     a.num_computed_tokens = 6
-    assert bm.allocate(a, 2) == []                 # slots 6 and 7 are in block 1 already
+    assert bm.allocate(a, 2) == []  # slots 6 and 7 are in block 1 already
     assert bm.max_tokens_allocatable(b) == 8
     before = state(bm, [a, b])
     assert not bm.can_allocate(b, 9) and bm.allocate(b, 9) is None
@@ -52,8 +55,8 @@ def test_allocate_takes_only_missing_blocks_and_none_changes_nothing():
 def test_swap_out_copies_computed_blocks_and_frees_reserved_ones():
     bm = BlockManager(num_device_blocks=6, num_host_blocks=3, block_size=2)
     s = new_seq(5)
-    bm.allocate(s, 5)                              # blocks 0, 1, 2
-    s.num_computed_tokens = 3                      # KV in blocks 0 and 1; block 2 reserved, empty
+    bm.allocate(s, 5)  # blocks 0, 1, 2
+    s.num_computed_tokens = 3  # KV in blocks 0 and 1; block 2 reserved, empty
     assert bm.swap_out(s) == [(0, 0), (1, 1)]
     assert s.block_table == [] and s.host_block_table == [0, 1]
     assert bm.num_free_device_blocks == 6 and bm.num_free_host_blocks == 1
@@ -62,7 +65,7 @@ def test_swap_out_copies_computed_blocks_and_frees_reserved_ones():
     bm.allocate(t, 8)
     t.num_computed_tokens = 8
     before = state(bm, [s, t])
-    assert not bm.can_swap_out(t) and bm.swap_out(t) is None    # needs 4 host blocks, 1 free
+    assert not bm.can_swap_out(t) and bm.swap_out(t) is None  # needs 4 host blocks, 1 free
     assert state(bm, [s, t]) == before
     bm.free(t)
     mapping = bm.swap_in(s)
@@ -77,13 +80,15 @@ def test_swap_in_none_changes_nothing():
     bm.allocate(s, 2)
     s.num_computed_tokens = 2
     bm.swap_out(s)
-    bm.allocate(t, 2)                              # one device block left, s needs two
+    bm.allocate(t, 2)  # one device block left, s needs two
     before = state(bm, [s, t])
     assert not bm.can_swap_in(s) and bm.swap_in(s) is None
     assert state(bm, [s, t]) == before
 
 
-@pytest.mark.parametrize("corrupt", ["double_owned", "leaked", "free_and_owned", "too_few_blocks", "both_pools"])
+@pytest.mark.parametrize(
+    "corrupt", ["double_owned", "leaked", "free_and_owned", "too_few_blocks", "both_pools"]
+)
 def test_check_invariants_catches_corruption(corrupt):
     bm = BlockManager(num_device_blocks=4, num_host_blocks=2, block_size=2)
     a, b = new_seq(3, "a"), new_seq(2, "b")
@@ -140,7 +145,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert not can and need > self.bm.num_free_device_blocks
             assert state(self.bm, self.live) == before
         else:
-            assert can and len(got) == need and seq.block_table[len(seq.block_table) - need:] == got
+            assert can and len(got) == need and seq.block_table[len(seq.block_table) - need :] == got
             assert len(seq.block_table) * self.bm.block_size >= seq.num_computed_tokens + n
 
     @precondition(lambda self: self.bm is not None)
@@ -160,8 +165,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         free = self.bm.num_free_device_blocks, self.bm.num_free_host_blocks
         self.bm.free(seq)
         self.live.remove(seq)
-        assert (self.bm.num_free_device_blocks, self.bm.num_free_host_blocks) == (free[0] + owned[0],
-                                                                                   free[1] + owned[1])
+        assert (self.bm.num_free_device_blocks, self.bm.num_free_host_blocks) == (
+            free[0] + owned[0],
+            free[1] + owned[1],
+        )
         assert seq.block_table == [] and seq.host_block_table == []
 
     @precondition(lambda self: self.bm is not None)
@@ -221,7 +228,13 @@ TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_coun
 def test_scheduling_modules_do_not_import_torch(module):
     """The scheduler side moves ids and counts only (STYLE.md): cheap to test, no tensors."""
     tree = ast.parse((ROOT / "batching" / f"{module}.py").read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
-    imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    imported |= {
+        (node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+    }
     assert "torch" not in imported

@@ -15,10 +15,17 @@ BUDGET = 64
 
 
 def chunks_of_a_long_prompt(context_per_token: float | None, aware: bool = True) -> list[int]:
-    config = EngineConfig(block_size=4, num_device_blocks=200, num_host_blocks=0, max_num_batched_tokens=BUDGET,
-                          attention_aware_chunks=aware)
+    config = EngineConfig(
+        block_size=4,
+        num_device_blocks=200,
+        num_host_blocks=0,
+        max_num_batched_tokens=BUDGET,
+        attention_aware_chunks=aware,
+    )
     sched = Scheduler(config, BlockManager(200, 0, 4), context_per_token)
-    sched.add(Sequence("long", [5] * 600, SamplingParams(max_tokens=1, temperature=0), 5, 0, arrival_time=1.0))
+    sched.add(
+        Sequence("long", [5] * 600, SamplingParams(max_tokens=1, temperature=0), 5, 0, arrival_time=1.0)
+    )
     sizes = []
     while sched.has_unfinished():
         out = run_fake_step(sched)
@@ -34,11 +41,11 @@ def test_chunks_shrink_as_the_context_grows_and_each_costs_about_the_budget():
     c = 200.0
     sizes = chunks_of_a_long_prompt(c)
     assert sum(sizes) == 600
-    assert sizes[0] == 56                                  # 56 * (1 + 28/200) = 63.8; 57 would cost 65.1
+    assert sizes[0] == 56  # 56 * (1 + 28/200) = 63.8; 57 would cost 65.1
     assert all(a >= b for a, b in zip(sizes, sizes[1:]))  # later chunks attend over more: fewer tokens
     assert sizes[-2] < BUDGET / 3
     start = 0
-    for n in sizes[:-1]:                                   # every chunk but the last fills the budget, no more
+    for n in sizes[:-1]:  # every chunk but the last fills the budget, no more
         assert round(cost(start, n, c)) <= BUDGET < round(cost(start, n + 1, c)), (start, n)
         start += n
 

@@ -19,7 +19,7 @@ def reference_decode(q, k_pool, v_pool, tables, lens, scale, softcap=None, sinks
         length = int(lens[i])
         for h in range(num_heads):
             g = h // rep
-            k = k_pool[g, tables[i]].flatten(0, 1)[:length]          # [L, D]
+            k = k_pool[g, tables[i]].flatten(0, 1)[:length]  # [L, D]
             v = v_pool[g, tables[i]].flatten(0, 1)[:length]
             scores = k @ q[i, h] * scale
             if softcap is not None:
@@ -45,7 +45,7 @@ def random_case(dtype, block_size, num_heads, num_kv_heads, lens, head_dim=32, s
     used = 0
     for i, length in enumerate(lens):
         need = -(-length // block_size)
-        tables[i, :need] = order[used:used + need]
+        tables[i, :need] = order[used : used + need]
         used += need
     # q as the model hands it over: a [T, H, D] view of a [H, T, D] tensor
     q = torch.randn(num_heads, len(lens), head_dim, generator=gen, dtype=dtype).transpose(0, 1)
@@ -64,7 +64,9 @@ def kernel():
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("variant", [{}, {"softcap": 5.0}, {"window": 7}, {"sinks": True}])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_matches_plain_attention(kernel, dtype, tol, block_size, num_heads, num_kv_heads, variant, threads):
+def test_kernel_matches_plain_attention(
+    kernel, dtype, tol, block_size, num_heads, num_kv_heads, variant, threads
+):
     lens = [1, 2, 16, 17, 33, 100, 5]
     q, k_pool, v_pool, tables, context_lens = random_case(dtype, block_size, num_heads, num_kv_heads, lens)
     sinks = torch.randn(num_heads, dtype=torch.float32) if variant.get("sinks") else None
@@ -73,8 +75,19 @@ def test_kernel_matches_plain_attention(kernel, dtype, tol, block_size, num_head
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        kernel.decode(q, k_pool.flatten(2), v_pool.flatten(2), tables.flatten(), tables.shape[1],
-                      context_lens, out, 0.3, softcap, sinks, window)
+        kernel.decode(
+            q,
+            k_pool.flatten(2),
+            v_pool.flatten(2),
+            tables.flatten(),
+            tables.shape[1],
+            context_lens,
+            out,
+            0.3,
+            softcap,
+            sinks,
+            window,
+        )
     finally:
         torch.set_num_threads(before)
     expected = reference_decode(q, k_pool, v_pool, tables, context_lens, 0.3, softcap, sinks, window)
@@ -94,12 +107,16 @@ def test_the_engine_attends_decodes_with_the_kernel_on_cpu(checkpoint, monkeypat
     assert engine.runner.decode_kernel is not None
     calls = []
     real_decode = cpu_attention.PagedDecodeKernel.decode
-    monkeypatch.setattr(cpu_attention.PagedDecodeKernel, "decode",
-                        lambda self, *a, **k: calls.append(1) or real_decode(self, *a, **k))
+    monkeypatch.setattr(
+        cpu_attention.PagedDecodeKernel,
+        "decode",
+        lambda self, *a, **k: calls.append(1) or real_decode(self, *a, **k),
+    )
     engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert calls, "a decode step did not go through the kernel"
-    off = Engine(EngineConfig(model=checkpoint("llama"), dtype="float64", device="cpu",
-                              cpu_attention_kernel=False))
+    off = Engine(
+        EngineConfig(model=checkpoint("llama"), dtype="float64", device="cpu", cpu_attention_kernel=False)
+    )
     assert off.runner.decode_kernel is None
 
 
@@ -108,8 +125,14 @@ def test_kernel_path_and_torch_path_give_the_same_tokens(checkpoint, reference):
     from tests.batching.test_exactness import assert_matches_reference
 
     for on in (True, False):
-        assert_matches_reference(checkpoint("gemma2"), reference, max_num_batched_tokens=64, block_size=16,
-                                 max_num_seqs=64, cpu_attention_kernel=on)
+        assert_matches_reference(
+            checkpoint("gemma2"),
+            reference,
+            max_num_batched_tokens=64,
+            block_size=16,
+            max_num_seqs=64,
+            cpu_attention_kernel=on,
+        )
 
 
 def test_a_failed_build_falls_back_to_torch_with_a_warning(tmp_path, monkeypatch, caplog):
@@ -131,8 +154,7 @@ def test_the_build_is_cached_by_source(tmp_path, monkeypatch):
     try:
         first = cpu_attention._build()
         mtime = first.stat().st_mtime_ns
-        assert cpu_attention._build() == first and first.stat().st_mtime_ns == mtime   # not rebuilt
-        assert [p.name for p in tmp_path.iterdir()] == [first.name]                    # no temp files left
+        assert cpu_attention._build() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+        assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp files left
     finally:
         cpu_attention.load.cache_clear()
-

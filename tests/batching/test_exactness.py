@@ -35,15 +35,27 @@ def assert_matches_reference(path, reference, **engine_kwargs):
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("max_num_seqs", [1, 3, 64])
 def test_llama_matches_generate(checkpoint, reference, budget, block_size, max_num_seqs):
-    assert_matches_reference(checkpoint("llama"), reference, max_num_batched_tokens=budget,
-                             block_size=block_size, max_num_seqs=max_num_seqs)
+    assert_matches_reference(
+        checkpoint("llama"),
+        reference,
+        max_num_batched_tokens=budget,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+    )
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "gpt2", "mistral", "gemma2"])
 @pytest.mark.parametrize("budget,block_size,max_num_seqs", [(7, 1, 3), (64, 16, 64), (512, 16, 3)])
-def test_other_architectures_match_generate(checkpoint, reference, model_type, budget, block_size, max_num_seqs):
-    assert_matches_reference(checkpoint(model_type), reference, max_num_batched_tokens=budget,
-                             block_size=block_size, max_num_seqs=max_num_seqs)
+def test_other_architectures_match_generate(
+    checkpoint, reference, model_type, budget, block_size, max_num_seqs
+):
+    assert_matches_reference(
+        checkpoint(model_type),
+        reference,
+        max_num_batched_tokens=budget,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+    )
 
 
 def test_chunked_prefill_interleaves_decodes(checkpoint, reference):
@@ -53,7 +65,7 @@ def test_chunked_prefill_interleaves_decodes(checkpoint, reference):
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
     short, long = mixed_prompts(1, lengths=(5, 200))
     engine.add_request("short", short, params)
-    engine.step()   # prefill of the short prompt; it decodes from now on
+    engine.step()  # prefill of the short prompt; it decodes from now on
     engine.add_request("long", long, params)
     steps_with_short_decoding = 0
     while engine.has_unfinished_requests():

@@ -9,8 +9,16 @@ from batching.sequence import SequenceStatus
 from tests.batching.conftest import greedy, random_prompts, run_to_completion
 
 # (prompt length, max_tokens, priority, step at which it arrives)
-WORKLOAD = [(3, 14, 9, 0), (9, 12, 9, 0), (17, 16, 5, 1), (30, 12, 9, 2),
-            (5, 16, 0, 4), (12, 14, 3, 6), (24, 12, 0, 9), (7, 16, 9, 11)]
+WORKLOAD = [
+    (3, 14, 9, 0),
+    (9, 12, 9, 0),
+    (17, 16, 5, 1),
+    (30, 12, 9, 2),
+    (5, 16, 0, 4),
+    (12, 14, 3, 6),
+    (24, 12, 0, 9),
+    (7, 16, 9, 11),
+]
 
 
 def run_arrivals(engine, requests):
@@ -33,16 +41,31 @@ def run_arrivals(engine, requests):
     return finished
 
 
-@pytest.mark.parametrize("mode,block_size,budget,host_blocks,chunked", [
-    ("swap", 2, 16, 64, True), ("recompute", 2, 16, 0, True), ("swap", 3, 7, 64, True),
-    ("recompute", 1, 5, 8, True), ("swap", 2, 16, 64, False), ("recompute", 4, 16, 0, False)])
-def test_exact_under_heavy_preemption(make_engine, llama_path, reference, mode, block_size, budget, host_blocks,
-                                      chunked):
+@pytest.mark.parametrize(
+    "mode,block_size,budget,host_blocks,chunked",
+    [
+        ("swap", 2, 16, 64, True),
+        ("recompute", 2, 16, 0, True),
+        ("swap", 3, 7, 64, True),
+        ("recompute", 1, 5, 8, True),
+        ("swap", 2, 16, 64, False),
+        ("recompute", 4, 16, 0, False),
+    ],
+)
+def test_exact_under_heavy_preemption(
+    make_engine, llama_path, reference, mode, block_size, budget, host_blocks, chunked
+):
     """A pool far smaller than the demand: many preemptions, yet every request is token-exact."""
-    num_blocks = -(-46 // block_size) + 2     # just enough for the largest request alone (30 + 16 tokens)
-    engine = make_engine(block_size=block_size, num_device_blocks=num_blocks, num_host_blocks=host_blocks,
-                         max_num_batched_tokens=budget, max_num_seqs=4, preemption_mode=mode,
-                         enable_chunked_prefill=chunked)
+    num_blocks = -(-46 // block_size) + 2  # just enough for the largest request alone (30 + 16 tokens)
+    engine = make_engine(
+        block_size=block_size,
+        num_device_blocks=num_blocks,
+        num_host_blocks=host_blocks,
+        max_num_batched_tokens=budget,
+        max_num_seqs=4,
+        preemption_mode=mode,
+        enable_chunked_prefill=chunked,
+    )
     prompts = random_prompts(30, [n for n, *_ in WORKLOAD])
     requests = [(f"r{i}", prompts[i], greedy(mt), prio, at) for i, (_, mt, prio, at) in enumerate(WORKLOAD)]
     outputs = run_arrivals(engine, requests)
@@ -59,7 +82,7 @@ def test_exact_under_heavy_preemption(make_engine, llama_path, reference, mode, 
     assert outputs["r4"].num_preemptions == 0
     if mode == "swap":
         assert stats["num_blocks_swapped_out"] > 0
-        assert stats["num_blocks_swapped_in"] == stats["num_blocks_swapped_out"]   # all came back
+        assert stats["num_blocks_swapped_in"] == stats["num_blocks_swapped_out"]  # all came back
         assert stats["num_recomputed_tokens"] == 0
     else:
         assert stats["num_blocks_swapped_out"] == stats["num_blocks_swapped_in"] == 0
@@ -80,12 +103,18 @@ def test_urgent_request_gets_first_token_in_next_step(make_engine, llama_path, r
     gets its first token from the very next step, by preempting."""
     slots = 3 if "slots" in full else 16
     blocks = 30 if "blocks" in full else 200
-    engine = make_engine(block_size=2, num_device_blocks=blocks, num_host_blocks=64 if mode == "swap" else 0,
-                         max_num_batched_tokens=16, max_num_seqs=slots, preemption_mode=mode)
+    engine = make_engine(
+        block_size=2,
+        num_device_blocks=blocks,
+        num_host_blocks=64 if mode == "swap" else 0,
+        max_num_batched_tokens=16,
+        max_num_seqs=slots,
+        preemption_mode=mode,
+    )
     low = random_prompts(40, [12, 10, 14])
     fill_with_low_priority(engine, low)
     if "blocks" in full:
-        while engine.block_manager.num_free_device_blocks > 2:   # the urgent prompt needs 4 blocks
+        while engine.block_manager.num_free_device_blocks > 2:  # the urgent prompt needs 4 blocks
             engine.step()
     bm = engine.block_manager
     assert len(engine.scheduler.running) == 3
@@ -125,21 +154,24 @@ def test_urgent_request_overtakes_a_low_priority_prefill_in_progress(make_engine
 
 def test_urgent_request_preempts_swapped_in_order(make_engine):
     """Victims are taken least urgent first, latest arrival among equals."""
-    engine = make_engine(block_size=2, num_device_blocks=200, num_host_blocks=200, max_num_seqs=4,
-                         max_num_batched_tokens=64)
+    engine = make_engine(
+        block_size=2, num_device_blocks=200, num_host_blocks=200, max_num_seqs=4, max_num_batched_tokens=64
+    )
     prompts = random_prompts(43, [6, 6, 6, 6, 6, 6, 6, 6, 6])
     for req_id, prio, t in [("p3", 3, 1.0), ("p9-early", 9, 2.0), ("p9-late", 9, 3.0), ("p7", 7, 4.0)]:
         engine.add_request(req_id, prompts.pop(), greedy(30), priority=prio, arrival_time=t)
-    for _ in range(3):   # one priority class of prefills a step: p3, then p7, then both p9s
+    for _ in range(3):  # one priority class of prefills a step: p3, then p7, then both p9s
         engine.step()
-    assert all(engine.requests[r].status == SequenceStatus.RUNNING for r in ("p3", "p9-early", "p9-late", "p7"))
+    assert all(
+        engine.requests[r].status == SequenceStatus.RUNNING for r in ("p3", "p9-early", "p9-late", "p7")
+    )
     expected_victims = ["p9-late", "p9-early", "p7", "p3"]
     for k, victim in enumerate(expected_victims):
         engine.add_request(f"urgent{k}", prompts.pop(), greedy(30), priority=0, arrival_time=10.0 + k)
         engine.step()
         assert engine.requests[victim].status == SequenceStatus.SWAPPED, f"{victim} should be the victim"
         preempted = {s.req_id for s in engine.requests.values() if s.num_preemptions}
-        assert preempted == set(expected_victims[:k + 1])
+        assert preempted == set(expected_victims[: k + 1])
     # all four slots now hold priority-0 work: another priority 0 preempts nobody
     engine.add_request("urgent-last", prompts.pop(), greedy(30), priority=0, arrival_time=20.0)
     engine.step()
@@ -152,8 +184,13 @@ def test_urgent_request_preempts_swapped_in_order(make_engine):
 def test_no_preemption_for_equal_priority(make_engine, mode):
     """Slots full of priority-5 work: a new priority-5 request waits for a slot instead of preempting;
     a priority-4 one preempts (strictly more urgent)."""
-    engine = make_engine(block_size=2, num_device_blocks=200, num_host_blocks=100 if mode == "swap" else 0,
-                         max_num_seqs=2, preemption_mode=mode)
+    engine = make_engine(
+        block_size=2,
+        num_device_blocks=200,
+        num_host_blocks=100 if mode == "swap" else 0,
+        max_num_seqs=2,
+        preemption_mode=mode,
+    )
     a, b, c, d = random_prompts(44, [5, 7, 6, 4])
     engine.add_request("a", a, greedy(10), priority=5)
     engine.add_request("b", b, greedy(20), priority=5)
@@ -183,8 +220,13 @@ def test_no_preemption_for_equal_priority(make_engine, mode):
 def test_preempted_sequence_keeps_arrival_time_and_place(make_engine, llama_path, reference, mode):
     """A preempted request keeps its arrival time, so it resumes before a same-priority request that
     arrived after it."""
-    engine = make_engine(block_size=2, num_device_blocks=200, num_host_blocks=100 if mode == "swap" else 0,
-                         max_num_seqs=2, preemption_mode=mode)
+    engine = make_engine(
+        block_size=2,
+        num_device_blocks=200,
+        num_host_blocks=100 if mode == "swap" else 0,
+        max_num_seqs=2,
+        preemption_mode=mode,
+    )
     a, b, c, d = random_prompts(45, [5, 7, 6, 4])
     engine.add_request("a", a, greedy(30), priority=9)
     engine.add_request("b", b, greedy(12), priority=9)
@@ -219,25 +261,34 @@ def test_an_urgent_prefill_runs_in_a_short_step(make_engine, llama_path, referen
     """A step that carries an urgent prefill carries no less urgent prefill chunk: only the decodes and the
     urgent chunk, so the urgent first token is not held back by a budget padded with bulk prompt tokens.
     The bulk prompt's chunks resume in the next step, and every output stays exact."""
-    engine = make_engine(block_size=4, num_device_blocks=200, max_num_batched_tokens=32, max_num_seqs=8,
-                         attention_aware_chunks=False)   # plain token budget: the chunk sizes below are exact
+    engine = make_engine(
+        block_size=4,
+        num_device_blocks=200,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        attention_aware_chunks=False,
+    )  # plain token budget: the chunk sizes below are exact
     short = random_prompts(44, [5, 5])
     long_prompt, urgent = random_prompts(45, [150])[0], random_prompts(46, [7])[0]
     for k, prompt in enumerate(short):
         engine.add_request(f"bulk-decode-{k}", prompt, greedy(40), priority=9)
-    engine.step()                                      # both short prompts prefilled
+    engine.step()  # both short prompts prefilled
     engine.add_request("bulk-long", long_prompt, greedy(4), priority=9)
-    engine.step()                                      # 2 decodes + a 30-token chunk of the long prompt
+    engine.step()  # 2 decodes + a 30-token chunk of the long prompt
     assert engine.stats()["last_step_num_tokens"] == 32
     engine.add_request("urgent", urgent, greedy(4), priority=0)
     outs = {o.request_id: o for o in engine.step()}
-    assert len(outs["urgent"].token_ids) == 1          # its first token, from this very step
+    assert len(outs["urgent"].token_ids) == 1  # its first token, from this very step
     assert engine.stats()["last_step_num_tokens"] == 2 + 7, "a bulk chunk rode along with the urgent prefill"
     assert engine.requests["bulk-long"].num_computed_tokens == 30
-    engine.step()                                      # 3 decodes + the next bulk chunk
+    engine.step()  # 3 decodes + the next bulk chunk
     assert engine.stats()["last_step_num_tokens"] == 32
     assert engine.requests["bulk-long"].num_computed_tokens == 59
     finished = run_to_completion(engine)
-    for req_id, prompt, n in [("bulk-decode-0", short[0], 40), ("bulk-decode-1", short[1], 40),
-                              ("bulk-long", long_prompt, 4), ("urgent", urgent, 4)]:
+    for req_id, prompt, n in [
+        ("bulk-decode-0", short[0], 40),
+        ("bulk-decode-1", short[1], 40),
+        ("bulk-long", long_prompt, 4),
+        ("urgent", urgent, 4),
+    ]:
         assert finished[req_id].token_ids == reference(llama_path, tuple(prompt), n), req_id

@@ -14,9 +14,11 @@ from batching.sampler import Sampler
 from batching.sequence import Sequence
 from tests.batching.conftest import greedy, random_prompts, run_to_completion
 
-SEEDED = [SamplingParams(max_tokens=16, temperature=0.9, top_k=40, top_p=0.92, seed=7, ignore_eos=True),
-          SamplingParams(max_tokens=16, temperature=1.3, seed=123, ignore_eos=True),
-          SamplingParams(max_tokens=16, temperature=0.7, top_p=0.5, seed=99, ignore_eos=True)]
+SEEDED = [
+    SamplingParams(max_tokens=16, temperature=0.9, top_k=40, top_p=0.92, seed=7, ignore_eos=True),
+    SamplingParams(max_tokens=16, temperature=1.3, seed=123, ignore_eos=True),
+    SamplingParams(max_tokens=16, temperature=0.7, top_p=0.5, seed=99, ignore_eos=True),
+]
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +55,14 @@ def test_seeded_sampling_same_alone_and_in_a_batch(engine):
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_seeded_sampling_same_after_preemption(make_engine, mode):
-    engine = make_engine(block_size=2, num_device_blocks=40, num_host_blocks=40 if mode == "swap" else 0,
-                         max_num_seqs=2, max_num_batched_tokens=16, preemption_mode=mode)
+    engine = make_engine(
+        block_size=2,
+        num_device_blocks=40,
+        num_host_blocks=40 if mode == "swap" else 0,
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        preemption_mode=mode,
+    )
     prompts = random_prompts(72, [6, 13])
     solo = [alone(engine, p, params) for p, params in zip(prompts, SEEDED[:2], strict=True)]
     engine.add_request("s0", prompts[0], SEEDED[0], priority=9)
@@ -81,8 +89,10 @@ def test_resumed_request_continues_with_the_same_tokens(engine):
 
 def test_different_seeds_differ(engine):
     prompt = random_prompts(75, [8])[0]
-    outputs = {tuple(alone(engine, prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True)))
-               for s in range(4)}
+    outputs = {
+        tuple(alone(engine, prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True)))
+        for s in range(4)
+    }
     assert len(outputs) >= 3
 
 
@@ -90,7 +100,7 @@ def test_top_k_1_and_tiny_top_p_equal_greedy(engine):
     prompt = random_prompts(76, [10])[0]
     expected = alone(engine, prompt, greedy(16))
     hot = dict(max_tokens=16, temperature=1.5, seed=5, ignore_eos=True)
-    assert alone(engine, prompt, SamplingParams(**hot)) != expected     # the filters below do matter
+    assert alone(engine, prompt, SamplingParams(**hot)) != expected  # the filters below do matter
     assert alone(engine, prompt, SamplingParams(top_k=1, **hot)) == expected
     assert alone(engine, prompt, SamplingParams(top_p=1e-6, **hot)) == expected
 
@@ -104,6 +114,7 @@ def test_unseeded_sampled_requests_use_different_seeds(engine):
 
 # --- the Sampler on known logits ---------------------------------------------------------------------
 
+
 def seq_with(params: SamplingParams, seed: int, index: int = 0) -> Sequence:
     """A sequence about to draw output token `index`."""
     return Sequence("r", [1], params, 5, seed, resume_token_ids=[3] * index)
@@ -116,7 +127,7 @@ def draws(logits: list[float], params: SamplingParams, n: int = 1500) -> collect
 
 
 PROBS = [0.5, 0.3, 0.2]
-LOGITS = [math.log(p) for p in PROBS] + [-1e9] * 5     # five tokens that are never possible
+LOGITS = [math.log(p) for p in PROBS] + [-1e9] * 5  # five tokens that are never possible
 
 
 def test_sampler_draws_from_the_softmax():
@@ -128,7 +139,7 @@ def test_sampler_draws_from_the_softmax():
 
 def test_sampler_temperature_sharpens():
     counts = draws(LOGITS, SamplingParams(temperature=0.2))
-    assert counts[0] / 1500 > 0.85          # p^5 renormalised: 0.92
+    assert counts[0] / 1500 > 0.85  # p^5 renormalised: 0.92
 
 
 def test_sampler_top_k():
@@ -150,7 +161,7 @@ def test_sampler_row_does_not_depend_on_the_batch():
     seqs = [seq_with(params, seed=s, index=s % 3) for s in range(5)]
     together = Sampler()(logits, seqs)
     for i in range(5):
-        assert Sampler()(logits[i:i + 1], [seqs[i]]) == [together[i]]
+        assert Sampler()(logits[i : i + 1], [seqs[i]]) == [together[i]]
     assert Sampler()(logits.flip(0), seqs[::-1]) == together[::-1]
 
 
@@ -161,7 +172,7 @@ def test_sampler_greedy_rows_take_the_argmax():
 
 
 def test_sampler_token_index_changes_the_draw():
-    row = torch.zeros(1, 100, dtype=torch.float64)        # uniform over 100 tokens
+    row = torch.zeros(1, 100, dtype=torch.float64)  # uniform over 100 tokens
     params = SamplingParams(temperature=1.0)
     tokens = {Sampler()(row, [seq_with(params, seed=1, index=i)])[0] for i in range(20)}
     assert len(tokens) >= 10

@@ -42,24 +42,42 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.finished: dict[str, SequenceStatus] = {}
         self.clock = 0.0
 
-    @initialize(block_size=st.integers(1, 4), device=st.integers(4, 24), host=st.integers(0, 10),
-                max_num_seqs=st.integers(1, 4), budget=st.integers(1, 16),
-                mode=st.sampled_from(["swap", "recompute"]), chunked=st.booleans())
+    @initialize(
+        block_size=st.integers(1, 4),
+        device=st.integers(4, 24),
+        host=st.integers(0, 10),
+        max_num_seqs=st.integers(1, 4),
+        budget=st.integers(1, 16),
+        mode=st.sampled_from(["swap", "recompute"]),
+        chunked=st.booleans(),
+    )
     def configure(self, block_size, device, host, max_num_seqs, budget, mode, chunked):
-        self.config = EngineConfig(block_size=block_size, num_device_blocks=device, num_host_blocks=host,
-                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                   preemption_mode=mode, enable_chunked_prefill=chunked)
+        self.config = EngineConfig(
+            block_size=block_size,
+            num_device_blocks=device,
+            num_host_blocks=host,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            preemption_mode=mode,
+            enable_chunked_prefill=chunked,
+        )
         self.bm = BlockManager(device, host, block_size)
         self.sched = Scheduler(self.config, self.bm)
 
     @rule(priority=st.integers(0, 9), prompt=st.integers(1, 20), max_tokens=st.integers(1, 8))
     def add(self, priority, prompt, max_tokens):
         if blocks_for(prompt + max_tokens - 1, self.bm.block_size) > self.bm.num_device_blocks:
-            return                                  # the engine refuses what the pool can never hold
+            return  # the engine refuses what the pool can never hold
         req_id = f"r{len(self.requests)}"
         self.clock += 1.0
-        seq = Sequence(req_id, [5] * prompt, SamplingParams(max_tokens=max_tokens, temperature=0), priority,
-                       sample_seed=0, arrival_time=self.clock)
+        seq = Sequence(
+            req_id,
+            [5] * prompt,
+            SamplingParams(max_tokens=max_tokens, temperature=0),
+            priority,
+            sample_seed=0,
+            arrival_time=self.clock,
+        )
         self.requests[req_id] = seq
         self.sched.add(seq)
 
@@ -88,7 +106,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert out.total_num_scheduled_tokens <= budget
         else:
             # a whole prompt longer than the budget may run as the step's only prefill
-            assert out.total_num_scheduled_tokens - max([n for n in scheduled.values() if n > 1], default=0) <= budget
+            assert (
+                out.total_num_scheduled_tokens - max([n for n in scheduled.values() if n > 1], default=0)
+                <= budget
+            )
             for req_id, n in scheduled.items():
                 assert n == uncomputed[req_id], "a prompt was chunked with chunked prefill off"
         for seq, n in zip(out.seqs, out.num_scheduled_tokens, strict=True):
@@ -143,8 +164,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
-TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
-                                         suppress_health_check=[HealthCheck.too_slow])
+TestSchedulerMachine.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def run_fake_step(sched: Scheduler):
@@ -162,17 +184,18 @@ def run_fake_step(sched: Scheduler):
 def test_sequence_preempted_for_blocks_keeps_its_place():
     """Found by the machine above: a prefill that yields its blocks (pool exhausted) was overtaken, in the
     same step, by a later request of the same priority that started in the room it left."""
-    config = EngineConfig(block_size=4, num_device_blocks=5, num_host_blocks=0, max_num_seqs=2,
-                          max_num_batched_tokens=7)
+    config = EngineConfig(
+        block_size=4, num_device_blocks=5, num_host_blocks=0, max_num_seqs=2, max_num_batched_tokens=7
+    )
     sched = Scheduler(config, BlockManager(5, 0, 4))
     long = Sequence("long", [5] * 17, SamplingParams(max_tokens=1, temperature=0), 1, 0, arrival_time=1.0)
     short = Sequence("short", [5], SamplingParams(max_tokens=1, temperature=0), 1, 0, arrival_time=2.0)
     urgent = Sequence("urgent", [5], SamplingParams(max_tokens=6, temperature=0), 0, 0, arrival_time=3.0)
     for seq in (long, short, urgent):
         sched.add(seq)
-    for _ in range(4):   # urgent alone (one class of prefills a step), then urgent's decodes + long's chunks
+    for _ in range(4):  # urgent alone (one class of prefills a step), then urgent's decodes + long's chunks
         run_fake_step(sched)
-    out = run_fake_step(sched)            # the pool is full: "long" yields its blocks
+    out = run_fake_step(sched)  # the pool is full: "long" yields its blocks
     assert out.preempted == [long]
     assert short.status == SequenceStatus.WAITING, "a later request took the preempted one's place"
     out = run_fake_step(sched)
@@ -197,28 +220,41 @@ class EngineMachine(RuleBasedStateMachine):
         self.finished: dict = {}
         self.aborted: set[str] = set()
 
-    @initialize(block_size=st.integers(1, 4), mode=st.sampled_from(["swap", "recompute"]),
-                host=st.sampled_from([0, 4, 64]), chunked=st.booleans(),
-                load=st.lists(st.tuples(st.integers(3, 5), st.integers(5, 9)), min_size=2, max_size=3))
+    @initialize(
+        block_size=st.integers(1, 4),
+        mode=st.sampled_from(["swap", "recompute"]),
+        host=st.sampled_from([0, 4, 64]),
+        chunked=st.booleans(),
+        load=st.lists(st.tuples(st.integers(3, 5), st.integers(5, 9)), min_size=2, max_size=3),
+    )
     def configure(self, block_size, mode, host, chunked, load):
         host = host if mode == "swap" else 0
         key = (block_size, mode, host, chunked)
         if key not in self.engines:
             # the biggest request (26 + 8 tokens) just fits; two long ones already fill it
             self.engines[key] = self.make_engine(
-                block_size=block_size, num_device_blocks=blocks_for(33, block_size) + 1,
-                num_host_blocks=host, preemption_mode=mode, max_num_seqs=3, max_num_batched_tokens=8,
-                enable_chunked_prefill=chunked)
+                block_size=block_size,
+                num_device_blocks=blocks_for(33, block_size) + 1,
+                num_host_blocks=host,
+                preemption_mode=mode,
+                max_num_seqs=3,
+                max_num_batched_tokens=8,
+                enable_chunked_prefill=chunked,
+            )
         self.engine = self.engines[key]
-        for req_id in list(self.engine.requests):    # left over by an example that failed
+        for req_id in list(self.engine.requests):  # left over by an example that failed
             self.engine.abort(req_id)
         while self.engine.has_unfinished_requests():
             self.engine.step()
-        for prompt, priority in load:       # start with long, mostly low-priority work
+        for prompt, priority in load:  # start with long, mostly low-priority work
             self.add(prompt, priority, MAX_TOKENS, None)
 
-    @rule(prompt=st.integers(0, len(PROMPT_LENGTHS) - 1), priority=st.integers(0, 9),
-          max_tokens=st.integers(1, MAX_TOKENS), seed=st.none() | st.integers(0, 3))
+    @rule(
+        prompt=st.integers(0, len(PROMPT_LENGTHS) - 1),
+        priority=st.integers(0, 9),
+        max_tokens=st.integers(1, MAX_TOKENS),
+        seed=st.none() | st.integers(0, 3),
+    )
     def add(self, prompt, priority, max_tokens, seed):
         req_id = f"r{len(self.added)}"
         if seed is None:
@@ -247,7 +283,7 @@ class EngineMachine(RuleBasedStateMachine):
             prompt, params = self.added[out.request_id]
             assert len(out.token_ids) <= params.max_tokens
             if params.temperature == 0:
-                assert out.token_ids == self.expected[prompt][:len(out.token_ids)], "greedy output diverged"
+                assert out.token_ids == self.expected[prompt][: len(out.token_ids)], "greedy output diverged"
             if out.finished:
                 self.finished[out.request_id] = out
                 expected_reason = "abort" if out.request_id in self.aborted else "length"
@@ -283,20 +319,33 @@ def test_engine_state_machine(make_engine, llama_path, reference):
     EngineMachine.prompts = prompts
     EngineMachine.expected = [reference(llama_path, tuple(p), MAX_TOKENS) for p in prompts]
     EngineMachine.engines = {}
-    run_state_machine_as_test(EngineMachine, settings=settings(
-        max_examples=50, stateful_step_count=30, deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
-
+    run_state_machine_as_test(
+        EngineMachine,
+        settings=settings(
+            max_examples=50,
+            stateful_step_count=30,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        ),
+    )
 
 
 def test_no_preemption_for_a_whole_prompt_that_cannot_run_this_step():
     """Chunked prefill off: a second urgent prompt longer than the budget left cannot start in this step,
     so nobody is preempted for it (the first urgent one still preempts for its slot)."""
-    config = EngineConfig(block_size=2, num_device_blocks=64, num_host_blocks=64, max_num_seqs=2,
-                          max_num_batched_tokens=16, enable_chunked_prefill=False)
+    config = EngineConfig(
+        block_size=2,
+        num_device_blocks=64,
+        num_host_blocks=64,
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        enable_chunked_prefill=False,
+    )
     sched = Scheduler(config, BlockManager(64, 64, 2))
-    low = [Sequence(f"low{i}", [5] * 4, SamplingParams(max_tokens=20, temperature=0), 9, 0, arrival_time=1.0 + i)
-           for i in range(2)]
+    low = [
+        Sequence(f"low{i}", [5] * 4, SamplingParams(max_tokens=20, temperature=0), 9, 0, arrival_time=1.0 + i)
+        for i in range(2)
+    ]
     for seq in low:
         sched.add(seq)
     run_fake_step(sched)
@@ -314,8 +363,14 @@ def test_urgent_prefill_in_progress_is_not_starved_by_a_less_urgent_decode():
     """Found by the machine: the decodes take blocks first, so a priority-0 prompt halfway through its
     prefill found the pool empty and preempted itself (losing its KV) while a priority-1 sequence kept
     decoding. Now the less urgent one is preempted and the urgent prefill goes on."""
-    config = EngineConfig(block_size=1, num_device_blocks=16, num_host_blocks=0, max_num_seqs=2,
-                          max_num_batched_tokens=5, preemption_mode="recompute")
+    config = EngineConfig(
+        block_size=1,
+        num_device_blocks=16,
+        num_host_blocks=0,
+        max_num_seqs=2,
+        max_num_batched_tokens=5,
+        preemption_mode="recompute",
+    )
     sched = Scheduler(config, BlockManager(16, 0, 1))
     low = Sequence("low", [5] * 10, SamplingParams(max_tokens=3, temperature=0), 1, 0, arrival_time=1.0)
     urgent = Sequence("urgent", [5] * 5, SamplingParams(max_tokens=1, temperature=0), 0, 0, arrival_time=2.0)
@@ -323,8 +378,8 @@ def test_urgent_prefill_in_progress_is_not_starved_by_a_less_urgent_decode():
     run_fake_step(sched)
     run_fake_step(sched)
     sched.add(urgent)
-    run_fake_step(sched)                  # urgent takes a first chunk of 4; one block is left
+    run_fake_step(sched)  # urgent takes a first chunk of 4; one block is left
     assert urgent.num_computed_tokens == 4
-    out = run_fake_step(sched)            # low's decode needs that block, urgent's last token too
+    out = run_fake_step(sched)  # low's decode needs that block, urgent's last token too
     assert out.preempted == [low] and urgent in out.seqs
     assert urgent.status == SequenceStatus.FINISHED_LENGTH and urgent.num_preemptions == 0

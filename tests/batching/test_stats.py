@@ -11,8 +11,13 @@ from tests.batching.conftest import greedy, random_prompts, run_to_completion
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_stats_follow_one_preemption(make_engine, mode):
     """stats(): queue counts, KV usage, preemptions, swapped blocks and recomputed tokens move as expected."""
-    engine = make_engine(block_size=2, num_device_blocks=50, num_host_blocks=20 if mode == "swap" else 0,
-                         max_num_seqs=1, preemption_mode=mode)
+    engine = make_engine(
+        block_size=2,
+        num_device_blocks=50,
+        num_host_blocks=20 if mode == "swap" else 0,
+        max_num_seqs=1,
+        preemption_mode=mode,
+    )
     low, urgent = random_prompts(52, [7, 5])
     s = engine.stats()
     assert (s["num_running"], s["num_waiting"], s["num_swapped"]) == (0, 0, 0)
@@ -20,10 +25,10 @@ def test_stats_follow_one_preemption(make_engine, mode):
     engine.add_request("low", low, greedy(6), priority=9)
     assert engine.stats()["num_waiting"] == 1
     engine.step()
-    engine.step()                                  # 7 prompt tokens + 1 decode computed: 4 blocks
+    engine.step()  # 7 prompt tokens + 1 decode computed: 4 blocks
     s = engine.stats()
     assert (s["num_running"], s["num_waiting"], s["num_swapped"]) == (1, 0, 0)
-    assert s["device_kv_usage"] == pytest.approx(4 / 50)   # 7 prompt tokens + 1 decoded: 4 blocks of 2
+    assert s["device_kv_usage"] == pytest.approx(4 / 50)  # 7 prompt tokens + 1 decoded: 4 blocks of 2
     engine.add_request("urgent", urgent, greedy(3), priority=0)
     engine.step()
     s = engine.stats()
@@ -47,11 +52,13 @@ def test_stats_follow_one_preemption(make_engine, mode):
 def test_counters_follow_the_work(make_engine):
     engine = make_engine(block_size=4, num_device_blocks=40, num_host_blocks=0, max_num_batched_tokens=8)
     s = engine.stats()
-    assert s["num_steps"] == s["num_generated_tokens"] == s["num_prompt_tokens_computed"] == 0  # no warm-up left
+    assert (
+        s["num_steps"] == s["num_generated_tokens"] == s["num_prompt_tokens_computed"] == 0
+    )  # no warm-up left
     a, b, c = random_prompts(53, [5, 7, 3])
     engine.add_request("a", a, greedy(3))
     engine.add_request("b", b, greedy(4))
-    out = engine.step()                 # 8 tokens of budget: a's 5 prompt tokens and 3 of b's 7
+    out = engine.step()  # 8 tokens of budget: a's 5 prompt tokens and 3 of b's 7
     s = engine.stats()
     assert s["last_step_num_tokens"] == 8 and s["last_step_num_seqs"] == 2
     assert [o.request_id for o in out] == ["a"]

@@ -31,8 +31,11 @@ def synthetic_steps(n: int, seed: int = 0, noise: float = 0.0):
 
 def test_the_fit_recovers_known_prices():
     model = StepCostModel()
-    fits = [c for make_up, seconds in synthetic_steps(2000, noise=0.02)
-            if (c := model.record(make_up, seconds)) is not None]
+    fits = [
+        c
+        for make_up, seconds in synthetic_steps(2000, noise=0.02)
+        if (c := model.record(make_up, seconds)) is not None
+    ]
     assert fits, "no fit after 2000 steps"
     costs = fits[-1]
     assert costs.context_per_token == pytest.approx(1000, rel=0.1)
@@ -46,7 +49,7 @@ def test_no_fit_before_enough_steps_and_none_from_useless_data():
     assert all(model.record(m, s) is None for m, s in synthetic_steps(step_cost.MIN_STEPS - 1))
     flat = StepCostModel()
     for _ in range(step_cost.MIN_STEPS + step_cost.REFIT_EVERY):
-        assert flat.record((0.0, 0.0, 0.0, 2.0, 100.0), 0.01) is None   # no prefill token ever: no unit
+        assert flat.record((0.0, 0.0, 0.0, 2.0, 100.0), 0.01) is None  # no prefill token ever: no unit
 
 
 def test_a_term_fitted_below_zero_is_dropped():
@@ -60,11 +63,18 @@ def test_a_term_fitted_below_zero_is_dropped():
 
 def decode_and_prefill(costs: StepCosts | None, aware: bool = True):
     """One step: 4 sequences decoding at context 300 and a waiting prompt of 200 tokens; budget 64."""
-    config = EngineConfig(block_size=4, num_device_blocks=400, num_host_blocks=0, max_num_batched_tokens=64,
-                          attention_aware_chunks=aware)
+    config = EngineConfig(
+        block_size=4,
+        num_device_blocks=400,
+        num_host_blocks=0,
+        max_num_batched_tokens=64,
+        attention_aware_chunks=aware,
+    )
     sched = Scheduler(config, BlockManager(400, 0, 4), 1e9)
     for i in range(4):
-        sched.add(Sequence(f"d{i}", [5] * 300, SamplingParams(max_tokens=50, temperature=0), 5, 0, arrival_time=i))
+        sched.add(
+            Sequence(f"d{i}", [5] * 300, SamplingParams(max_tokens=50, temperature=0), 5, 0, arrival_time=i)
+        )
     while any(s.num_computed_tokens < 300 for s in sched.running + sched.waiting):
         run_fake_step(sched)
     sched.add(Sequence("p", [5] * 200, SamplingParams(max_tokens=1, temperature=0), 5, 0, arrival_time=9.0))
@@ -76,16 +86,17 @@ def decode_and_prefill(costs: StepCosts | None, aware: bool = True):
 
 def test_decodes_pay_their_price_and_prefills_get_the_rest():
     plain, used = decode_and_prefill(None)
-    assert plain["p"] == 60 and used == 64                     # 4 decodes at 1 token each
+    assert plain["p"] == 60 and used == 64  # 4 decodes at 1 token each
     # each decode: 2 tokens + 300/100 of context = 5; 4 of them: 20, prefill gets 44
-    priced, used = decode_and_prefill(StepCosts(context_per_token=None, decode_tokens=2.0,
-                                                decode_context_per_token=100.0))
+    priced, used = decode_and_prefill(
+        StepCosts(context_per_token=None, decode_tokens=2.0, decode_context_per_token=100.0)
+    )
     assert all(priced[f"d{i}"] == 1 for i in range(4)) and priced["p"] == 44 and used == 64
 
 
 def test_decodes_take_at_most_half_the_budget():
     priced, used = decode_and_prefill(StepCosts(decode_tokens=50.0))
-    assert priced["p"] == 32 and used == 64                    # 4 x 50 would leave nothing: capped at 32
+    assert priced["p"] == 32 and used == 64  # 4 x 50 would leave nothing: capped at 32
 
 
 def test_prices_are_ignored_with_cost_aware_budgets_off():
@@ -97,7 +108,9 @@ def test_a_chunk_with_context_pays_for_it():
     config = EngineConfig(block_size=4, num_device_blocks=200, num_host_blocks=0, max_num_batched_tokens=64)
     sched = Scheduler(config, BlockManager(200, 0, 4), None)
     sched.set_costs(StepCosts(chunk_context_per_token=4.0))
-    sched.add(Sequence("long", [5] * 300, SamplingParams(max_tokens=1, temperature=0), 5, 0, arrival_time=1.0))
+    sched.add(
+        Sequence("long", [5] * 300, SamplingParams(max_tokens=1, temperature=0), 5, 0, arrival_time=1.0)
+    )
     sizes = []
     while sched.has_unfinished():
         out = run_fake_step(sched)
@@ -113,8 +126,11 @@ def test_the_engine_fits_prices_on_its_steps_and_reports_budget_used(make_engine
     assert engine.scheduler.costs.decode_tokens == 1.0
     rng = random.Random(0)
     for i in range(12):
-        engine.add_request(f"r{i}", [rng.randrange(3, 200) for _ in range(rng.randrange(5, 90))],
-                           SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+        engine.add_request(
+            f"r{i}",
+            [rng.randrange(3, 200) for _ in range(rng.randrange(5, 90))],
+            SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+        )
     fitted = []
     real_set_costs = Scheduler.set_costs
     monkeypatch.setattr(Scheduler, "set_costs", lambda self, c: fitted.append(c) or real_set_costs(self, c))
@@ -129,6 +145,6 @@ def test_the_engine_fits_prices_on_its_steps_and_reports_budget_used(make_engine
 
 def test_an_engine_off_cost_awareness_keeps_plain_tokens(make_engine):
     engine = make_engine(attention_aware_chunks=False)
-    assert engine.step_costs is None                           # nothing timed or fitted in its steps
+    assert engine.step_costs is None  # nothing timed or fitted in its steps
     engine.scheduler.set_costs(StepCosts(decode_tokens=9.0))
     assert engine.scheduler.costs == StepCosts() and engine.scheduler.context_per_token is None

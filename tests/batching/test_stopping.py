@@ -18,8 +18,17 @@ MAX = 48
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine(EngineConfig(model="tiny-llama", dtype="float64", device="cpu", max_num_batched_tokens=64,
-                               block_size=8, num_device_blocks=300, num_host_blocks=0))
+    return Engine(
+        EngineConfig(
+            model="tiny-llama",
+            dtype="float64",
+            device="cpu",
+            max_num_batched_tokens=64,
+            block_size=8,
+            num_device_blocks=300,
+            num_host_blocks=0,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -60,32 +69,32 @@ def assert_streamed_text_grows(texts):
 
 
 def test_eos_stops_unless_ignored(engine, runs):
-    prompt, tokens = next((p, t) for p, t in runs if EOS_ID in t[:MAX - 5])
+    prompt, tokens = next((p, t) for p, t in runs if EOS_ID in t[: MAX - 5])
     k = tokens.index(EOS_ID)
     out, _ = solo(engine, prompt)
-    assert out.token_ids == tokens[:k + 1] and out.finish_reason == "stop"
-    assert out.text == decode(engine, tokens[:k])            # EOS is special: not in the text
+    assert out.token_ids == tokens[: k + 1] and out.finish_reason == "stop"
+    assert out.text == decode(engine, tokens[:k])  # EOS is special: not in the text
     out, _ = solo(engine, prompt, ignore_eos=True, max_tokens=k + 5)
-    assert out.token_ids == tokens[:k + 5] and out.finish_reason == "length"
+    assert out.token_ids == tokens[: k + 5] and out.finish_reason == "length"
     # an explicit stop token id wins over ignore_eos
     out, _ = solo(engine, prompt, ignore_eos=True, stop_token_ids=[EOS_ID])
-    assert out.token_ids == tokens[:k + 1] and out.finish_reason == "stop"
+    assert out.token_ids == tokens[: k + 1] and out.finish_reason == "stop"
 
 
 def test_stop_token_ids(engine, runs):
     prompt, tokens = next((p, t) for p, t in runs if EOS_ID not in t)
-    stop_at = tokens.index(tokens[6])                  # its first occurrence, at most 6
-    later = next(t for t in tokens[stop_at + 1:] if t not in tokens[:stop_at + 1])
+    stop_at = tokens.index(tokens[6])  # its first occurrence, at most 6
+    later = next(t for t in tokens[stop_at + 1 :] if t not in tokens[: stop_at + 1])
     out, _ = solo(engine, prompt, stop_token_ids=[later, tokens[6]])
-    assert out.token_ids == tokens[:stop_at + 1] and out.finish_reason == "stop"
+    assert out.token_ids == tokens[: stop_at + 1] and out.finish_reason == "stop"
     out, _ = solo(engine, prompt, stop_token_ids=[tokens[0]])
-    assert out.token_ids == tokens[:1] and out.finish_reason == "stop"   # stops on the prefill's token
+    assert out.token_ids == tokens[:1] and out.finish_reason == "stop"  # stops on the prefill's token
 
 
 def ascii_substring(text: str, start: int, length: int) -> str:
     """The first run of `length` printable ASCII characters at or after `start`."""
     for i in range(start, len(text) - length):
-        piece = text[i:i + length]
+        piece = text[i : i + length]
         if all(32 < ord(c) < 127 for c in piece):
             return piece
     raise AssertionError("no printable ASCII run in the greedy text")
@@ -99,7 +108,7 @@ def test_stop_string_cuts_text_before_it(engine, runs):
     out, texts = solo(engine, prompt, stop=[stop])
     assert out.finish_reason == "stop"
     assert out.text == full[:at] and stop not in out.text
-    assert out.token_ids == tokens[:tokens_until(engine, tokens, stop)]
+    assert out.token_ids == tokens[: tokens_until(engine, tokens, stop)]
     assert_streamed_text_grows(texts[:-1])
 
 
@@ -108,10 +117,10 @@ def test_earliest_of_several_stop_strings_wins(engine, runs):
     full = decode(engine, tokens)
     early = ascii_substring(full, 4, 1)
     late = ascii_substring(full, full.index(early) + 6, 3)
-    assert late not in full[:full.index(late)] and early not in late
+    assert late not in full[: full.index(late)] and early not in late
     out, _ = solo(engine, prompt, stop=[late, early])
-    assert out.text == full[:full.index(early)]
-    assert out.token_ids == tokens[:tokens_until(engine, tokens, early)]
+    assert out.text == full[: full.index(early)]
+    assert out.token_ids == tokens[: tokens_until(engine, tokens, early)]
 
 
 def multibyte_char(engine, runs):
@@ -135,7 +144,7 @@ def test_multibyte_stop_string_is_matched_on_whole_characters(engine, runs):
     m = tokens_until(engine, tokens, ch)
     # it stops at the token that completes the character, not at its first byte
     assert out.token_ids == tokens[:m] and out.finish_reason == "stop"
-    assert out.text == full[:full.index(ch)]
+    assert out.text == full[: full.index(ch)]
     assert_streamed_text_grows(texts[:-1])
 
 
@@ -144,8 +153,13 @@ def test_stop_string_sharing_leading_bytes_does_not_stop(engine, runs):
     match that character: stops are compared as text, never as partial bytes."""
     prompt, tokens, ch = multibyte_char(engine, runs)
     raw = ch.encode()
-    near = next(c for b in range(0x80, 0xC0) if b != raw[-1]
-                for c in [(raw[:-1] + bytes([b])).decode(errors="replace")] if "\ufffd" not in c)
+    near = next(
+        c
+        for b in range(0x80, 0xC0)
+        if b != raw[-1]
+        for c in [(raw[:-1] + bytes([b])).decode(errors="replace")]
+        if "\ufffd" not in c
+    )
     full = decode(engine, tokens)
     assert near != ch and near not in full
     out, texts = solo(engine, prompt, stop=[near])
@@ -174,8 +188,16 @@ def test_timing_fields(engine, runs):
 
 
 def test_max_model_len_ends_with_length():
-    engine = Engine(EngineConfig(model="tiny-llama", dtype="float32", device="cpu", max_model_len=24,
-                                 block_size=4, num_device_blocks=12))
+    engine = Engine(
+        EngineConfig(
+            model="tiny-llama",
+            dtype="float32",
+            device="cpu",
+            max_model_len=24,
+            block_size=4,
+            num_device_blocks=12,
+        )
+    )
     prompt = random_prompts(81, [16])[0]
     engine.add_request("fits", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     out = run_to_completion(engine)["fits"]
@@ -191,7 +213,7 @@ def test_stop_strings_completed_by_the_same_token_cut_at_the_earliest(engine, ru
     full = decode(engine, tokens)
     pair = ascii_substring(full, 5, 2)
     at = full.index(pair)
-    assert pair[1] not in full[:at + 1]
+    assert pair[1] not in full[: at + 1]
     for stops in ([pair[1], pair], [pair, pair[1]]):
         out, _ = solo(engine, prompt, stop=stops)
         assert out.text == full[:at], stops

@@ -10,13 +10,13 @@ from batching import kv_cache as kv_cache_module
 from batching.sequence import SequenceStatus
 from tests.batching.conftest import greedy, random_prompts, run_to_completion
 
-BLOCK_DIM = getattr(kv_cache_module, "BLOCK_DIM", 2)   # the pools' block axis; the next one is the slot
+BLOCK_DIM = getattr(kv_cache_module, "BLOCK_DIM", 2)  # the pools' block axis; the next one is the slot
 
 
 def kv_of(cache: torch.Tensor, block_table: list[int], num_tokens: int) -> torch.Tensor:
     """The K and V of every layer for positions 0..num_tokens-1 of a sequence with this block table."""
     blocks = cache.index_select(BLOCK_DIM, torch.tensor(block_table, dtype=torch.long))
-    slots = blocks.flatten(BLOCK_DIM, BLOCK_DIM + 1)                  # blocks and slots → positions
+    slots = blocks.flatten(BLOCK_DIM, BLOCK_DIM + 1)  # blocks and slots → positions
     return slots.narrow(BLOCK_DIM, 0, num_tokens).clone()
 
 
@@ -28,8 +28,9 @@ def scribble_on_free_blocks(engine) -> None:
 
 
 def test_swapped_out_then_in_kv_is_bit_identical(make_engine, llama_path, reference):
-    engine = make_engine(block_size=3, num_device_blocks=40, num_host_blocks=40, max_num_seqs=2,
-                         max_num_batched_tokens=32)
+    engine = make_engine(
+        block_size=3, num_device_blocks=40, num_host_blocks=40, max_num_seqs=2, max_num_batched_tokens=32
+    )
     low, other, urgent = random_prompts(50, [10, 8, 9])
     engine.add_request("low", low, greedy(12), priority=9)
     engine.add_request("other", other, greedy(12), priority=5)
@@ -46,7 +47,7 @@ def test_swapped_out_then_in_kv_is_bit_identical(make_engine, llama_path, refere
     stats = engine.stats()
 
     engine.add_request("urgent", urgent, greedy(12), priority=0)
-    step()                                                  # no slot free: "low" is swapped out
+    step()  # no slot free: "low" is swapped out
     assert seq.status == SequenceStatus.SWAPPED and not seq.block_table
     assert seq.num_computed_tokens == before_len
     assert len(seq.host_block_table) == -(-before_len // 3)
@@ -57,7 +58,7 @@ def test_swapped_out_then_in_kv_is_bit_identical(make_engine, llama_path, refere
     assert after_out["num_free_host_blocks"] == 40 - len(seq.host_block_table)
     assert after_out["host_kv_usage"] == pytest.approx(len(seq.host_block_table) / 40)
 
-    scribble_on_free_blocks(engine)        # the device blocks it left are garbage from now on
+    scribble_on_free_blocks(engine)  # the device blocks it left are garbage from now on
     while seq.status == SequenceStatus.SWAPPED:
         step()
         if seq.status == SequenceStatus.SWAPPED:
@@ -80,8 +81,14 @@ def test_swapped_out_then_in_kv_is_bit_identical(make_engine, llama_path, refere
 @pytest.mark.parametrize("host_blocks", [0, 3])
 def test_host_pool_exhaustion_falls_back_to_recompute(make_engine, llama_path, reference, host_blocks):
     """Swap mode with no or a tiny host pool: victims that do not fit are recomputed, output stays exact."""
-    engine = make_engine(block_size=2, num_device_blocks=26, num_host_blocks=host_blocks, max_num_seqs=3,
-                         max_num_batched_tokens=16, preemption_mode="swap")
+    engine = make_engine(
+        block_size=2,
+        num_device_blocks=26,
+        num_host_blocks=host_blocks,
+        max_num_seqs=3,
+        max_num_batched_tokens=16,
+        preemption_mode="swap",
+    )
     prompts = random_prompts(51, [12, 9, 14, 6, 8])
     priorities = [9, 9, 9, 0, 0]
     for i, (p, prio) in enumerate(zip(prompts[:3], priorities[:3], strict=True)):
@@ -98,4 +105,8 @@ def test_host_pool_exhaustion_falls_back_to_recompute(make_engine, llama_path, r
     assert stats["num_recomputed_tokens"] > 0
     if host_blocks == 0:
         assert stats["num_blocks_swapped_out"] == 0
-    assert stats["num_blocks_swapped_in"] == stats["num_blocks_swapped_out"] <= stats["num_preemptions"] * host_blocks
+    assert (
+        stats["num_blocks_swapped_in"]
+        == stats["num_blocks_swapped_out"]
+        <= stats["num_preemptions"] * host_blocks
+    )

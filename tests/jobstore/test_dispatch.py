@@ -17,7 +17,9 @@ def taken_order(redis_client, key: str, ids: list[uuid.UUID]) -> list[uuid.UUID]
 
 
 def test_a_job_sent_back_goes_to_the_head_of_its_priority(settings, redis_client):
-    settings = dataclasses.replace(settings, redis_key_prefix=f"{settings.redis_key_prefix}head-{uuid.uuid4().hex[:6]}:")
+    settings = dataclasses.replace(
+        settings, redis_key_prefix=f"{settings.redis_key_prefix}head-{uuid.uuid4().hex[:6]}:"
+    )
     app = make_celery(settings)
     key = queue_key(settings, QUEUE, 7)
     try:
@@ -25,10 +27,10 @@ def test_a_job_sent_back_goes_to_the_head_of_its_priority(settings, redis_client
         for job_id in waiting:
             send_job(app, job_id, 7)
         back, urgent = uuid.uuid4(), uuid.uuid4()
-        send_job(app, urgent, 0)   # another priority's list is not touched
+        send_job(app, urgent, 0)  # another priority's list is not touched
         send_job(app, back, 7)
         assert move_to_head(redis_client, settings, back, 7)
-        assert not move_to_head(redis_client, settings, uuid.uuid4(), 7)   # not there: nothing moves
+        assert not move_to_head(redis_client, settings, uuid.uuid4(), 7)  # not there: nothing moves
         assert taken_order(redis_client, key, [*waiting, back]) == [back, *waiting]
         assert taken_order(redis_client, queue_key(settings, QUEUE, 0), [urgent]) == [urgent]
     finally:

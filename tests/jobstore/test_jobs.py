@@ -12,8 +12,18 @@ from jobstore import jobs
 from jobstore.keys import create_key, hash_key, tenant_for_key
 from jobstore.models import ApiKey, JobStatus, Tenant
 
-REQUEST = dict(prompt="Once upon", input_ids=None, max_tokens=8, temperature=0.0, top_p=1.0, top_k=0, seed=None,
-               stop=[], priority=5, metadata={"run": 1})
+REQUEST = dict(
+    prompt="Once upon",
+    input_ids=None,
+    max_tokens=8,
+    temperature=0.0,
+    top_p=1.0,
+    top_k=0,
+    seed=None,
+    stop=[],
+    priority=5,
+    metadata={"run": 1},
+)
 LEASE = 30.0
 
 
@@ -24,7 +34,9 @@ def tenant_id(sessions):
         return tenant_for_key(s, key).id
 
 
-def progress(job_id, worker: str, tokens: list[int], text: str, kept: int = 0, kept_text: str = "") -> jobs.Output:
+def progress(
+    job_id, worker: str, tokens: list[int], text: str, kept: int = 0, kept_text: str = ""
+) -> jobs.Output:
     """An Output appending `tokens` / `text` after the first `kept` tokens and `kept_text`."""
     return jobs.Output(job_id, worker, kept, tokens, len(kept_text.encode()), text.encode())
 
@@ -46,15 +58,22 @@ def test_create_claim_progress_finish(sessions, tenant_id):
     with sessions.begin() as s:
         assert not jobs.save_progress(s, [progress(job_id, "w2", [9], "x")], LEASE)  # not w2's lease
         assert jobs.save_progress(s, [progress(job_id, "w1", [5, 6], "ab")], LEASE) == {(job_id, "w1")}
-        assert jobs.save_progress(s, [progress(job_id, "w1", [], "", 2, "ab")], LEASE) == {(job_id, "w1")}  # lease only
+        assert jobs.save_progress(s, [progress(job_id, "w1", [], "", 2, "ab")], LEASE) == {
+            (job_id, "w1")
+        }  # lease only
     with sessions.begin() as s:
         assert jobs.get_job(s, job_id).output_token_ids == [5, 6]
-        assert jobs.finish_job(s, job_id, "w1", token_ids=[5, 6, 7], text="abc", finish_reason="length",
-                               prompt_tokens=3)
+        assert jobs.finish_job(
+            s, job_id, "w1", token_ids=[5, 6, 7], text="abc", finish_reason="length", prompt_tokens=3
+        )
     with sessions.begin() as s:
         job = jobs.get_job(s, job_id)
         assert (job.status, job.output_text, job.finish_reason, job.prompt_tokens) == (
-            JobStatus.SUCCEEDED, "abc", "length", 3)
+            JobStatus.SUCCEEDED,
+            "abc",
+            "length",
+            3,
+        )
         assert job.finished_at is not None and job.lease_expires_at is None
         assert not jobs.save_progress(s, [progress(job_id, "w1", [1], "z")], LEASE)  # finished is final
 
@@ -81,7 +100,11 @@ def test_progress_of_many_jobs_appends_in_one_idempotent_statement(sessions, ten
         for job_id in ids:
             jobs.claim_job(s, job_id, "w1", LEASE)
         jobs.cancel_job(s, ids[2], tenant_id)  # taken away from the worker
-    first = [progress(ids[0], "w1", [1, 2], "12"), progress(ids[1], "w1", [], ""), progress(ids[2], "w1", [7], "7")]
+    first = [
+        progress(ids[0], "w1", [1, 2], "12"),
+        progress(ids[1], "w1", [], ""),
+        progress(ids[2], "w1", [7], "7"),
+    ]
     then = [progress(ids[0], "w1", [3], "3é", 2, "12"), progress(ids[1], "w1", [8, 9], "89")]
     with sessions.begin() as s:
         assert jobs.save_progress(s, first, LEASE) == {(i, "w1") for i in ids[:2]}
@@ -90,16 +113,26 @@ def test_progress_of_many_jobs_appends_in_one_idempotent_statement(sessions, ten
             assert jobs.save_progress(s, then, LEASE) == {(i, "w1") for i in ids[:2]}
     with sessions.begin() as s:
         rows = [jobs.get_job(s, job_id) for job_id in ids]
-        assert [(j.output_token_ids, j.output_text) for j in rows] == [([1, 2, 3], "123é"), ([8, 9], "89"), ([], "")]
-    final = [jobs.Output(ids[0], "w1", 3, [4], len("123é".encode()), b"4", None, "length", 10),
-             jobs.Output(ids[1], "w1", 1, [5], 1, b"5", None, "stop", 11)]   # a shorter output replaces the tail
+        assert [(j.output_token_ids, j.output_text) for j in rows] == [
+            ([1, 2, 3], "123é"),
+            ([8, 9], "89"),
+            ([], ""),
+        ]
+    final = [
+        jobs.Output(ids[0], "w1", 3, [4], len("123é".encode()), b"4", None, "length", 10),
+        jobs.Output(ids[1], "w1", 1, [5], 1, b"5", None, "stop", 11),
+    ]  # a shorter output replaces the tail
     with sessions.begin() as s:
         assert jobs.finish_jobs(s, final) == {(i, "w1") for i in ids[:2]}
         assert jobs.finish_jobs(s, final) == set()  # finished is final
     with sessions.begin() as s:
         rows = [jobs.get_job(s, job_id) for job_id in ids[:2]]
-        assert [(j.status, j.output_token_ids, j.output_text, j.finish_reason, j.prompt_tokens) for j in rows] == [
-            (JobStatus.SUCCEEDED, [1, 2, 3, 4], "123é4", "length", 10), (JobStatus.SUCCEEDED, [8, 5], "85", "stop", 11)]
+        assert [
+            (j.status, j.output_token_ids, j.output_text, j.finish_reason, j.prompt_tokens) for j in rows
+        ] == [
+            (JobStatus.SUCCEEDED, [1, 2, 3, 4], "123é4", "length", 10),
+            (JobStatus.SUCCEEDED, [8, 5], "85", "stop", 11),
+        ]
 
 
 def test_release_keeps_tokens_and_counts_preemptions(sessions, tenant_id):
@@ -110,7 +143,12 @@ def test_release_keeps_tokens_and_counts_preemptions(sessions, tenant_id):
         assert jobs.release_job(s, job_id, "w1", token_ids=[1, 2], text="ab", preempted=True)
     with sessions.begin() as s:
         job = jobs.get_job(s, job_id)
-        assert (job.status, job.worker_id, job.output_token_ids, job.handbacks) == (JobStatus.QUEUED, None, [1, 2], 1)
+        assert (job.status, job.worker_id, job.output_token_ids, job.handbacks) == (
+            JobStatus.QUEUED,
+            None,
+            [1, 2],
+            1,
+        )
         jobs.claim_job(s, job_id, "w2", LEASE)
         assert jobs.release_job(s, job_id, "w2", token_ids=[1, 2, 3], text="abc")  # at shutdown: not counted
     with sessions.begin() as s:
@@ -124,8 +162,11 @@ def test_fail(sessions, tenant_id):
         assert jobs.fail_job(s, job_id, "w1", code="invalid_request", message="prompt: too long")
     with sessions.begin() as s:
         job = jobs.get_job(s, job_id)
-        assert (job.status, job.error_code, job.error_message) == (JobStatus.FAILED, "invalid_request",
-                                                                   "prompt: too long")
+        assert (job.status, job.error_code, job.error_message) == (
+            JobStatus.FAILED,
+            "invalid_request",
+            "prompt: too long",
+        )
 
 
 def test_cancel_queued_then_claim_is_dropped(sessions, tenant_id):
@@ -146,7 +187,9 @@ def test_cancel_running_takes_the_job_from_its_worker(sessions, tenant_id):
         assert (job.status, job.finish_reason) == (JobStatus.CANCELLED, "abort")
     with sessions.begin() as s:
         assert not jobs.save_progress(s, [progress(job_id, "w1", [1], "a")], LEASE)
-        assert not jobs.finish_job(s, job_id, "w1", token_ids=[1], text="a", finish_reason="stop", prompt_tokens=1)
+        assert not jobs.finish_job(
+            s, job_id, "w1", token_ids=[1], text="a", finish_reason="stop", prompt_tokens=1
+        )
 
 
 def test_cancel_finished_or_foreign(sessions, tenant_id):
@@ -221,4 +264,6 @@ def test_keys_are_stored_hashed(sessions):
         assert stored.key_hash == hash_key(key) and key not in (stored.key_hash, stored.prefix)
         assert tenant_for_key(s, key).name == "hashed-tenant"
         assert tenant_for_key(s, key + "x") is None
-        assert tenant_for_key(s, create_key(s, "hashed-tenant")).id == stored.tenant_id  # second key, same tenant
+        assert (
+            tenant_for_key(s, create_key(s, "hashed-tenant")).id == stored.tenant_id
+        )  # second key, same tenant

@@ -13,8 +13,13 @@ from tests.conftest import ROOT, settings_env
 
 
 def alembic(settings, *args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "alembic", *args], cwd=ROOT, env=settings_env(settings),
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "alembic", *args],
+        cwd=ROOT,
+        env=settings_env(settings),
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout + done.stderr
 
@@ -39,9 +44,12 @@ def test_constraint_names_follow_the_convention(database):
     engine = make_engine(database)
     try:
         with engine.connect() as conn:
-            names = conn.scalars(text(
-                "SELECT conname FROM pg_constraint c JOIN pg_class t ON t.oid = c.conrelid "
-                "WHERE t.relname IN ('jobs', 'tenants', 'api_keys')")).all()
+            names = conn.scalars(
+                text(
+                    "SELECT conname FROM pg_constraint c JOIN pg_class t ON t.oid = c.conrelid "
+                    "WHERE t.relname IN ('jobs', 'tenants', 'api_keys')"
+                )
+            ).all()
             indexes = conn.scalars(text("SELECT indexname FROM pg_indexes WHERE tablename = 'jobs'")).all()
     finally:
         engine.dispose()

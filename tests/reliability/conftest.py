@@ -35,8 +35,12 @@ def no_leftover_jobs(sessions) -> None:
     running jobs whose workers are gone, and a test's reconciler would otherwise send them to its
     own worker (taking its slots). Only this test session's private database is touched."""
     with sessions.begin() as s:
-        s.execute(sql("UPDATE jobs SET status = 'cancelled', finished_at = now(), lease_expires_at = NULL "
-                      "WHERE status IN ('queued', 'running')"))
+        s.execute(
+            sql(
+                "UPDATE jobs SET status = 'cancelled', finished_at = now(), lease_expires_at = NULL "
+                "WHERE status IN ('queued', 'running')"
+            )
+        )
 
 
 class Worker:
@@ -46,7 +50,7 @@ class Worker:
         self.settings, self.log_dir, self.concurrency = settings, log_dir, concurrency
         self.proc: subprocess.Popen | None = None
         self.logs: list[Path] = []
-        self.node = ""   # this worker's Celery node name (new at each start)
+        self.node = ""  # this worker's Celery node name (new at each start)
 
     def start(self, timeout: float = 180) -> float:
         """Start a worker and wait until it is ready; returns the seconds that took."""
@@ -56,11 +60,30 @@ class Worker:
         self.node = f"rel-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
         with log.open("w") as out:
             self.proc = subprocess.Popen(
-                [BIN / "celery", "-A", "workers", "worker", "--pool", "threads", "--concurrency",
-                 str(self.concurrency), "-Q", "generate", "--loglevel", "INFO", "--without-mingle",
-                 "--without-gossip", "-n", self.node],
-                cwd=ROOT, env=settings_env(self.settings), stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True)
+                [
+                    BIN / "celery",
+                    "-A",
+                    "workers",
+                    "worker",
+                    "--pool",
+                    "threads",
+                    "--concurrency",
+                    str(self.concurrency),
+                    "-Q",
+                    "generate",
+                    "--loglevel",
+                    "INFO",
+                    "--without-mingle",
+                    "--without-gossip",
+                    "-n",
+                    self.node,
+                ],
+                cwd=ROOT,
+                env=settings_env(self.settings),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         while " ready." not in log.read_text():
             assert self.proc.poll() is None, f"worker exited:\n{log.read_text()[-5000:]}"
             assert time.monotonic() - started < timeout, f"worker not ready:\n{log.read_text()[-5000:]}"
@@ -70,7 +93,9 @@ class Worker:
     def engine_stats(self, celery) -> dict:
         """This worker's engine.stats(). Other workers of the test session share the broker, so the
         request is addressed to this node only (and returns at its reply, not after the timeout)."""
-        replies = celery.control.broadcast("engine_stats", reply=True, timeout=5, limit=1, destination=[self.node])
+        replies = celery.control.broadcast(
+            "engine_stats", reply=True, timeout=5, limit=1, destination=[self.node]
+        )
         assert replies, f"no engine_stats reply from {self.node}"
         return replies[0][self.node]
 
@@ -193,9 +218,24 @@ def private_redis(tmp_path) -> Iterator:
         proc: subprocess.Popen | None = None
 
         def start(self) -> None:
-            self.proc = subprocess.Popen([server, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                          "--appendonly", "no", "--dir", str(tmp_path)],
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [
+                    server,
+                    "--port",
+                    str(self.port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    str(tmp_path),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
             import redis
 
             for _ in range(100):
@@ -225,11 +265,21 @@ def job_rows(sessions, ids) -> dict[str, dict]:
     from jobstore.models import Job
 
     with sessions.begin() as s:
-        rows = s.execute(select(Job.id, Job.status, Job.attempts, Job.output_token_ids, Job.worker_id,
-                                Job.enqueued_at).where(Job.id.in_([uuid.UUID(i) for i in ids]))).all()
-    return {str(r.id): {"status": str(getattr(r.status, "value", r.status)), "attempts": r.attempts,
-                        "tokens": list(r.output_token_ids), "worker_id": r.worker_id, "enqueued_at": r.enqueued_at}
-            for r in rows}
+        rows = s.execute(
+            select(
+                Job.id, Job.status, Job.attempts, Job.output_token_ids, Job.worker_id, Job.enqueued_at
+            ).where(Job.id.in_([uuid.UUID(i) for i in ids]))
+        ).all()
+    return {
+        str(r.id): {
+            "status": str(getattr(r.status, "value", r.status)),
+            "attempts": r.attempts,
+            "tokens": list(r.output_token_ids),
+            "worker_id": r.worker_id,
+            "enqueued_at": r.enqueued_at,
+        }
+        for r in rows
+    }
 
 
 def wait_for(predicate, timeout: float, what: str, every: float = 0.1):

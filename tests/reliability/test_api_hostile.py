@@ -24,6 +24,7 @@ def bearer(key: str) -> dict:
 
 # --- idempotency -------------------------------------------------------------------------------------
 
+
 def test_idempotency_key_same_tenant_same_job_other_body_422_other_tenant_other_job(settings, api, new_key):
     client = api(stack_settings(settings))
     a, b = bearer(new_key()), bearer(new_key())
@@ -60,6 +61,7 @@ def test_concurrent_duplicate_submissions_make_one_job(settings, api, new_key, s
 
 # --- overload ----------------------------------------------------------------------------------------
 
+
 def test_queued_job_caps_answer_429_with_retry_after(settings, api, new_key, figures):
     client = api(stack_settings(settings, max_queued_per_tenant=3, max_queued_jobs=10**6))
     a = bearer(new_key())
@@ -68,7 +70,9 @@ def test_queued_job_caps_answer_429_with_retry_after(settings, api, new_key, fig
     over = client.post("/jobs", json=BODY, headers=a)
     assert over.status_code == 429 and int(over.headers["Retry-After"]) > 0
     assert over.json["error"]["code"] == "too_many_queued_jobs"
-    retry = client.post("/jobs", json=BODY, headers={**a, "Idempotency-Key": "c0"})  # a retry is not a new job
+    retry = client.post(
+        "/jobs", json=BODY, headers={**a, "Idempotency-Key": "c0"}
+    )  # a retry is not a new job
     assert retry.status_code == 202
     assert client.post("/jobs", json=BODY, headers=bearer(new_key())).status_code == 202  # others unaffected
     # global cap: whatever is queued in this database already counts
@@ -94,13 +98,21 @@ def test_rate_limit_per_key_in_redis(settings, api, new_key, redis_client):
     assert not any(raw_key.encode() in k for k in redis_client.scan_iter(match=f"*{st.redis_key_prefix}*"))
 
 
-def test_api_stays_responsive_while_the_worker_is_saturated(settings, api, new_key, make_worker, sessions, figures):
+def test_api_stays_responsive_while_the_worker_is_saturated(
+    settings, api, new_key, make_worker, sessions, figures
+):
     st = stack_settings(settings, max_num_seqs=8, rate_limit="1000/second")
     client, headers = api(st), bearer(new_key())
     make_worker(st, concurrency=8).start()
-    ids = [client.post("/jobs", json={"prompt": f"load {i}", "max_tokens": 200, "temperature": 0.0},
-                       headers=headers).json["id"] for i in range(16)]
-    wait_for(lambda: sum(r["status"] == "running" for r in job_rows(sessions, ids).values()) >= 8, 60, "8 running")
+    ids = [
+        client.post(
+            "/jobs", json={"prompt": f"load {i}", "max_tokens": 200, "temperature": 0.0}, headers=headers
+        ).json["id"]
+        for i in range(16)
+    ]
+    wait_for(
+        lambda: sum(r["status"] == "running" for r in job_rows(sessions, ids).values()) >= 8, 60, "8 running"
+    )
     latencies = []
     for i in range(100):
         started = time.perf_counter()
@@ -111,38 +123,54 @@ def test_api_stays_responsive_while_the_worker_is_saturated(settings, api, new_k
     for job_id in ids:
         client.post(f"/jobs/{job_id}/cancel", headers=headers)
     assert running >= 4 and p95 < 0.25, (running, p50, p95)
-    figures["saturated_get_latency"] = {"jobs_running": running, "requests": 100, "p50_ms": round(p50 * 1000, 1),
-                                        "p95_ms": round(p95 * 1000, 1), "max_ms": round(max(latencies) * 1000, 1)}
+    figures["saturated_get_latency"] = {
+        "jobs_running": running,
+        "requests": 100,
+        "p50_ms": round(p50 * 1000, 1),
+        "p95_ms": round(p95 * 1000, 1),
+        "max_ms": round(max(latencies) * 1000, 1),
+    }
 
 
 # --- hostile input -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("payload", [
-    "SELECT * FROM jobs; DROP TABLE jobs; --'\"",
-    "<script>alert(1)</script><img src=x onerror=alert(2)>",
-    "nul\x00inside\x00",
-    "emoji 🦜 and RTL \u202e and \ufeff",
-])
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        "SELECT * FROM jobs; DROP TABLE jobs; --'\"",
+        "<script>alert(1)</script><img src=x onerror=alert(2)>",
+        "nul\x00inside\x00",
+        "emoji 🦜 and RTL \u202e and \ufeff",
+    ],
+)
 def test_prompts_are_stored_and_returned_verbatim(settings, api, new_key, payload):
     client, a = api(stack_settings(settings)), bearer(new_key())
-    r = client.post("/jobs", json={**BODY, "prompt": payload, "metadata": {"note": payload.replace("\x00", "")}},
-                    headers=a)
+    r = client.post(
+        "/jobs",
+        json={**BODY, "prompt": payload, "metadata": {"note": payload.replace("\x00", "")}},
+        headers=a,
+    )
     assert r.status_code == 202, r.json
     job = client.get(f"/jobs/{r.json['id']}", headers=a).json
     assert job["metadata"] == {"note": payload.replace("\x00", "")}
     from jobstore import jobs as jobstore_jobs
+
     with client.application.extensions["genq"].sessions() as s:
         assert jobstore_jobs.get_job(s, uuid.UUID(r.json["id"])).prompt == payload
 
 
-@pytest.mark.parametrize(("data", "status"), [
-    (b"\xff\xfe\x00{not json", 400),
-    (b'{"prompt": "\xc3\x28", "max_tokens": 4}', 400),  # invalid UTF-8 inside a string
-    (b"[" * 100_000 + b"]" * 100_000, 413),  # deeply nested and over the body limit
-    (b'{"prompt":' + b"[" * 5000 + b"]" * 5000 + b"}", 400),  # deeply nested, small
-    (b'{"prompt": "x", "max_tokens": 1e999}', 422),
-    (b'{"prompt": "' + b"a" * (2 << 20) + b'"}', 413),  # huge
-])
+@pytest.mark.parametrize(
+    ("data", "status"),
+    [
+        (b"\xff\xfe\x00{not json", 400),
+        (b'{"prompt": "\xc3\x28", "max_tokens": 4}', 400),  # invalid UTF-8 inside a string
+        (b"[" * 100_000 + b"]" * 100_000, 413),  # deeply nested and over the body limit
+        (b'{"prompt":' + b"[" * 5000 + b"]" * 5000 + b"}", 400),  # deeply nested, small
+        (b'{"prompt": "x", "max_tokens": 1e999}', 422),
+        (b'{"prompt": "' + b"a" * (2 << 20) + b'"}', 413),  # huge
+    ],
+)
 def test_malformed_bodies_are_4xx(settings, api, new_key, data, status):
     client = api(stack_settings(settings))
     r = client.post("/jobs", data=data, headers={**bearer(new_key()), "Content-Type": "application/json"})
@@ -150,8 +178,15 @@ def test_malformed_bodies_are_4xx(settings, api, new_key, data, status):
     assert r.json["error"]["code"]
 
 
-@pytest.mark.parametrize("header", [("Idempotency-Key", "a\x01b"), ("Idempotency-Key", "x\x7f"),
-                                    ("Authorization", "Bearer \x00\x01"), ("Authorization", "Bearer " + "k" * 10000)])
+@pytest.mark.parametrize(
+    "header",
+    [
+        ("Idempotency-Key", "a\x01b"),
+        ("Idempotency-Key", "x\x7f"),
+        ("Authorization", "Bearer \x00\x01"),
+        ("Authorization", "Bearer " + "k" * 10000),
+    ],
+)
 def test_control_characters_in_headers_are_4xx(settings, api, new_key, header):
     client = api(stack_settings(settings))
     headers = {**bearer(new_key()), header[0]: header[1]}
@@ -170,8 +205,11 @@ def test_schemathesis_finds_no_5xx(settings, api, new_key, figures):
     calls = []
     for operation in schema.get_all_operations():
         run_operation(operation.ok(), key, failures, calls)
-    figures["schemathesis"] = {"requests": len(calls), "5xx": len(failures),
-                               "statuses": {str(c): calls.count(c) for c in sorted(set(calls))}}
+    figures["schemathesis"] = {
+        "requests": len(calls),
+        "5xx": len(failures),
+        "statuses": {str(c): calls.count(c) for c in sorted(set(calls))},
+    }
     assert len(calls) > 100, calls
     assert not failures, failures[:5]
     assert time.monotonic() - started < 60
@@ -194,6 +232,7 @@ def run_operation(op, key: str, failures: list, calls: list) -> None:
 
 
 # --- security ----------------------------------------------------------------------------------------
+
 
 def test_keys_stored_hashed_and_never_logged(settings, api, new_key, sessions, caplog):
     caplog.set_level(logging.DEBUG)
@@ -227,9 +266,18 @@ def test_no_secrets_in_tracked_files():
 
     from tests.conftest import ROOT
 
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    patterns = [re.compile(p) for p in (r"gq_[A-Za-z0-9_-]{30,}", r"-----BEGIN [A-Z ]*PRIVATE KEY-----",
-                                        r"AKIA[0-9A-Z]{16}", r"(?i)password\s*[:=]\s*['\"]?(postgres|admin|secret|changeme)\b")]
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    patterns = [
+        re.compile(p)
+        for p in (
+            r"gq_[A-Za-z0-9_-]{30,}",
+            r"-----BEGIN [A-Z ]*PRIVATE KEY-----",
+            r"AKIA[0-9A-Z]{16}",
+            r"(?i)password\s*[:=]\s*['\"]?(postgres|admin|secret|changeme)\b",
+        )
+    ]
     hits = []
     for name in files:
         path = ROOT / name
@@ -241,4 +289,6 @@ def test_no_secrets_in_tracked_files():
     compose = (ROOT / "docker-compose.yml").read_text()
     for line in compose.splitlines():
         if re.search(r"(?i)(PASSWORD|BASIC_AUTH|SECRET)\s*[:=]", line):
-            assert "${" in line, f"docker-compose.yml: a secret not taken from the environment: {line.strip()}"
+            assert "${" in line, (
+                f"docker-compose.yml: a secret not taken from the environment: {line.strip()}"
+            )

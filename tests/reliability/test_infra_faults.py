@@ -23,8 +23,13 @@ from tests.reliability.conftest import (
 )
 from workers.reconciler import reconcile
 
-LONG = {"prompt": "Lease test: the cat over the mud 3", "max_tokens": 1500, "temperature": 0.9, "top_p": 0.95,
-        "seed": 7}  # about 1200 tokens before EOS with tiny-llama: a few seconds on this CPU
+LONG = {
+    "prompt": "Lease test: the cat over the mud 3",
+    "max_tokens": 1500,
+    "temperature": 0.9,
+    "top_p": 0.95,
+    "seed": 7,
+}  # about 1200 tokens before EOS with tiny-llama: a few seconds on this CPU
 
 
 def short(i: int) -> dict:
@@ -39,8 +44,10 @@ def offline(settings):
     engine = Engine(EngineConfig(**settings.engine_options()))
 
     def run(bodies: list[dict]) -> list[list[int]]:
-        params = [SamplingParams(**{k: b[k] for k in ("max_tokens", "temperature", "top_p", "seed") if k in b})
-                  for b in bodies]
+        params = [
+            SamplingParams(**{k: b[k] for k in ("max_tokens", "temperature", "top_p", "seed") if k in b})
+            for b in bodies
+        ]
         return [o.token_ids for o in engine.generate([b["prompt"] for b in bodies], params)]
 
     return run
@@ -62,10 +69,19 @@ def exactly_once(logs: str, ids: list[str]) -> int:
 
 # --- Redis ---------------------------------------------------------------------------------------------
 
-def test_redis_restarted_empty_every_queued_job_is_sent_again(settings, sessions, new_key, api, make_worker,
-                                                              private_redis, offline, figures):
-    st = stack_settings(settings, redis_url=private_redis.url, max_num_seqs=2, worker_reserve=0, lease_seconds=5.0,
-                        progress_interval=0.25, reconcile_interval=0.5)
+
+def test_redis_restarted_empty_every_queued_job_is_sent_again(
+    settings, sessions, new_key, api, make_worker, private_redis, offline, figures
+):
+    st = stack_settings(
+        settings,
+        redis_url=private_redis.url,
+        max_num_seqs=2,
+        worker_reserve=0,
+        lease_seconds=5.0,
+        progress_interval=0.25,
+        reconcile_interval=0.5,
+    )
     client, headers = api(st), {"Authorization": f"Bearer {new_key()}"}
     worker = make_worker(st, concurrency=2)
     worker.start()
@@ -77,13 +93,23 @@ def test_redis_restarted_empty_every_queued_job_is_sent_again(settings, sessions
         with redis.Redis.from_url(private_redis.url) as r:
             wait_for(lambda: r.exists(marker), 10, "the reconciler's marker key")
         ids = submit(client, headers, bodies)
-        rows = wait_for(lambda: (rows := job_rows(sessions, ids)) and
-                        sum(r["status"] == "running" for r in rows.values()) == 2 and rows, 30, "2 jobs running")
+        rows = wait_for(
+            lambda: (
+                (rows := job_rows(sessions, ids))
+                and sum(r["status"] == "running" for r in rows.values()) == 2
+                and rows
+            ),
+            30,
+            "2 jobs running",
+        )
         queued = [i for i in ids if rows[i]["status"] == "queued"]
         assert len(queued) == 8, rows
         # the API records each send within a second (webapi/sent_marks.py): all 8 messages are in Redis
-        wait_for(lambda: all(r["enqueued_at"] is not None for i, r in job_rows(sessions, queued).items()), 10,
-                 "the 8 queued jobs recorded as sent")
+        wait_for(
+            lambda: all(r["enqueued_at"] is not None for i, r in job_rows(sessions, queued).items()),
+            10,
+            "the 8 queued jobs recorded as sent",
+        )
         private_redis.kill()  # SIGKILL: the messages of the 8 queued jobs are gone
         down_at = time.monotonic()
         time.sleep(1.0)
@@ -91,8 +117,11 @@ def test_redis_restarted_empty_every_queued_job_is_sent_again(settings, sessions
         up_at = time.monotonic()
         with redis.Redis.from_url(private_redis.url) as r:
             assert r.dbsize() <= 1  # empty (the reconciler may have set its marker again already)
-        wait_for(lambda: all(r["attempts"] >= 1 for r in job_rows(sessions, queued).values()), 60,
-                 "every queued job claimed after the restart")
+        wait_for(
+            lambda: all(r["attempts"] >= 1 for r in job_rows(sessions, queued).values()),
+            60,
+            "every queued job claimed after the restart",
+        )
         recovery_s = time.monotonic() - up_at
         done = wait_for(lambda: all_finished(sessions, ids), 120, "all jobs finished")
         done_s = time.monotonic() - up_at
@@ -108,26 +137,44 @@ def test_redis_restarted_empty_every_queued_job_is_sent_again(settings, sessions
         assert done[i]["tokens"] == tokens, i
     assert recovery_s < 30, recovery_s
     figures["redis_restart"] = {
-        "jobs": len(ids), "running_at_kill": 2, "queued_at_kill": len(queued), "redis_down_s": round(up_at - down_at, 2),
-        "resent_by_reconciler": resent, "completed": sum(r["status"] == "succeeded" for r in done.values()),
-        "duplicates": duplicates, "max_attempts": max(r["attempts"] for r in done.values()),
-        "recovery_s": round(recovery_s, 2), "all_done_after_restart_s": round(done_s, 2), "worker_survived": True,
-        "exact_vs_offline": True}
+        "jobs": len(ids),
+        "running_at_kill": 2,
+        "queued_at_kill": len(queued),
+        "redis_down_s": round(up_at - down_at, 2),
+        "resent_by_reconciler": resent,
+        "completed": sum(r["status"] == "succeeded" for r in done.values()),
+        "duplicates": duplicates,
+        "max_attempts": max(r["attempts"] for r in done.values()),
+        "recovery_s": round(recovery_s, 2),
+        "all_done_after_restart_s": round(done_s, 2),
+        "worker_survived": True,
+        "exact_vs_offline": True,
+    }
 
 
 # --- Postgres ------------------------------------------------------------------------------------------
 
-def test_postgres_cut_api_answers_503_worker_retries_nothing_lost(settings, sessions, new_key, api, make_worker,
-                                                                  pg_proxy, offline, figures):
-    st = stack_settings(settings, database_url=through(pg_proxy, settings.database_url), max_num_seqs=3,
-                        lease_seconds=30.0, progress_interval=0.25, db_connect_timeout=2.0)
+
+def test_postgres_cut_api_answers_503_worker_retries_nothing_lost(
+    settings, sessions, new_key, api, make_worker, pg_proxy, offline, figures
+):
+    st = stack_settings(
+        settings,
+        database_url=through(pg_proxy, settings.database_url),
+        max_num_seqs=3,
+        lease_seconds=30.0,
+        progress_interval=0.25,
+        db_connect_timeout=2.0,
+    )
     client, headers = api(st), {"Authorization": f"Bearer {new_key()}"}
     worker = make_worker(st, concurrency=3)
     worker.start()
     celery = make_celery(st)
     bodies = [LONG] + [{**LONG, "seed": s} for s in (8, 11, 12, 13)] + [short(i) for i in range(3)]
     ids = submit(client, headers, bodies)
-    wait_for(lambda: sum(bool(r["tokens"]) for r in job_rows(sessions, ids).values()) >= 2, 30, "jobs decoding")
+    wait_for(
+        lambda: sum(bool(r["tokens"]) for r in job_rows(sessions, ids).values()) >= 2, 30, "jobs decoding"
+    )
     before = worker.engine_stats(celery)
     pg_proxy.cut()
     cut_at = time.monotonic()
@@ -161,21 +208,31 @@ def test_postgres_cut_api_answers_503_worker_retries_nothing_lost(settings, sess
         assert done[i]["tokens"] == tokens, i
     # nothing the API refused with 503 was stored
     with sessions.begin() as s:
-        tenant_jobs = s.execute(sql("SELECT count(*) FROM jobs WHERE id = ANY(:ids)"),
-                                {"ids": [uuid.UUID(i) for i in ids]}).scalar()
+        tenant_jobs = s.execute(
+            sql("SELECT count(*) FROM jobs WHERE id = ANY(:ids)"), {"ids": [uuid.UUID(i) for i in ids]}
+        ).scalar()
     assert tenant_jobs == len(ids)
     figures["postgres_cut"] = {
-        "jobs": len(ids), "outage_s": round(outage_s, 2), "api_answers_during_outage": answers,
+        "jobs": len(ids),
+        "outage_s": round(outage_s, 2),
+        "api_answers_during_outage": answers,
         "tokens_generated_during_outage": during["num_generated_tokens"] - before["num_generated_tokens"],
-        "worker_db_retries_logged": count(logs, "database unavailable"), "api_back_after_restore_s": round(api_back_s, 2),
-        "all_done_after_restore_s": round(done_s, 2), "completed": sum(r["status"] == "succeeded" for r in done.values()),
-        "duplicates": duplicates, "max_attempts": max(r["attempts"] for r in done.values()), "exact_vs_offline": True}
+        "worker_db_retries_logged": count(logs, "database unavailable"),
+        "api_back_after_restore_s": round(api_back_s, 2),
+        "all_done_after_restore_s": round(done_s, 2),
+        "completed": sum(r["status"] == "succeeded" for r in done.values()),
+        "duplicates": duplicates,
+        "max_attempts": max(r["attempts"] for r in done.values()),
+        "exact_vs_offline": True,
+    }
 
 
 # --- a lease lapsing under a running job ---------------------------------------------------------------
 
-def test_lapsed_lease_stale_attempt_aborts_and_one_result_is_written(settings, sessions, new_key, api, make_worker,
-                                                                     offline, figures):
+
+def test_lapsed_lease_stale_attempt_aborts_and_one_result_is_written(
+    settings, sessions, new_key, api, make_worker, offline, figures
+):
     # a long lease (it lapses only because the test says so) and a slow progress interval, so that the job
     # is re-dispatched, and claimed again by the same worker, well before the stale attempt's next write
     st = stack_settings(settings, lease_seconds=60.0, progress_interval=1.0)
@@ -183,10 +240,14 @@ def test_lapsed_lease_stale_attempt_aborts_and_one_result_is_written(settings, s
     worker = make_worker(st, concurrency=4)
     worker.start()
     (job_id,) = submit(client, headers, [LONG])
-    first = wait_for(lambda: job_rows(sessions, [job_id])[job_id]["tokens"], 30, "the first progress write", every=0.01)
+    first = wait_for(
+        lambda: job_rows(sessions, [job_id])[job_id]["tokens"], 30, "the first progress write", every=0.01
+    )
     with sessions.begin() as s:  # as if the machine had stalled past the lease
-        s.execute(sql("UPDATE jobs SET lease_expires_at = now() - interval '1 second' WHERE id = :id"),
-                  {"id": uuid.UUID(job_id)})
+        s.execute(
+            sql("UPDATE jobs SET lease_expires_at = now() - interval '1 second' WHERE id = :id"),
+            {"id": uuid.UUID(job_id)},
+        )
     celery = make_celery(st)
     counts = reconcile(sessions, celery, st)  # the real reconciler: requeue + send
     celery.close()
@@ -204,7 +265,9 @@ def test_lapsed_lease_stale_attempt_aborts_and_one_result_is_written(settings, s
     assert done["tokens"] == offline([LONG])[0]
     assert count(logs, rf"job {job_id} succeeded") == 1, logs[-5000:]
     assert "result discarded" not in logs, logs[-5000:]  # the stale attempt did not run to the end
-    assert f"job {job_id} stopped: cancelled or no longer leased" in logs, logs[-5000:]  # it noticed and stopped
+    assert f"job {job_id} stopped: cancelled or no longer leased" in logs, logs[
+        -5000:
+    ]  # it noticed and stopped
     assert stats["num_aborted"] >= 1, stats
     # what the stale attempt generated beyond the final result: what it had not yet persisted plus up to one
     # progress interval after the lapse. How many tokens that is depends on the machine's speed (on a fast idle
@@ -214,9 +277,15 @@ def test_lapsed_lease_stale_attempt_aborts_and_one_result_is_written(settings, s
     extra = stats["num_generated_tokens"] - len(done["tokens"])
     rest = len(done["tokens"]) - persisted
     assert 0 <= extra < len(done["tokens"]), (extra, rest, stats)
-    figures["lease_lapse"] = {"tokens": len(done["tokens"]), "persisted_at_lapse": persisted,
-                              "stale_attempt_extra_tokens": extra, "rest_of_job_tokens": rest,
-                              "attempts": done["attempts"], "final_writes": 1, "exact_vs_offline": True}
+    figures["lease_lapse"] = {
+        "tokens": len(done["tokens"]),
+        "persisted_at_lapse": persisted,
+        "stale_attempt_extra_tokens": extra,
+        "rest_of_job_tokens": rest,
+        "attempts": done["attempts"],
+        "final_writes": 1,
+        "exact_vs_offline": True,
+    }
 
 
 # --- corrupted rows ------------------------------------------------------------------------------------
@@ -231,8 +300,9 @@ CORRUPTIONS = {
 }
 
 
-def test_corrupted_job_rows_fail_as_invalid_job_and_the_worker_keeps_serving(settings, sessions, new_key, api,
-                                                                            make_worker, figures):
+def test_corrupted_job_rows_fail_as_invalid_job_and_the_worker_keeps_serving(
+    settings, sessions, new_key, api, make_worker, figures
+):
     st = stack_settings(settings)
     client, headers = api(st), {"Authorization": f"Bearer {new_key()}"}
     ids = submit(client, headers, [{"prompt": "Hello", "max_tokens": 8}] * len(CORRUPTIONS))

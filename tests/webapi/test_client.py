@@ -33,15 +33,34 @@ def served(settings, new_key, tmp_path_factory, redis_client):
 
 
 def client_command(url: str, key: str, tmp_path) -> list[str]:
-    return [sys.executable, "-m", "webapi.client", "submit", str(tmp_path / "in.jsonl"), "--url", url, "--key", key,
-            "--out", str(tmp_path / "out.jsonl"), "--concurrency", "1", "--poll-interval", "0.1", "--no-progress"]
+    return [
+        sys.executable,
+        "-m",
+        "webapi.client",
+        "submit",
+        str(tmp_path / "in.jsonl"),
+        "--url",
+        url,
+        "--key",
+        key,
+        "--out",
+        str(tmp_path / "out.jsonl"),
+        "--concurrency",
+        "1",
+        "--poll-interval",
+        "0.1",
+        "--no-progress",
+    ]
 
 
 def list_all_jobs(stack) -> list[dict]:
     jobs, cursor = [], None
     while True:
-        r = stack.client.get("/jobs", query_string={"limit": 100, **({"cursor": cursor} if cursor else {})},
-                             headers=stack.headers)
+        r = stack.client.get(
+            "/jobs",
+            query_string={"limit": 100, **({"cursor": cursor} if cursor else {})},
+            headers=stack.headers,
+        )
         jobs += r.json["jobs"]
         cursor = r.json["next_cursor"]
         if cursor is None:
@@ -51,8 +70,16 @@ def list_all_jobs(stack) -> list[dict]:
 def test_killed_client_resumes_in_order_without_duplicates(served, tmp_path):
     stack, url = served
     key = stack.headers["Authorization"].removeprefix("Bearer ")
-    items = [{"custom_id": f"item-{i:03d}", "prompt": f"Prompt number {i}", "max_tokens": 3 + i % 5,
-              "priority": i % 10, "temperature": 0.0} for i in range(N)]
+    items = [
+        {
+            "custom_id": f"item-{i:03d}",
+            "prompt": f"Prompt number {i}",
+            "max_tokens": 3 + i % 5,
+            "priority": i % 10,
+            "temperature": 0.0,
+        }
+        for i in range(N)
+    ]
     items.reverse()  # the output follows the input order, not the ids' order
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
     state = tmp_path / "out.jsonl.state.jsonl"
@@ -71,7 +98,9 @@ def test_killed_client_resumes_in_order_without_duplicates(served, tmp_path):
     # as if the client had died after the API accepted the last two but before it recorded them
     state.write_text("".join(line + "\n" for line in lines[:-2]))
 
-    done = subprocess.run(client_command(url, key, tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        client_command(url, key, tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [row["custom_id"] for row in rows] == [item["custom_id"] for item in items]
@@ -83,14 +112,23 @@ def test_killed_client_resumes_in_order_without_duplicates(served, tmp_path):
     assert len(server_jobs) == N  # the re-submitted ones got their first job back (Idempotency-Key)
     assert {job["id"] for job in server_jobs} == {row["job_id"] for row in rows}
 
-    again = subprocess.run(client_command(url, key, tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    again = subprocess.run(
+        client_command(url, key, tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert again.returncode == 0, again.stderr
     assert [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()] == rows
     assert len(list_all_jobs(stack)) == N
 
 
 def test_bad_input_is_refused_before_anything_is_sent(tmp_path):
-    (tmp_path / "in.jsonl").write_text('{"custom_id": "a", "prompt": "x"}\n{"custom_id": "a", "prompt": "y"}\n')
-    r = subprocess.run(client_command("http://127.0.0.1:9", "k", tmp_path), cwd=ROOT, capture_output=True,
-                       text=True, timeout=60)
+    (tmp_path / "in.jsonl").write_text(
+        '{"custom_id": "a", "prompt": "x"}\n{"custom_id": "a", "prompt": "y"}\n'
+    )
+    r = subprocess.run(
+        client_command("http://127.0.0.1:9", "k", tmp_path),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "custom_id 'a' appears twice" in r.stderr

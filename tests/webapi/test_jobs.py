@@ -11,7 +11,13 @@ import pytest
 from jobstore import jobs
 from jobstore.dispatch import QUEUE
 
-JOB = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0.0, "priority": 3, "metadata": {"a": 1}}
+JOB = {
+    "prompt": "Once upon a time",
+    "max_tokens": 16,
+    "temperature": 0.0,
+    "priority": 3,
+    "metadata": {"a": 1},
+}
 
 
 def submit(client, headers, body=None, **extra_headers):
@@ -27,7 +33,10 @@ def test_submit_answers_202_with_location_and_queues_by_priority(client, auth, r
     job = r.json
     assert r.headers["Location"] == f"/jobs/{job['id']}"
     assert job["status"] == "queued" and job["priority"] == 3 and job["metadata"] == {"a": 1}
-    assert job["usage"] == {"prompt_tokens": len("Once upon a time") + 1, "completion_tokens": 0}  # bytes + BOS
+    assert job["usage"] == {
+        "prompt_tokens": len("Once upon a time") + 1,
+        "completion_tokens": 0,
+    }  # bytes + BOS
     assert job["output"] == {"text": "", "token_ids": [], "finish_reason": None} and job["error"] is None
     assert redis_client.llen(key) == before + 1  # filed under priority 3's list
     polled = client.get(r.headers["Location"], headers=headers)
@@ -44,8 +53,9 @@ def test_list_paginates_newest_first_and_filters(client, auth):
     ids = [submit(client, headers).json["id"] for _ in range(5)]
     seen, cursor = [], None
     while True:
-        page = client.get("/jobs", query_string={"limit": 2, **({"cursor": cursor} if cursor else {})},
-                          headers=headers).json
+        page = client.get(
+            "/jobs", query_string={"limit": 2, **({"cursor": cursor} if cursor else {})}, headers=headers
+        ).json
         seen.append([j["id"] for j in page["jobs"]])
         cursor = page["next_cursor"]
         if cursor is None:
@@ -67,7 +77,9 @@ def test_cancel(client, auth, sessions):
     done = submit(client, headers).json["id"]
     with sessions.begin() as s:
         jobs.claim_job(s, uuid.UUID(done), "w", 30)
-        jobs.finish_job(s, uuid.UUID(done), "w", token_ids=[5], text="x", finish_reason="stop", prompt_tokens=3)
+        jobs.finish_job(
+            s, uuid.UUID(done), "w", token_ids=[5], text="x", finish_reason="stop", prompt_tokens=3
+        )
     r = client.post(f"/jobs/{done}/cancel", headers=headers)
     assert r.status_code == 409 and "succeeded" in r.json["error"]["message"]
 
@@ -90,40 +102,45 @@ def test_idempotency_key(client, auth):
     other = submit(client, headers, {**JOB, "max_tokens": 3}, **{"Idempotency-Key": "order-1"})
     assert other.status_code == 422 and "Idempotency-Key" in other.json["error"]["message"]
     assert len(client.get("/jobs", headers=headers).json["jobs"]) == 1
-    assert submit(client, auth(), **{"Idempotency-Key": "order-1"}).json["id"] != first.json["id"]  # per tenant
+    assert (
+        submit(client, auth(), **{"Idempotency-Key": "order-1"}).json["id"] != first.json["id"]
+    )  # per tenant
 
 
 TOO_LONG = "x" * 2048  # 2048 bytes + BOS: over tiny-llama's 2048 tokens with any max_tokens
 
 
-@pytest.mark.parametrize(("body", "status", "names"), [
-    (b'{"prompt": "hi", ', 400, "JSON"),
-    (b'{"prompt": "hi", "temperature": NaN}', 422, "temperature"),
-    (b'["prompt"]', 422, "body"),
-    ({"prompt": 5}, 422, "prompt"),
-    ({"prompt": "hi", "max_tokens": "8"}, 422, "max_tokens"),
-    ({"prompt": "hi", "priority": 1.5}, 422, "priority"),
-    ({"prompt": "hi", "temperature": "hot"}, 422, "temperature"),
-    ({"prompt": "hi", "stop": "x"}, 422, "stop"),
-    ({"prompt": "hi", "colour": "red"}, 422, "colour"),
-    ({"max_tokens": 4}, 422, "prompt"),
-    ({"prompt": "hi", "input_ids": [1]}, 422, "input_ids"),
-    ({"prompt": ""}, 422, "prompt"),
-    ({"prompt": "hi", "max_tokens": 0}, 422, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": 4096}, 422, "max_model_len"),
-    ({"prompt": TOO_LONG, "max_tokens": 1}, 422, "max_model_len"),
-    ({"input_ids": [1] * 2040, "max_tokens": 16}, 422, "max_model_len"),
-    ({"input_ids": [1, 300]}, 422, "input_ids"),
-    ({"input_ids": [1, -1]}, 422, "input_ids"),
-    ({"prompt": "hi", "priority": 10}, 422, "priority"),
-    ({"prompt": "hi", "priority": -1}, 422, "priority"),
-    ({"prompt": "hi", "top_p": 0}, 422, "top_p"),
-    ({"prompt": "hi", "temperature": -0.5}, 422, "temperature"),
-    ({"prompt": "hi", "seed": -3}, 422, "seed"),
-    ({"prompt": "hi", "stop": ["a\x00"]}, 422, "stop"),
-    ({"prompt": "hi", "metadata": {"nested": {"a": 1}}}, 422, "metadata"),
-    ({"prompt": "hi", "metadata": {f"k{i}": i for i in range(17)}}, 422, "metadata"),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "names"),
+    [
+        (b'{"prompt": "hi", ', 400, "JSON"),
+        (b'{"prompt": "hi", "temperature": NaN}', 422, "temperature"),
+        (b'["prompt"]', 422, "body"),
+        ({"prompt": 5}, 422, "prompt"),
+        ({"prompt": "hi", "max_tokens": "8"}, 422, "max_tokens"),
+        ({"prompt": "hi", "priority": 1.5}, 422, "priority"),
+        ({"prompt": "hi", "temperature": "hot"}, 422, "temperature"),
+        ({"prompt": "hi", "stop": "x"}, 422, "stop"),
+        ({"prompt": "hi", "colour": "red"}, 422, "colour"),
+        ({"max_tokens": 4}, 422, "prompt"),
+        ({"prompt": "hi", "input_ids": [1]}, 422, "input_ids"),
+        ({"prompt": ""}, 422, "prompt"),
+        ({"prompt": "hi", "max_tokens": 0}, 422, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 4096}, 422, "max_model_len"),
+        ({"prompt": TOO_LONG, "max_tokens": 1}, 422, "max_model_len"),
+        ({"input_ids": [1] * 2040, "max_tokens": 16}, 422, "max_model_len"),
+        ({"input_ids": [1, 300]}, 422, "input_ids"),
+        ({"input_ids": [1, -1]}, 422, "input_ids"),
+        ({"prompt": "hi", "priority": 10}, 422, "priority"),
+        ({"prompt": "hi", "priority": -1}, 422, "priority"),
+        ({"prompt": "hi", "top_p": 0}, 422, "top_p"),
+        ({"prompt": "hi", "temperature": -0.5}, 422, "temperature"),
+        ({"prompt": "hi", "seed": -3}, 422, "seed"),
+        ({"prompt": "hi", "stop": ["a\x00"]}, 422, "stop"),
+        ({"prompt": "hi", "metadata": {"nested": {"a": 1}}}, 422, "metadata"),
+        ({"prompt": "hi", "metadata": {f"k{i}": i for i in range(17)}}, 422, "metadata"),
+    ],
+)
 def test_bad_input_is_4xx_naming_the_field_and_creates_no_job(client, auth, body, status, names):
     headers = auth()
     if isinstance(body, bytes):
@@ -144,7 +161,9 @@ def test_body_over_the_limit_is_413(client, auth, settings):
 
 
 def test_body_must_be_json(client, auth):
-    r = client.post("/jobs", data="prompt=hi", headers={**auth(), "Content-Type": "application/x-www-form-urlencoded"})
+    r = client.post(
+        "/jobs", data="prompt=hi", headers={**auth(), "Content-Type": "application/x-www-form-urlencoded"}
+    )
     assert r.status_code == 415 and "application/json" in r.json["error"]["message"]
 
 
@@ -163,10 +182,18 @@ def test_unknown_id_is_404(client, auth):
         assert r.status_code == 404 and set(r.json["error"]) == {"code", "message"}
 
 
-@pytest.mark.parametrize(("query", "name"), [
-    ("status=done", "status"), ("limit=0", "limit"), ("limit=ten", "limit"), ("limit=101", "limit"),
-    ("cursor=garbage", "cursor"), ("colour=red", "colour"), ("limit=1&limit=2", "limit"),
-])
+@pytest.mark.parametrize(
+    ("query", "name"),
+    [
+        ("status=done", "status"),
+        ("limit=0", "limit"),
+        ("limit=ten", "limit"),
+        ("limit=101", "limit"),
+        ("cursor=garbage", "cursor"),
+        ("colour=red", "colour"),
+        ("limit=1&limit=2", "limit"),
+    ],
+)
 def test_bad_list_query_is_422(client, auth, query, name):
     r = client.get(f"/jobs?{query}", headers=auth())
     assert r.status_code == 422 and name in r.json["error"]["message"]

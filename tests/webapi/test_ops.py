@@ -19,8 +19,10 @@ def test_healthz_and_api_answer_503_when_postgres_is_down(settings, auth):
     health = client.get("/healthz")
     jobs = client.get("/jobs", headers={"Authorization": "Bearer gq_whatever"})
     app.extensions["genq"].close()
-    assert health.status_code == 503 and health.json["error"] == {"code": "unavailable",
-                                                                   "message": "database unavailable"}
+    assert health.status_code == 503 and health.json["error"] == {
+        "code": "unavailable",
+        "message": "database unavailable",
+    }
     assert jobs.status_code == 503 and jobs.headers["Retry-After"]
 
 

@@ -15,8 +15,13 @@ from tests.conftest import BIN, ROOT, free_port, settings_env
 def server(settings, database):
     """`gunicorn "webapi:create_app()"` on a free port, as in the Procfile."""
     port = free_port()
-    proc = subprocess.Popen([BIN / "gunicorn", "--bind", f"127.0.0.1:{port}", "webapi:create_app()"],
-                            cwd=ROOT, env=settings_env(settings), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [BIN / "gunicorn", "--bind", f"127.0.0.1:{port}", "webapi:create_app()"],
+        cwd=ROOT,
+        env=settings_env(settings),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(100):
@@ -34,8 +39,14 @@ def server(settings, database):
 
 
 def create_key(settings, tenant: str) -> str:
-    done = subprocess.run([BIN / "flask", "--app", "webapi", "keys", "create", tenant], cwd=ROOT,
-                          env=settings_env(settings), capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [BIN / "flask", "--app", "webapi", "keys", "create", tenant],
+        cwd=ROOT,
+        env=settings_env(settings),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return done.stdout.strip().splitlines()[-1]
 
 
@@ -48,12 +59,19 @@ def test_cli_key_is_the_last_line_and_works(server, settings):
 
 def test_submit_poll_cancel_over_http(server, settings):
     headers = {"Authorization": f"Bearer {create_key(settings, 'http-tenant')}"}
-    r = requests.post(f"{server}/jobs", json={"prompt": "Hello", "max_tokens": 8, "priority": 0}, headers=headers,
-                      timeout=5)
+    r = requests.post(
+        f"{server}/jobs", json={"prompt": "Hello", "max_tokens": 8, "priority": 0}, headers=headers, timeout=5
+    )
     assert r.status_code == 202 and r.headers["Location"] == f"/jobs/{r.json()['id']}"
-    assert requests.get(server + r.headers["Location"], headers=headers, timeout=5).json()["status"] == "queued"
+    assert (
+        requests.get(server + r.headers["Location"], headers=headers, timeout=5).json()["status"] == "queued"
+    )
     cancel = requests.post(f"{server}{r.headers['Location']}/cancel", headers=headers, timeout=5)
     assert cancel.status_code == 200 and cancel.json()["status"] == "cancelled"
-    big = requests.post(f"{server}/jobs", data=b"x" * (settings.max_body_bytes + 1), timeout=5,
-                        headers={**headers, "Content-Type": "application/json"})
+    big = requests.post(
+        f"{server}/jobs",
+        data=b"x" * (settings.max_body_bytes + 1),
+        timeout=5,
+        headers={**headers, "Content-Type": "application/json"},
+    )
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_entity_too_large"

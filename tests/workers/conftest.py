@@ -45,7 +45,9 @@ class Stack:
             if until(job):
                 return job
             time.sleep(0.05)
-        raise AssertionError(f"job {job_id} still {job['status']} after {timeout}s; worker log:\n{self.log_text()}")
+        raise AssertionError(
+            f"job {job_id} still {job['status']} after {timeout}s; worker log:\n{self.log_text()}"
+        )
 
     def engine_stats(self) -> dict:
         replies = self.celery.control.broadcast("engine_stats", reply=True, timeout=5, limit=1)
@@ -57,21 +59,52 @@ class Stack:
 
 
 @contextmanager
-def worker_stack(settings: Settings, new_key, log_dir: Path, *, max_num_seqs: int, reserve: int | None = None,
-                 concurrency: int = 2) -> Iterator[Stack]:
+def worker_stack(
+    settings: Settings,
+    new_key,
+    log_dir: Path,
+    *,
+    max_num_seqs: int,
+    reserve: int | None = None,
+    concurrency: int = 2,
+) -> Iterator[Stack]:
     """A worker whose engine runs `max_num_seqs` sequences and holds `reserve` jobs more; `concurrency` is
     its intake threads (messages taken at once)."""
     from webapi import create_app
 
     name = f"w{max_num_seqs}-{uuid.uuid4().hex[:6]}"
-    settings = dataclasses.replace(settings, redis_key_prefix=f"{settings.redis_key_prefix}{name}:",
-                                   max_num_seqs=max_num_seqs, worker_reserve=reserve)
+    settings = dataclasses.replace(
+        settings,
+        redis_key_prefix=f"{settings.redis_key_prefix}{name}:",
+        max_num_seqs=max_num_seqs,
+        worker_reserve=reserve,
+    )
     log = log_dir / f"{name}.log"
     with log.open("w") as out:
         worker = subprocess.Popen(
-            [BIN / "celery", "-A", "workers", "worker", "--pool", "threads", "--concurrency", str(concurrency),
-             "-Q", "generate", "--loglevel", "INFO", "--without-mingle", "--without-gossip", "-n", f"{name}@%h"],
-            cwd=ROOT, env=settings_env(settings), stdout=out, stderr=subprocess.STDOUT)
+            [
+                BIN / "celery",
+                "-A",
+                "workers",
+                "worker",
+                "--pool",
+                "threads",
+                "--concurrency",
+                str(concurrency),
+                "-Q",
+                "generate",
+                "--loglevel",
+                "INFO",
+                "--without-mingle",
+                "--without-gossip",
+                "-n",
+                f"{name}@%h",
+            ],
+            cwd=ROOT,
+            env=settings_env(settings),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     app = create_app(settings)
     celery = make_celery(settings)
     try:
@@ -102,7 +135,9 @@ def wide(settings, new_key, tmp_path_factory, redis_client) -> Iterator[Stack]:
 @pytest.fixture(scope="session")
 def narrow(settings, new_key, tmp_path_factory, redis_client) -> Iterator[Stack]:
     """A worker holding one job at a time: the rest wait in Redis, in priority order."""
-    with worker_stack(settings, new_key, tmp_path_factory.mktemp("workers"), max_num_seqs=1, reserve=0) as stack:
+    with worker_stack(
+        settings, new_key, tmp_path_factory.mktemp("workers"), max_num_seqs=1, reserve=0
+    ) as stack:
         yield stack
 
 

@@ -23,19 +23,19 @@ def test_room_takes_anything():
 
 def test_full_takes_only_strictly_more_urgent_and_hands_back_the_least_urgent_latest():
     full = [held("a", 9, age=1), held("b", 9, age=2), held("c", 5, age=3)]
-    assert not admit(full, 9, capacity=3, max_handbacks=MAX).take      # equal: never preempts
+    assert not admit(full, 9, capacity=3, max_handbacks=MAX).take  # equal: never preempts
     decision = admit(full, 5, capacity=3, max_handbacks=MAX)
-    assert decision.take and decision.victim == "b"                     # least urgent, latest created
+    assert decision.take and decision.victim == "b"  # least urgent, latest created
     assert admit(full, 0, capacity=3, max_handbacks=MAX).victim == "b"
 
 
 def test_a_job_at_its_bound_is_not_handed_back_and_does_not_block_urgent_work():
     full = [held("a", 9, handbacks=MAX), held("b", 5, handbacks=MAX - 1)]
     decision = admit(full, 7, capacity=2, max_handbacks=MAX)
-    assert decision.take and decision.victim is None                    # "a" rides along, uncounted
+    assert decision.take and decision.victim is None  # "a" rides along, uncounted
     decision = admit(full, 0, capacity=2, max_handbacks=MAX)
     assert decision.take and decision.victim is None
-    assert not admit(full, 9, capacity=2, max_handbacks=MAX).take       # not more urgent than "a"
+    assert not admit(full, 9, capacity=2, max_handbacks=MAX).take  # not more urgent than "a"
 
 
 def test_a_job_being_claimed_keeps_its_place_and_is_never_the_victim():
@@ -44,7 +44,9 @@ def test_a_job_being_claimed_keeps_its_place_and_is_never_the_victim():
     assert not admit([held("claiming", 9, pinned=True)], 0, capacity=1, max_handbacks=MAX).take
 
 
-jobs = st.lists(st.tuples(st.integers(0, 9), st.integers(0, 5), st.integers(0, MAX), st.booleans()), max_size=12)
+jobs = st.lists(
+    st.tuples(st.integers(0, 9), st.integers(0, 5), st.integers(0, MAX), st.booleans()), max_size=12
+)
 
 
 @given(jobs, st.integers(0, 9), st.integers(1, 8))
@@ -57,8 +59,11 @@ def test_the_rule_keeps_its_promises(rows, priority, capacity):
         assert decision.take and len(counted) >= capacity
         assert victim.priority > priority and victim.handbacks < MAX and not victim.pinned
         # no other candidate is less urgent, or as urgent and newer
-        assert all((h.priority, h.created_at) <= (victim.priority, victim.created_at) for h in counted
-                   if h.priority > priority and not h.pinned)
+        assert all(
+            (h.priority, h.created_at) <= (victim.priority, victim.created_at)
+            for h in counted
+            if h.priority > priority and not h.pinned
+        )
     elif decision.take:
         assert len(counted) < capacity
     else:  # declined: the worker holds `capacity` jobs it counts, none of them both less urgent and movable

@@ -42,7 +42,7 @@ def test_procfile_runs_the_contract_commands(procfile):
     assert set(procfile) == set(CONTRACT)
     for name, prefix in CONTRACT.items():
         argv = shlex.split(procfile[name])
-        assert argv[:len(prefix)] == prefix, name
+        assert argv[: len(prefix)] == prefix, name
     assert "webapi:create_app()" in shlex.split(procfile["api"])
     assert shlex.split(procfile["worker"])[-4:-2] == ["-Q", "generate"]
 
@@ -63,7 +63,9 @@ def test_compose_ordering_health_and_gpu(compose):
     assert services["migrate"]["depends_on"] == {"postgres": {"condition": "service_healthy"}}
     assert services["migrate"]["restart"] == "no"
     for name in ("api", "worker", "worker-cpu", "beat"):
-        assert services[name]["depends_on"]["migrate"] == {"condition": "service_completed_successfully"}, name
+        assert services[name]["depends_on"]["migrate"] == {"condition": "service_completed_successfully"}, (
+            name
+        )
         assert services[name]["depends_on"]["redis"] == {"condition": "service_healthy"}, name
     [gpu] = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
     assert gpu["capabilities"] == ["gpu"] and services["worker"]["environment"]["DEVICE"] == "cuda"
@@ -78,7 +80,11 @@ def test_env_example_documents_every_setting():
     text = (ROOT / ".env.example").read_text()
     documented = set(re.findall(r"^#? ?([A-Z][A-Z0-9_]+)=", text, flags=re.M))
     assert {f.name.upper() for f in fields(Settings)} <= documented
-    used = set(re.findall(r"\$\{([A-Z][A-Z0-9_]+)", (ROOT / "docker-compose.yml").read_text()
-                          + (ROOT / "Procfile").read_text()))
+    used = set(
+        re.findall(
+            r"\$\{([A-Z][A-Z0-9_]+)",
+            (ROOT / "docker-compose.yml").read_text() + (ROOT / "Procfile").read_text(),
+        )
+    )
     assert used <= documented
     assert {"FLOWER_BASIC_AUTH", "HF_TOKEN"} <= documented

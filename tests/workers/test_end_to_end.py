@@ -19,13 +19,20 @@ def mixed_jobs(n: int) -> list[dict]:
     rng = random.Random(20)
     bodies = []
     for i in range(n):
-        body = {"max_tokens": rng.randint(4, 32), "priority": rng.randint(0, 9), "seed": 1000 + i,
-                "temperature": 0.0 if i % 2 == 0 else rng.choice([0.7, 1.0]),
-                "top_p": rng.choice([1.0, 0.9]), "top_k": rng.choice([0, 0, 40])}
+        body = {
+            "max_tokens": rng.randint(4, 32),
+            "priority": rng.randint(0, 9),
+            "seed": 1000 + i,
+            "temperature": 0.0 if i % 2 == 0 else rng.choice([0.7, 1.0]),
+            "top_p": rng.choice([1.0, 0.9]),
+            "top_k": rng.choice([0, 0, 40]),
+        }
         if i % 5 == 4:
             body["input_ids"] = [1] + [rng.randint(3, 258) for _ in range(rng.randint(1, 30))]
         else:
-            body["prompt"] = f"Job {i}: " + " ".join(rng.choice(["tea", "cat", "sky", "mud"]) for _ in range(i))
+            body["prompt"] = f"Job {i}: " + " ".join(
+                rng.choice(["tea", "cat", "sky", "mud"]) for _ in range(i)
+            )
         if i % 4 == 1:
             body["stop"] = ["a", "\n"]
         bodies.append(body)
@@ -43,12 +50,19 @@ def test_twenty_mixed_priority_jobs_equal_offline_generate(wide, offline_engine)
     results = [wide.wait(job_id) for job_id in ids]
     for body, job, expected in zip(bodies, results, expected_outputs(offline_engine, bodies), strict=True):
         assert job["status"] == "succeeded", job
-        assert job["output"] == {"text": expected.text, "token_ids": expected.token_ids,
-                                 "finish_reason": expected.finish_reason}, body
-        assert job["usage"] == {"prompt_tokens": len(expected.prompt_token_ids),
-                                "completion_tokens": len(expected.token_ids)}
-        times = [datetime.fromisoformat(job[k]) for k in ("created_at", "started_at", "first_token_at",
-                                                           "finished_at")]
+        assert job["output"] == {
+            "text": expected.text,
+            "token_ids": expected.token_ids,
+            "finish_reason": expected.finish_reason,
+        }, body
+        assert job["usage"] == {
+            "prompt_tokens": len(expected.prompt_token_ids),
+            "completion_tokens": len(expected.token_ids),
+        }
+        times = [
+            datetime.fromisoformat(job[k])
+            for k in ("created_at", "started_at", "first_token_at", "finished_at")
+        ]
         assert times == sorted(times), job
     assert {b["priority"] for b in bodies} >= {0, 9}
 
@@ -66,8 +80,22 @@ def test_reconciler_sends_jobs_that_never_reached_redis(wide, sessions):
     wide.wait(job_id)  # the submitted one runs; now one that the API committed but never sent:
     tenant_id = _tenant_of(sessions, job_id)
     with sessions.begin() as s:
-        job, _ = jobs.create_job(s, tenant_id, dict(prompt="lost", input_ids=None, max_tokens=4, temperature=0.0,
-                                                    top_p=1.0, top_k=0, seed=None, stop=[], priority=5, metadata={}))
+        job, _ = jobs.create_job(
+            s,
+            tenant_id,
+            dict(
+                prompt="lost",
+                input_ids=None,
+                max_tokens=4,
+                temperature=0.0,
+                top_p=1.0,
+                top_k=0,
+                seed=None,
+                stop=[],
+                priority=5,
+                metadata={},
+            ),
+        )
     time.sleep(wide.settings.enqueue_grace_seconds)
     assert reconcile(sessions, wide.celery, wide.settings)["sent"] >= 1
     assert wide.wait(str(job.id))["status"] == "succeeded"
@@ -78,8 +106,9 @@ def test_expired_lease_is_redispatched_and_resumes_from_persisted_tokens(wide, s
     [expected] = expected_outputs(offline_engine, [body])
     tenant_id = _tenant_of(sessions, wide.submit(prompt="x", max_tokens=1))
     with sessions.begin() as s:  # a worker claimed it, saved 10 tokens, and died (its lease lapsed)
-        job, _ = jobs.create_job(s, tenant_id, dict(input_ids=None, top_p=1.0, top_k=0, stop=[], priority=5,
-                                                    metadata={}, **body))
+        job, _ = jobs.create_job(
+            s, tenant_id, dict(input_ids=None, top_p=1.0, top_k=0, stop=[], priority=5, metadata={}, **body)
+        )
         jobs.mark_enqueued(s, [job.id])
     with sessions.begin() as s:
         jobs.claim_job(s, job.id, "dead-worker", lease_seconds=-1)

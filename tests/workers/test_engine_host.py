@@ -62,7 +62,9 @@ def test_bad_request_fails_its_handle_only(host):
 
 def test_stop_fails_pending_requests_with_host_stopped(settings):
     host = EngineHost(EngineConfig(**settings.engine_options())).start()
-    handle = host.submit("pending", "A long story", SamplingParams(max_tokens=1000, temperature=0.0), priority=5)
+    handle = host.submit(
+        "pending", "A long story", SamplingParams(max_tokens=1000, temperature=0.0), priority=5
+    )
     host.stop()
     assert handle.done.is_set() and isinstance(handle.error, HostStopped)
 
@@ -77,16 +79,22 @@ def test_outputs_cross_the_process_boundary_whole(host, offline_engine):
     prompts = ["The river", "A stone", "Light song"]
     expected = offline_engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0))
     stop = expected[1].text[5:9]  # a stop string the second request meets: its text's tail is cut
-    params = [SamplingParams(max_tokens=40, temperature=0.0),
-              SamplingParams(max_tokens=40, temperature=0.0, stop=[stop]),
-              SamplingParams(max_tokens=40, temperature=0.8, seed=3)]
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.0),
+        SamplingParams(max_tokens=40, temperature=0.0, stop=[stop]),
+        SamplingParams(max_tokens=40, temperature=0.8, seed=3),
+    ]
     expected = offline_engine.generate(prompts, params)
     handles = [host.submit(f"x{i}", p, params[i], priority=5) for i, p in enumerate(prompts)]
     for handle, want in zip(handles, expected):
         assert handle.done.wait(60) and handle.error is None
         got = handle.output
-        assert (got.token_ids, got.text, got.finish_reason, got.prompt_token_ids) == \
-               (want.token_ids, want.text, want.finish_reason, want.prompt_token_ids)
+        assert (got.token_ids, got.text, got.finish_reason, got.prompt_token_ids) == (
+            want.token_ids,
+            want.text,
+            want.finish_reason,
+            want.prompt_token_ids,
+        )
     assert handles[1].output.finish_reason == "stop"
 
 
@@ -96,14 +104,18 @@ def test_a_dead_engine_process_loses_its_requests_and_a_new_one_starts(settings)
         first_pid = host.pid
         with open(f"/proc/{first_pid}/comm") as comm:  # what top and ps show
             assert comm.read().strip() == "genq-engine"
-        handle = host.submit("long", "A long story", SamplingParams(max_tokens=1000, temperature=0.0), priority=5)
+        handle = host.submit(
+            "long", "A long story", SamplingParams(max_tokens=1000, temperature=0.0), priority=5
+        )
         while handle.output is None or len(handle.output.token_ids) < 3:
             assert not handle.done.is_set()
             time.sleep(0.01)
         os.kill(first_pid, signal.SIGKILL)
         assert handle.done.wait(30) and isinstance(handle.error, EngineLost)
         assert len(handle.output.token_ids) >= 3  # what it made is kept for the hand-back
-        after = host.submit("after", "y", SamplingParams(max_tokens=2), priority=5)  # waits for the new engine
+        after = host.submit(
+            "after", "y", SamplingParams(max_tokens=2), priority=5
+        )  # waits for the new engine
         assert after.done.wait(120) and after.error is None and len(after.output.token_ids) == 2
         assert host.pid != first_pid and len(host.losses) == 1
     finally:
@@ -131,7 +143,8 @@ def test_a_killed_worker_takes_its_engine_process_with_it(tmp_path, settings):
         "if __name__ == '__main__':  # the engine process is spawned: it imports this file too\n"
         f"    host = EngineHost(EngineConfig(**{settings.engine_options()!r})).start()\n"
         "    print(host.pid, flush=True)\n"
-        "    time.sleep(600)\n")
+        "    time.sleep(600)\n"
+    )
     worker = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     with worker.stdout:
         engine_pid = int(worker.stdout.readline())

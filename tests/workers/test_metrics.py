@@ -20,8 +20,11 @@ from workers.outcomes import Outcome
 
 
 def parse(text: str) -> dict:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def value(scraped: dict, name: str, **labels) -> float:
@@ -32,7 +35,9 @@ def value(scraped: dict, name: str, **labels) -> float:
 def metered(settings, new_key, tmp_path_factory, redis_client):
     """A worker with a small KV pool (20 blocks of 16 tokens, 40 host blocks) serving metrics on its own port."""
     port = free_port()
-    small = dataclasses.replace(settings, block_size=16, num_device_blocks=20, num_host_blocks=40, max_model_len=256)
+    small = dataclasses.replace(
+        settings, block_size=16, num_device_blocks=20, num_host_blocks=40, max_model_len=256
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WORKER_METRICS_PORT", str(port))
         with worker_stack(small, new_key, tmp_path_factory.mktemp("metered"), max_num_seqs=2) as stack:
@@ -67,10 +72,12 @@ def test_worker_metrics_count_jobs_tokens_and_a_preemption(metered):
     try:
         # two 160-token prompts fill the 320-token pool: at the first new block a decode needs, the bulk
         # job is preempted and swapped out while the urgent one goes on
-        bulk = metered.submit(input_ids=[(7 * i) % 200 + 3 for i in range(160)], max_tokens=80, priority=9,
-                              temperature=0.0)
-        urgent = metered.submit(input_ids=[(11 * i) % 200 + 3 for i in range(160)], max_tokens=80, priority=0,
-                                temperature=0.0)
+        bulk = metered.submit(
+            input_ids=[(7 * i) % 200 + 3 for i in range(160)], max_tokens=80, priority=9, temperature=0.0
+        )
+        urgent = metered.submit(
+            input_ids=[(11 * i) % 200 + 3 for i in range(160)], max_tokens=80, priority=0, temperature=0.0
+        )
         jobs = {9: metered.wait(bulk), 0: metered.wait(urgent)}
     finally:
         stop.set()
@@ -87,17 +94,27 @@ def test_worker_metrics_count_jobs_tokens_and_a_preemption(metered):
         assert delta("genq_worker_jobs_total", priority=p, outcome="succeeded") == 1
         assert delta("genq_job_latency_seconds_count", priority=p) == 1
         assert delta("genq_job_ttft_seconds_count", priority=p) == 1
-        assert delta("genq_job_time_between_tokens_seconds_count", priority=p) == job["usage"]["completion_tokens"] - 1
-        assert value(after_api, "genq_jobs_submitted_total", priority=p) - value(
-            before_api, "genq_jobs_submitted_total", priority=p) == 1
-    assert delta("genq_engine_generated_tokens_total") == sum(j["usage"]["completion_tokens"] for j in jobs.values())
+        assert (
+            delta("genq_job_time_between_tokens_seconds_count", priority=p)
+            == job["usage"]["completion_tokens"] - 1
+        )
+        assert (
+            value(after_api, "genq_jobs_submitted_total", priority=p)
+            - value(before_api, "genq_jobs_submitted_total", priority=p)
+            == 1
+        )
+    assert delta("genq_engine_generated_tokens_total") == sum(
+        j["usage"]["completion_tokens"] for j in jobs.values()
+    )
     # the worker's counters are the engine's own, and the preemption happened
     assert stats["num_preemptions"] >= 1 and stats["num_blocks_swapped_out"] >= 1
-    for name, key in (("genq_engine_preemptions_total", "num_preemptions"),
-                      ("genq_engine_swapped_out_blocks_total", "num_blocks_swapped_out"),
-                      ("genq_engine_swapped_in_blocks_total", "num_blocks_swapped_in"),
-                      ("genq_engine_recomputed_tokens_total", "num_recomputed_tokens"),
-                      ("genq_engine_steps_total", "num_steps")):
+    for name, key in (
+        ("genq_engine_preemptions_total", "num_preemptions"),
+        ("genq_engine_swapped_out_blocks_total", "num_blocks_swapped_out"),
+        ("genq_engine_swapped_in_blocks_total", "num_blocks_swapped_in"),
+        ("genq_engine_recomputed_tokens_total", "num_recomputed_tokens"),
+        ("genq_engine_steps_total", "num_steps"),
+    ):
         assert value(after_w, name) == stats[key], name
     assert value(after_w, "genq_engine_step_seconds_count") == stats["num_steps"]
     # gauges moved during the run and are back to idle after it
@@ -113,8 +130,11 @@ def test_cancelling_a_running_job_counts_as_stopped(metered):
     metered.wait(job_id, until=lambda j: j["status"] == "running")
     assert metered.client.post(f"/jobs/{job_id}/cancel", headers=metered.headers).status_code == 200
     deadline = time.monotonic() + 30
-    while value(scrape_worker(metered), "genq_worker_jobs_total", priority="4", outcome="stopped") - value(
-            before, "genq_worker_jobs_total", priority="4", outcome="stopped") != 1:
+    while (
+        value(scrape_worker(metered), "genq_worker_jobs_total", priority="4", outcome="stopped")
+        - value(before, "genq_worker_jobs_total", priority="4", outcome="stopped")
+        != 1
+    ):
         assert time.monotonic() < deadline, metered.log_text()
         time.sleep(0.05)
 
@@ -123,25 +143,36 @@ def test_api_queue_depth_jobs_by_priority_and_cancellations(client, auth):
     """No worker listens on this app's queue: submitted jobs wait in Redis, at their priority."""
     headers = auth()
     before = parse(client.get("/metrics").text)
-    ids = [client.post("/jobs", json={"prompt": "wait", "max_tokens": 2, "priority": 3}, headers=headers).json["id"]
-           for _ in range(3)]
+    ids = [
+        client.post("/jobs", json={"prompt": "wait", "max_tokens": 2, "priority": 3}, headers=headers).json[
+            "id"
+        ]
+        for _ in range(3)
+    ]
     queued = parse(client.get("/metrics").text)
-    for name, labels in (("genq_queue_depth", {"priority": "3"}),
-                         ("genq_jobs_by_priority", {"status": "queued", "priority": "3"}),
-                         ("genq_jobs", {"status": "queued"})):
+    for name, labels in (
+        ("genq_queue_depth", {"priority": "3"}),
+        ("genq_jobs_by_priority", {"status": "queued", "priority": "3"}),
+        ("genq_jobs", {"status": "queued"}),
+    ):
         assert value(queued, name, **labels) - value(before, name, **labels) == 3, name
     for job_id in ids:
         assert client.post(f"/jobs/{job_id}/cancel", headers=headers).status_code == 200
     after = parse(client.get("/metrics").text)
-    assert value(after, "genq_jobs_cancelled_total", priority="3") - value(
-        before, "genq_jobs_cancelled_total", priority="3") == 3
+    assert (
+        value(after, "genq_jobs_cancelled_total", priority="3")
+        - value(before, "genq_jobs_cancelled_total", priority="3")
+        == 3
+    )
     assert value(after, "genq_jobs_by_priority", status="queued", priority="3") == value(
-        before, "genq_jobs_by_priority", status="queued", priority="3")
+        before, "genq_jobs_by_priority", status="queued", priority="3"
+    )
 
 
 def test_failed_jobs_are_counted_by_code():
-    job = SimpleNamespace(priority=6, created_at=worker_metrics.datetime.now(worker_metrics.timezone.utc),
-                          output_token_ids=[])
+    job = SimpleNamespace(
+        priority=6, created_at=worker_metrics.datetime.now(worker_metrics.timezone.utc), output_token_ids=[]
+    )
     handle = SimpleNamespace(first_token_at=None)
     counter = worker_metrics.FAILURES.labels("6", "engine_error")
     before = counter._value.get()

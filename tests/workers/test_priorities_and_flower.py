@@ -20,7 +20,9 @@ PRIORITIES = [9, 5, 9, 0, 3, 0]  # in the order sent
 @pytest.fixture()
 def queued(settings, redis_client):
     """Messages for PRIORITIES sent to a fresh key prefix (no worker listens there)."""
-    settings = dataclasses.replace(settings, redis_key_prefix=f"{settings.redis_key_prefix}prio-{uuid.uuid4().hex[:6]}:")
+    settings = dataclasses.replace(
+        settings, redis_key_prefix=f"{settings.redis_key_prefix}prio-{uuid.uuid4().hex[:6]}:"
+    )
     app = make_celery(settings)
     ids = [uuid.uuid4() for _ in PRIORITIES]
     for job_id, priority in zip(ids, PRIORITIES, strict=True):
@@ -44,14 +46,22 @@ def test_priority_0_is_taken_first_then_fifo_within_a_priority(queued, redis_cli
     assert taken == [ids[i] for i in order]
 
 
-@pytest.mark.parametrize("conf", [["--conf=workers/flowerconfig.py"], []], ids=["procfile", "contract-command"])
+@pytest.mark.parametrize(
+    "conf", [["--conf=workers/flowerconfig.py"], []], ids=["procfile", "contract-command"]
+)
 def test_flower_requires_a_login_and_shows_lengths_per_priority(queued, conf):
     """Both the Procfile's command and the plain contract command `celery -A workers flower`."""
     settings, _, _ = queued
     port = free_port()
     env = {**settings_env(settings), "FLOWER_PORT": str(port), "FLOWER_BASIC_AUTH": "ops:secret"}
-    flower = subprocess.Popen([BIN / "celery", "-A", "workers", "flower", *conf],
-                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    flower = subprocess.Popen(
+        [BIN / "celery", "-A", "workers", "flower", *conf],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}/api/queues/length"
     try:
         for _ in range(150):
@@ -69,4 +79,5 @@ def test_flower_requires_a_login_and_shows_lengths_per_priority(queued, conf):
     by_name = {q["name"]: q["messages"] for q in lengths}
     assert by_name[QUEUE] == len(PRIORITIES)
     assert {p: by_name[f"{QUEUE} priority {p}"] for p in range(10)} == {
-        p: PRIORITIES.count(p) for p in range(10)}
+        p: PRIORITIES.count(p) for p in range(10)
+    }

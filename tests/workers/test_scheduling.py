@@ -19,7 +19,9 @@ def finished(job: dict) -> datetime:
     return datetime.fromisoformat(job["finished_at"])
 
 
-def test_priority_0_takes_the_place_of_a_running_job_which_resumes_token_identical(narrow, sessions, offline_engine):
+def test_priority_0_takes_the_place_of_a_running_job_which_resumes_token_identical(
+    narrow, sessions, offline_engine
+):
     """The worker holds one job. Urgent jobs do not wait in Redis behind it: the running priority-5 job is
     handed back (tokens kept), the urgent ones run, then it resumes and ends as if never interrupted;
     priority-9 jobs queued before the urgent ones start after all of them."""

@@ -15,16 +15,23 @@ from tests.workers.conftest import worker_stack
 
 def timings(sessions, ids) -> dict[str, dict]:
     with sessions.begin() as s:
-        rows = s.execute(select(Job.id, Job.status, Job.created_at, Job.started_at, Job.first_token_at,
-                                Job.handbacks).where(Job.id.in_([uuid.UUID(i) for i in ids]))).all()
+        rows = s.execute(
+            select(
+                Job.id, Job.status, Job.created_at, Job.started_at, Job.first_token_at, Job.handbacks
+            ).where(Job.id.in_([uuid.UUID(i) for i in ids]))
+        ).all()
     return {str(r.id): r._asdict() for r in rows}
 
 
-def test_urgent_jobs_overtake_a_backlog_ten_times_what_the_worker_holds(settings, sessions, new_key, tmp_path):
+def test_urgent_jobs_overtake_a_backlog_ten_times_what_the_worker_holds(
+    settings, sessions, new_key, tmp_path
+):
     settings = dataclasses.replace(settings, rate_limit="1000/second")  # the backlog is submitted at once
-    with worker_stack(settings, new_key, tmp_path, max_num_seqs=4, reserve=2) as stack:   # holds 6 jobs
-        backlog = [stack.submit(prompt=f"backlog {i}", max_tokens=1500, priority=9, temperature=0.0)
-                   for i in range(60)]
+    with worker_stack(settings, new_key, tmp_path, max_num_seqs=4, reserve=2) as stack:  # holds 6 jobs
+        backlog = [
+            stack.submit(prompt=f"backlog {i}", max_tokens=1500, priority=9, temperature=0.0)
+            for i in range(60)
+        ]
         stack.wait(backlog[0], until=lambda j: len(j["output"]["token_ids"]) > 0)
         deadline = time.monotonic() + 30
         while stack.engine_stats()["worker_held_jobs"] < 6:  # full: the first urgent job must take a place
@@ -46,8 +53,11 @@ def test_urgent_jobs_overtake_a_backlog_ten_times_what_the_worker_holds(settings
         u = seen[job_id]
         # no backlog job waiting in Redis when the urgent one arrived started before it (a claim already in
         # flight at that moment, one per intake thread, may land first)
-        late = [i for i in backlog if seen[i]["started_at"] is not None and u["created_at"] < seen[i]["started_at"]
-                < u["started_at"]]
+        late = [
+            i
+            for i in backlog
+            if seen[i]["started_at"] is not None and u["created_at"] < seen[i]["started_at"] < u["started_at"]
+        ]
         assert len(late) <= 2, (u, [seen[i] for i in late])
         # its first token within a generous wall time (idle: tens of ms), not after a backlog job's whole run
         assert (u["first_token_at"] - u["created_at"]).total_seconds() < 3.0, u
