@@ -169,12 +169,10 @@ def urgent_ttft(workers: int, n_urgent: int, backlog_factor: int, worker_env: di
     rng = random.Random(seed)
     settings = bench_settings()  # defaults: MAX_NUM_SEQS and WORKER_RESERVE unset
     capacity = settings.worker_capacity(64) * workers
-    urgent_body = lambda i: {
-        "prompt": prompt(rng, f"urgent {i}"),
-        "max_tokens": 8,
-        "priority": 0,  # noqa: E731
-        "temperature": 0.0,
-    }
+
+    def urgent_body(i: int) -> dict:
+        return {"prompt": prompt(rng, f"urgent {i}"), "max_tokens": 8, "priority": 0, "temperature": 0.0}
+
     with local_stack(settings, workers=workers, worker_env=worker_env, log_dir=OUT / "backlog-logs") as stack:
         client = Client(stack)
         idle = []
