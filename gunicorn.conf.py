@@ -6,11 +6,21 @@ POST /jobs per second than threaded ones (each request is Python work between sh
 and Redis, so threads only add GIL contention), and 2 processes per core keep the cores busy (2 x cores + 1 measured no better).
 A sync worker is held by a slow client for the whole upload: in front of untrusted or slow clients,
 put a buffering proxy (nginx) before it, or set API_WORKER_CLASS=gthread.
+
+Metrics: every worker process counts its own requests, so the processes share their counters through
+prometheus_client's multiprocess mode: each writes its values to files in PROMETHEUS_MULTIPROC_DIR
+(a fresh temporary directory unless set), and /metrics adds up the files of all of them. The hooks
+below empty the directory when gunicorn starts (counts of an earlier run would be added in), mark a
+worker's live gauges dead when it exits (its counters stay: what it counted happened), and remove the
+directory at exit if it was made here.
 """
 
 import gc
+import glob
 import multiprocessing
 import os
+import shutil
+import tempfile
 
 bind = f"{os.environ.get('API_HOST', '127.0.0.1')}:{os.environ.get('API_PORT', '8000')}"
 worker_class = os.environ.get("API_WORKER_CLASS", "sync")
@@ -18,6 +28,31 @@ workers = int(os.environ.get("API_WORKERS", 2 * multiprocessing.cpu_count()))
 threads = int(os.environ.get("API_THREADS", 4 if worker_class == "gthread" else 1))
 accesslog = os.environ.get("API_ACCESS_LOG", "-") or None  # "" turns the access log off
 preload_app = False  # each worker builds its own app: no database or Redis connection crosses a fork
+
+# Set before any worker imports prometheus_client (it picks its storage at import); a config reload
+# (SIGHUP) runs this file again and keeps the directory made the first time.
+if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="genq-api-metrics-")
+    os.environ["GENQ_OWN_METRICS_DIR"] = "1"
+os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
+
+
+def on_starting(server):
+    """Start every count at zero: files left by an earlier run in the same directory would be added in."""
+    for path in glob.glob(os.path.join(os.environ["PROMETHEUS_MULTIPROC_DIR"], "*.db")):
+        os.remove(path)
+
+
+def child_exit(server, worker):
+    """A worker process ended (stopped, killed, recycled): drop its live gauges; its counters stay."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(worker.pid)
+
+
+def on_exit(server):
+    if os.environ.get("GENQ_OWN_METRICS_DIR"):
+        shutil.rmtree(os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
 
 
 def post_worker_init(worker):

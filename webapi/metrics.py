@@ -1,37 +1,38 @@
-"""Prometheus metrics of the API: requests, submissions, cancellations, jobs waiting or running (from
-Postgres) and the queue depth per priority (from Redis), both read at scrape time. The worker's
-metrics (engine, latencies, outcomes) are in workers/metrics.py, on its own port."""
+"""Prometheus metrics of the API: requests, submissions and cancellations (counted by each process),
+and jobs waiting or running (from Postgres) and the queue depth per priority (from Redis), both read
+at scrape time. The worker's metrics (engine, latencies, outcomes) are in workers/metrics.py, on its
+own port.
+
+Under gunicorn several processes answer requests, each with its own counters: gunicorn.conf.py sets
+PROMETHEUS_MULTIPROC_DIR, where prometheus_client keeps every process's values in files, and
+`exposition()` adds up all of them, so any one scrape shows the whole API's counts. Without it
+(`flask run`, tests) the process's own registry is served.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import redis
 from flask import Flask, g, request
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
+from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from jobstore.dispatch import QUEUE
 from jobstore.jobs import ACTIVE
 from jobstore.models import Job
+from jobstore.settings import Settings
 
 HTTP_REQUESTS = Counter(
     "genq_http_requests_total", "HTTP requests answered", ["method", "endpoint", "status"]
 )
 HTTP_LATENCY = Histogram("genq_http_request_duration_seconds", "Time to answer an HTTP request", ["endpoint"])
 JOBS_SUBMITTED = Counter("genq_jobs_submitted_total", "Jobs accepted and sent to the queue", ["priority"])
-JOBS_ACTIVE = Gauge("genq_jobs", "Jobs queued or running, read from Postgres at scrape time", ["status"])
-JOBS_BY_PRIORITY = Gauge(
-    "genq_jobs_by_priority",
-    "Jobs queued or running per priority (Postgres, at scrape time)",
-    ["status", "priority"],
-)
 JOBS_CANCELLED = Counter("genq_jobs_cancelled_total", "Jobs cancelled through the API", ["priority"])
-QUEUE_DEPTH = Gauge(
-    "genq_queue_depth", "Messages waiting in Redis per priority (at scrape time)", ["priority"]
-)
 PRIORITIES = range(10)
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,32 @@ def init_metrics(app: Flask) -> None:
         return response
 
 
-def refresh_job_gauges(session: Session) -> None:
-    """Set genq_jobs{status} and genq_jobs_by_priority{status, priority} for the live states from one GROUP BY."""
+def exposition(session: Session, settings: Settings) -> bytes:
+    """The /metrics text: the counters of every API process, then the gauges read now."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        counted = CollectorRegistry()
+        multiprocess.MultiProcessCollector(counted)
+    else:
+        counted = REGISTRY
+    read_now = CollectorRegistry(auto_describe=False)
+    read_now.register(_ReadAtScrape(session, settings))
+    return generate_latest(counted) + generate_latest(read_now)
+
+
+class _ReadAtScrape:
+    """genq_jobs, genq_jobs_by_priority (Postgres) and genq_queue_depth (Redis), read when scraped:
+    values of the service, not of the process that answers, so no process keeps them."""
+
+    def __init__(self, session: Session, settings: Settings):
+        self.session, self.settings = session, settings
+
+    def collect(self):
+        yield from job_gauges(self.session)
+        yield from queue_depth(self.settings.redis_url, self.settings.redis_key_prefix)
+
+
+def job_gauges(session: Session) -> list[GaugeMetricFamily]:
+    """genq_jobs{status} and genq_jobs_by_priority{status, priority} for the live states, from one GROUP BY."""
     counts = {
         (status, priority): n
         for status, priority, n in session.execute(
@@ -62,24 +87,37 @@ def refresh_job_gauges(session: Session) -> None:
             .group_by(Job.status, Job.priority)
         ).all()
     }
+    jobs = GaugeMetricFamily(
+        "genq_jobs", "Jobs queued or running, read from Postgres at scrape time", labels=["status"]
+    )
+    by_priority = GaugeMetricFamily(
+        "genq_jobs_by_priority",
+        "Jobs queued or running per priority (Postgres, at scrape time)",
+        labels=["status", "priority"],
+    )
     for status in ACTIVE:
-        JOBS_ACTIVE.labels(status.value).set(sum(counts.get((status, p), 0) for p in PRIORITIES))
+        jobs.add_metric([status.value], sum(counts.get((status, p), 0) for p in PRIORITIES))
         for p in PRIORITIES:
-            JOBS_BY_PRIORITY.labels(status.value, str(p)).set(counts.get((status, p), 0))
+            by_priority.add_metric([status.value, str(p)], counts.get((status, p), 0))
+    return [jobs, by_priority]
 
 
-def refresh_queue_depth(redis_url: str, key_prefix: str) -> None:
-    """Set genq_queue_depth{priority}: the length of each kombu priority list (`generate`, `generate:1`, ...)."""
+def queue_depth(redis_url: str, key_prefix: str) -> list[GaugeMetricFamily]:
+    """genq_queue_depth{priority}: the length of each kombu priority list (`generate`, `generate:1`, ...)."""
     client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
     try:
         with client.pipeline(transaction=False) as pipe:
             for p in PRIORITIES:
                 pipe.llen(f"{key_prefix}{QUEUE}:{p}" if p else f"{key_prefix}{QUEUE}")
             lengths = pipe.execute()
-    except redis.RedisError as exc:  # the rest of /metrics still answers; the depths go stale
+    except redis.RedisError as exc:  # the rest of /metrics still answers, without the depths
         log.warning("metrics: queue depth unavailable: %s", exc)
-        return
+        return []
     finally:
         client.close()
+    depth = GaugeMetricFamily(
+        "genq_queue_depth", "Messages waiting in Redis per priority (at scrape time)", labels=["priority"]
+    )
     for p, n in zip(PRIORITIES, lengths, strict=True):
-        QUEUE_DEPTH.labels(str(p)).set(n)
+        depth.add_metric([str(p)], n)
+    return [depth]

@@ -6,12 +6,12 @@ import logging
 
 import redis
 from flask import Blueprint, Response, current_app
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy import text
 
 from webapi.errors import APIError
 from webapi.extensions import db, services
-from webapi.metrics import refresh_job_gauges, refresh_queue_depth
+from webapi.metrics import exposition
 from webapi.schemas import Health
 from webapi.spec import endpoint, openapi
 
@@ -34,10 +34,8 @@ def healthz():
 
 @bp.get("/metrics")
 def metrics():
-    """Prometheus metrics."""
-    refresh_job_gauges(db())
-    refresh_queue_depth(services().settings.redis_url, services().settings.redis_key_prefix)
-    return Response(generate_latest(), mimetype=CONTENT_TYPE_LATEST)
+    """Prometheus metrics (of every API process, when gunicorn runs several)."""
+    return Response(exposition(db(), services().settings), mimetype=CONTENT_TYPE_LATEST)
 
 
 @bp.get("/openapi.json")
