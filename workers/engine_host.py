@@ -324,20 +324,17 @@ class EngineHost:
             process.join(5)
             return process, events, commands, message[1]
         _, self.config, self.info = message
-        log.info(
-            "engine process %d ready: %s on %s/%s (%d torch threads), %d device + %d host KV blocks, "
-            "max_model_len %d, decode attention: %s",
-            process.pid,
-            self.config.model,
-            self.info["device"],
-            self.info["dtype"],
-            self.info["torch_threads"],
-            self.info["device_blocks"],
-            self.info["host_blocks"],
-            self.info["max_model_len"],
-            self.info["decode_attention"],
-        )
+        log.info("engine process %d ready: %s", process.pid, self.describe())
         return process, events, commands, None
+
+    def describe(self) -> str:
+        """What the engine runs, for a person: model, device, dtype, threads, KV blocks, attention path."""
+        return (
+            f"{self.config.model} on {self.info['device']}/{self.info['dtype']} "
+            f"({self.info['torch_threads']} torch threads), {self.info['device_blocks']} device + "
+            f"{self.info['host_blocks']} host KV blocks, max_model_len {self.info['max_model_len']}, "
+            f"decode attention: {self.info['decode_attention']}"
+        )
 
     def _read(self, events) -> None:
         """Apply the engine process's events until it exits."""

@@ -18,8 +18,14 @@ import uuid
 from functools import cache
 
 import redis
-from celery.signals import task_postrun, task_prerun, worker_init, worker_shutdown, worker_shutting_down
-from celery.worker.control import inspect_command
+from celery.signals import (
+    task_postrun,
+    task_prerun,
+    worker_init,
+    worker_ready,
+    worker_shutdown,
+    worker_shutting_down,
+)
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobstore.db import make_engine, make_session_factory
@@ -140,6 +146,14 @@ def _build_engine_before_taking_jobs(**_) -> None:
     intake()
 
 
+@worker_ready.connect
+def _say_what_runs(**_) -> None:
+    """The engine is built in worker_init, before Celery sets up logging (what is logged there is lost):
+    say here, once the log works, what this worker runs."""
+    if _host is not None and _intake is not None:
+        log.info("worker %s runs %s; holds up to %d jobs", WORKER_ID, _host.describe(), _intake.capacity)
+
+
 @task_prerun.connect
 def _message_started(**_) -> None:
     if _intake is not None:
@@ -170,9 +184,8 @@ def _stop_engine(**_) -> None:
         _host.stop()
 
 
-@inspect_command()
-def engine_stats(state) -> dict:
-    """`celery -A workers inspect engine_stats`: the engine's running / waiting / swapped counts and more."""
+def engine_report() -> dict:
+    """What `celery -A workers inspect engine_stats` answers (workers/control.py): engine.stats() and more."""
     if _host is None:
         return {}
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import socket
 import subprocess
 import time
 import uuid
@@ -29,6 +30,7 @@ class Stack:
     headers: dict[str, str]
     celery: Celery
     log: Path
+    node: str  # the worker's Celery node name, e.g. w8-1a2b3c@host
 
     def submit(self, **body) -> str:
         r = self.client.post("/jobs", json=body, headers=self.headers)
@@ -113,7 +115,8 @@ def worker_stack(
             assert worker.poll() is None, f"worker exited:\n{log.read_text()}"
             assert time.monotonic() < deadline, f"worker not ready:\n{log.read_text()}"
             time.sleep(0.2)
-        yield Stack(settings, app.test_client(), {"Authorization": f"Bearer {new_key()}"}, celery, log)
+        headers = {"Authorization": f"Bearer {new_key()}"}
+        yield Stack(settings, app.test_client(), headers, celery, log, f"{name}@{socket.gethostname()}")
     finally:
         worker.send_signal(signal.SIGQUIT)  # cold shutdown: do not wait for jobs left running
         try:
