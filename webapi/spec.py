@@ -28,7 +28,12 @@ ERROR_STATUSES = {
     413: "Body too large",
     415: "Body is not JSON",
     422: "Invalid field or limit",
-    503: "Unavailable",
+    429: "Too many requests for this key (RATE_LIMIT), or too many queued jobs (for this tenant or in all); "
+    "retry after Retry-After seconds",
+    503: "Postgres or Redis unavailable; retry after Retry-After seconds",
+}
+RETRY_AFTER = {
+    "Retry-After": {"description": "Seconds to wait before retrying", "schema": {"type": "integer"}}
 }
 
 
@@ -71,7 +76,8 @@ def endpoint(
             errors=sorted(
                 {
                     *errors,
-                    *([401] if auth else []),
+                    # a call with a key: the key is checked in Postgres, and counted against its rate limit
+                    *([401, 429, 503] if auth else []),
                     *([400, 413, 415, 422] if body else []),
                     *([422] if query else []),
                 }
@@ -180,6 +186,7 @@ def _operation(rule, op: Operation) -> dict:
         doc["responses"][str(status)] = {
             "description": ERROR_STATUSES[status],
             "content": {"application/json": {"schema": {"$ref": REF.format(model="ErrorResponse")}}},
+            **({"headers": RETRY_AFTER} if status in (429, 503) else {}),
         }
     if op.auth:
         doc["security"] = [{"bearer": []}]

@@ -49,7 +49,12 @@ def test_openapi_is_generated_from_the_schemas(client, app):
     assert set(doc["paths"]) == {"/jobs", "/jobs/{job_id}", "/jobs/{job_id}/cancel", "/healthz"}
     create = doc["paths"]["/jobs"]["post"]
     assert create["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/JobCreate")
-    assert {"202", "400", "401", "413", "415", "422"} <= set(create["responses"])
+    assert {"202", "400", "401", "413", "415", "422", "429", "503"} <= set(create["responses"])
+    for path, method in (("/jobs", "post"), ("/jobs", "get"), ("/jobs/{job_id}", "get")):
+        for status in ("429", "503"):  # rate limit, queue caps, database down: each says when to retry
+            answer = doc["paths"][path][method]["responses"][status]
+            assert answer["headers"]["Retry-After"]["schema"] == {"type": "integer"}, (path, status)
+    assert "429" not in doc["paths"]["/healthz"]["get"]["responses"]
     assert create["security"] == [{"bearer": []}] and "security" not in doc["paths"]["/healthz"]["get"]
     schema = doc["components"]["schemas"]["JobCreate"]
     assert schema == JobCreate.model_json_schema(ref_template="#/components/schemas/{model}")
