@@ -8,7 +8,9 @@ in the database stops working after at most that long. Unknown keys are never re
 from __future__ import annotations
 
 import threading
+import time
 import uuid
+from collections.abc import Callable
 from typing import NamedTuple
 
 from cachetools import TTLCache
@@ -22,10 +24,10 @@ class Caller(NamedTuple):
 
 
 class KeyCache:
-    """key hash -> Caller for `seconds` (0: nothing is remembered); thread-safe."""
+    """key hash -> Caller for `seconds` (0: nothing is remembered) of `timer`; thread-safe."""
 
-    def __init__(self, seconds: float, size: int = 10_000):
-        self._cache = TTLCache(maxsize=size, ttl=seconds) if seconds > 0 else None
+    def __init__(self, seconds: float, size: int = 10_000, timer: Callable[[], float] = time.monotonic):
+        self._cache = TTLCache(maxsize=size, ttl=seconds, timer=timer) if seconds > 0 else None
         self._lock = threading.Lock()
 
     def get(self, key_hash: str) -> Caller | None:

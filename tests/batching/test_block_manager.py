@@ -226,7 +226,7 @@ TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_coun
 
 @pytest.mark.parametrize("module", ["block_manager", "scheduler", "sequence", "sampling_params", "config"])
 def test_scheduling_modules_do_not_import_torch(module):
-    """The scheduler side moves ids and counts only (STYLE.md): cheap to test, no tensors."""
+    """The scheduling modules move block ids and counts only, never tensors: cheap to test, no torch."""
     tree = ast.parse((ROOT / "batching" / f"{module}.py").read_text())
     imported = {
         alias.name.split(".")[0]

@@ -14,7 +14,7 @@ import yaml
 from jobstore.settings import Settings
 from tests.conftest import ROOT
 
-CONTRACT = {  # DESIGN.md "Commands": each service's command starts like this
+CONTRACT = {  # the contract commands (README, Procfile): each service's command starts like this
     "api": ["gunicorn"],
     "worker": ["celery", "-A", "workers", "worker", "--pool", "threads", "--concurrency"],
     "beat": ["celery", "-A", "workers", "beat"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import platform
 
 from workers import process_tuning
 
@@ -16,5 +17,6 @@ def test_settling_freezes_the_heap_built_so_far():
         gc.unfreeze()
 
 
-def test_malloc_tuning_is_accepted_here():
-    assert process_tuning._keep_freed_memory() is True  # glibc on this machine takes every setting
+def test_malloc_tuning_is_taken_by_glibc_and_skipped_elsewhere():
+    """glibc takes all three settings; elsewhere (musl, macOS) the tuning says it did nothing, and raises nothing."""
+    assert process_tuning._keep_freed_memory() is (platform.libc_ver()[0] == "glibc")
