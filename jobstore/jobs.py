@@ -23,13 +23,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import Connection, Interval, bindparam, func, inspect, select, text, tuple_, update
+from sqlalchemy import Connection, Interval, bindparam, delete, func, inspect, select, text, tuple_, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 from jobstore.models import Job, JobStatus
 
 ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING)
+FINISHED = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
 JOBS = Job.__table__
 _ATTRIBUTE = {
     attr.columns[0].key: attr.key for attr in inspect(Job).column_attrs
@@ -408,6 +409,24 @@ def forget_sent(session: Session, sent_before_seconds: float = 0.0) -> int:
         )
         .values(enqueued_at=None)
         .execution_options(synchronize_session=False)
+    )
+    return result.rowcount
+
+
+def purge_finished(session: Session, older_than_days: float, limit: int) -> int:
+    """Delete at most `limit` finished jobs (succeeded, failed, cancelled) that finished more than
+    `older_than_days` ago; returns how many. Rows another transaction holds are left for next time."""
+    doomed = (
+        select(Job.id)
+        .where(
+            Job.status.in_(FINISHED),
+            Job.finished_at < func.now() - timedelta(days=older_than_days),
+        )
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+    result = session.execute(
+        delete(Job).where(Job.id.in_(doomed.scalar_subquery())).execution_options(synchronize_session=False)
     )
     return result.rowcount
 

@@ -46,6 +46,7 @@ class Settings:
     )
     db_retry_seconds: float = 60.0  # a worker retries a failing database write (with backoff) this long
     db_connect_timeout: float = 3.0  # seconds to connect to Postgres before giving up (the API answers 503)
+    job_retention_days: float | None = None  # finished jobs older than this are deleted; None: kept forever
 
     # --- a worker's intake (workers/intake.py)
     worker_reserve: int | None = (

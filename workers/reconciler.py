@@ -8,6 +8,9 @@ persistence), taking the messages of queued jobs with it. The reconciler keeps a
 when the marker is gone, every queued job is sent again. (A queued job whose message went missing
 any other way is sent again `resend_after_seconds` after it was sent.) Extra messages are harmless (a claim only
 succeeds on a queued job), so two reconcilers racing between commit and send cost nothing.
+
+With JOB_RETENTION_DAYS set, it also deletes finished jobs older than that, in batches of
+PURGE_BATCH rows (one short transaction each), at most once every PURGE_EVERY_SECONDS.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from jobstore.dispatch import send_job
 from jobstore.settings import Settings
 
 log = logging.getLogger(__name__)
+PURGE_EVERY_SECONDS = 3600  # finished_at has no index: a purge reads the table, so not every run
+PURGE_BATCH = 1000  # rows deleted per transaction
+PURGE_MAX_BATCHES = 50  # per run; a run that stops there leaves the rest to the next run
 
 
 def reconcile(sessions: sessionmaker[Session], celery: Celery, settings: Settings) -> dict[str, int]:
@@ -33,9 +39,16 @@ def reconcile(sessions: sessionmaker[Session], celery: Celery, settings: Setting
             log.info("reconciler: another run holds the lock; skipping")
             return {"requeued": 0, "sent": 0}
         forgotten = jobs.forget_sent(session, 0.0 if redis_lost else settings.resend_after_seconds)
-        if redis_lost:
+        if redis_lost and forgotten:
             log.warning(
-                "reconciler: Redis lost its data (marker key gone); sending %d queued jobs again", forgotten
+                "reconciler: this Redis has no record of earlier runs (new, flushed, or restarted without "
+                "persistence): sending the %d queued jobs it was given again, in case their messages are "
+                "gone (a job runs once however many messages it gets)",
+                forgotten,
+            )
+        elif redis_lost:
+            log.info(
+                "reconciler: first run on this Redis; no queued job was sent before it, nothing to resend"
             )
         requeued = jobs.requeue_expired(session)
         unsent = jobs.unsent_jobs(session, 0.0 if redis_lost else settings.enqueue_grace_seconds)
@@ -54,7 +67,35 @@ def reconcile(sessions: sessionmaker[Session], celery: Celery, settings: Setting
         )
     if redis_lost:
         _set_marker(settings)
-    return {"requeued": len(requeued), "sent": len(to_send), "resent": forgotten}
+    purged = purge_old_jobs(sessions, settings) if _purge_due(settings) else 0
+    return {"requeued": len(requeued), "sent": len(to_send), "resent": forgotten, "purged": purged}
+
+
+def purge_old_jobs(
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    batch: int = PURGE_BATCH,
+    max_batches: int = PURGE_MAX_BATCHES,
+) -> int:
+    """Delete jobs finished more than JOB_RETENTION_DAYS ago, `batch` rows per transaction; how many."""
+    if settings.job_retention_days is None:
+        return 0
+    purged = 0
+    for _ in range(max_batches):
+        with sessions.begin() as session:
+            deleted = jobs.purge_finished(session, settings.job_retention_days, batch)
+        purged += deleted
+        if deleted < batch:
+            break
+    else:  # more may be left: let the next run go on
+        _purge_again_next_run(settings)
+    if purged:
+        log.info(
+            "reconciler: deleted %d jobs finished more than %g days ago (JOB_RETENTION_DAYS)",
+            purged,
+            settings.job_retention_days,
+        )
+    return purged
 
 
 def _marker_key(settings: Settings) -> str:
@@ -70,3 +111,20 @@ def _marker_present(settings: Settings) -> bool:
 def _set_marker(settings: Settings) -> None:
     with redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5) as client:
         client.set(_marker_key(settings), "1")
+
+
+def _purge_key(settings: Settings) -> str:
+    return f"{settings.redis_key_prefix}genq:retention-purged"
+
+
+def _purge_due(settings: Settings) -> bool:
+    """True at most once per PURGE_EVERY_SECONDS (whichever worker runs the reconciler), if retention is on."""
+    if settings.job_retention_days is None:
+        return False
+    with redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5) as client:
+        return bool(client.set(_purge_key(settings), "1", nx=True, ex=PURGE_EVERY_SECONDS))
+
+
+def _purge_again_next_run(settings: Settings) -> None:
+    with redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5) as client:
+        client.delete(_purge_key(settings))
