@@ -3,7 +3,9 @@ in front of it. Each stack has its own Redis key prefix, so its worker sees only
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import os
 import signal
 import socket
 import subprocess
@@ -14,11 +16,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import requests
 from celery import Celery
+from prometheus_client.parser import text_string_to_metric_families
 
 from jobstore.dispatch import make_celery
 from jobstore.settings import Settings
-from tests.conftest import BIN, ROOT, settings_env
+from tests.conftest import BIN, ROOT, free_port, settings_env
+from workers.outcomes import Outcome
 
 FINISHED = ("succeeded", "failed", "cancelled")
 
@@ -31,6 +36,7 @@ class Stack:
     celery: Celery
     log: Path
     node: str  # the worker's Celery node name, e.g. w8-1a2b3c@host
+    metrics_url: str  # the worker's own Prometheus metrics (WORKER_METRICS_PORT)
 
     def submit(self, **body) -> str:
         r = self.client.post("/jobs", json=body, headers=self.headers)
@@ -59,6 +65,16 @@ class Stack:
     def log_text(self) -> str:
         return self.log.read_text()[-5000:]
 
+    def outcomes(self) -> collections.Counter:
+        """How the worker's holds on jobs ended so far: workers.outcomes.Outcome value -> count (all
+        priorities), from its genq_worker_jobs_total counter."""
+        counts = collections.Counter()
+        for family in text_string_to_metric_families(requests.get(self.metrics_url, timeout=5).text):
+            for sample in family.samples:
+                if sample.name == "genq_worker_jobs_total":
+                    counts[Outcome(sample.labels["outcome"])] += int(sample.value)
+        return counts
+
 
 @contextmanager
 def worker_stack(
@@ -82,6 +98,7 @@ def worker_stack(
         worker_reserve=reserve,
     )
     log = log_dir / f"{name}.log"
+    metrics_port = int(os.environ.get("WORKER_METRICS_PORT") or free_port())
     with log.open("w") as out:
         worker = subprocess.Popen(
             [
@@ -103,7 +120,7 @@ def worker_stack(
                 f"{name}@%h",
             ],
             cwd=ROOT,
-            env=settings_env(settings),
+            env={**settings_env(settings), "WORKER_METRICS_PORT": str(metrics_port)},
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -116,7 +133,9 @@ def worker_stack(
             assert time.monotonic() < deadline, f"worker not ready:\n{log.read_text()}"
             time.sleep(0.2)
         headers = {"Authorization": f"Bearer {new_key()}"}
-        yield Stack(settings, app.test_client(), headers, celery, log, f"{name}@{socket.gethostname()}")
+        node = f"{name}@{socket.gethostname()}"
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        yield Stack(settings, app.test_client(), headers, celery, log, node, metrics_url)
     finally:
         worker.send_signal(signal.SIGQUIT)  # cold shutdown: do not wait for jobs left running
         try:

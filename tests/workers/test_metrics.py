@@ -13,7 +13,6 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import free_port
 from tests.workers.conftest import worker_stack
 from workers import metrics as worker_metrics
 from workers.outcomes import Outcome
@@ -34,15 +33,11 @@ def value(scraped: dict, name: str, **labels) -> float:
 @pytest.fixture(scope="module")
 def metered(settings, new_key, tmp_path_factory, redis_client):
     """A worker with a small KV pool (20 blocks of 16 tokens, 40 host blocks) serving metrics on its own port."""
-    port = free_port()
     small = dataclasses.replace(
         settings, block_size=16, num_device_blocks=20, num_host_blocks=40, max_model_len=256
     )
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("WORKER_METRICS_PORT", str(port))
-        with worker_stack(small, new_key, tmp_path_factory.mktemp("metered"), max_num_seqs=2) as stack:
-            stack.metrics_url = f"http://127.0.0.1:{port}/metrics"
-            yield stack
+    with worker_stack(small, new_key, tmp_path_factory.mktemp("metered"), max_num_seqs=2) as stack:
+        yield stack
 
 
 def scrape_worker(stack) -> dict:
