@@ -46,7 +46,7 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         self.tokenizer = load_tokenizer_for(config)
         self.model = load_model(config, self.device, self.dtype, model_config)
-        mc = self.model.config
+        mc = self.model.config.get_text_config(decoder=True)  # multimodal configs nest the decoder's
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = _eos_ids(mc, self.tokenizer)
         self.max_model_len = _max_model_len(config, mc)
@@ -354,13 +354,16 @@ def _max_model_len(config: EngineConfig, model_config) -> int:
     limit = getattr(model_config, "max_position_embeddings", None) or getattr(
         model_config, "n_positions", None
     )
+    if limit is not None and limit <= 0:  # xlnet: -1, no learned limit
+        limit = None
     if config.max_model_len is None:
         if limit is None:
             raise ValueError("max_model_len: the model config has no max_position_embeddings; set it")
         return int(limit)
     if limit is not None and config.max_model_len > limit:
         raise ValueError(
-            f"max_model_len ({config.max_model_len}) exceeds the model's max_position_embeddings ({limit})"
+            f"max_model_len ({config.max_model_len}) exceeds {model_config.model_type}'s "
+            f"max_position_embeddings ({limit})"
         )
     return config.max_model_len
 

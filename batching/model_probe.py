@@ -172,8 +172,12 @@ def probing(model):
         model.set_attn_implementation(ATTENTION_NAME)
 
 
-def refusal(model_type: str, reason: str) -> ValueError:
-    return ValueError(f"model: genq cannot run {model_type}: {reason}")
+class Refusal(ValueError):
+    """The model cannot run exactly on genq's paged attention; the message says which and why."""
+
+
+def refusal(model_type: str, reason: str) -> Refusal:
+    return Refusal(f"model: genq cannot run {model_type}: {reason}")
 
 
 def kv_geometry(model, device: torch.device, max_len: int) -> KVGeometry:
@@ -189,7 +193,7 @@ def kv_geometry(model, device: torch.device, max_len: int) -> KVGeometry:
                 use_cache=False,
                 genq_attn=_ShapeRun(),
             )
-        except ValueError:
+        except Refusal:
             raise
         except Exception as exc:  # noqa: BLE001 - the model's own code failed on genq's inputs
             raise _failure(model_type, exc) from exc
@@ -263,6 +267,7 @@ def mask_patterns(
     max_len, must be causal, within the window its call passes or one the mask alone expresses
     (returned, so that genq applies it), or chunked. Layers that need nothing extra are left out."""
     patterns = {}
+    cache_windows = _cache_windows(config)
     for c in calls:
         if c.mask is None:
             raise refusal(model_type, f"layer {c.layer_idx} gets no attention mask from transformers")
@@ -286,7 +291,26 @@ def mask_patterns(
             )
         if (window is not None and sw is None) or chunk is not None:
             patterns[c.layer_idx] = MaskPattern(window if sw is None else None, chunk)
+        kept = cache_windows.get(c.layer_idx)
+        if kept is not None and kept < max_len and kept not in (sw or window, chunk):
+            raise refusal(
+                model_type,
+                f"its cache keeps only the last {kept} tokens of layer {c.layer_idx}, a window that neither "
+                "its attention call nor its mask expresses (its prompts and its decodes attend differently)",
+            )
     return patterns
+
+
+def _cache_windows(config) -> dict[int, int]:
+    """The windows of the layers whose cache generate() keeps short (DynamicCache from the config)."""
+    from transformers import DynamicCache
+
+    try:
+        cache = DynamicCache(config=config.get_text_config(decoder=True))
+    except Exception:  # noqa: BLE001 - a config DynamicCache cannot read: no cache-only windows to find
+        return {}
+    layers = getattr(cache, "layers", [])
+    return {i: w for i, layer in enumerate(layers) if (w := getattr(layer, "sliding_window", None))}
 
 
 def _read_mask(model_type: str, call: AttentionCall, positions: list[int], max_len: int):
@@ -341,7 +365,7 @@ def _probe_positions(max_len: int, config, sliding_window: int | None) -> list[i
     return sorted(q for q in points if 0 <= q < max_len)
 
 
-def _failure(model_type: str, exc: BaseException) -> ValueError:
+def _failure(model_type: str, exc: BaseException) -> Refusal:
     if "MaskProbe" in str(exc) or "NoneType" in str(exc):
         return refusal(
             model_type,
@@ -403,7 +427,7 @@ def verify(engine) -> None:
             while engine.has_unfinished_requests():
                 _probe_step(engine, model_type, rec)
                 rec.calls.clear()
-    except ValueError:
+    except Refusal:
         engine.sampler = sampler
         raise
     except Exception as exc:  # noqa: BLE001 - the model's code failed on the probe's inputs

@@ -156,8 +156,13 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, m
                 trust_remote_code=config.trust_remote_code,
                 attn_implementation=ATTENTION_NAME,
             )
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
             raise ValueError(f"model: cannot load weights of {config.model!r}: {exc}") from exc
+        except ValueError as exc:
+            raise ValueError(
+                f"model: genq cannot run {model_config.model_type}: transformers cannot load "
+                f"{config.model!r} as a causal LM: {exc}"
+            ) from exc
         except KeyError as exc:
             if exc.args != (ATTENTION_NAME,):
                 raise

@@ -46,7 +46,7 @@ def attention_context_per_token(model, query_width: float | None = None) -> floa
     as the rest of its forward pass (the decoder's linear weights per layer, one multiply-add each
     per token, over the multiply-adds of q·k and p·v per key for every head). About 1,400 for a
     256-wide model, about 12,000 for a 7B one."""
-    mc = model.config
+    mc = model.config.get_text_config(decoder=True)  # multimodal configs nest the decoder's
     weights = model.num_parameters(exclude_embeddings=True)
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     if head is not None and embed is not None and head.weight is not embed.weight:

@@ -83,6 +83,7 @@ TINY = dict(
     rotary_dim=8,  # partial rotary (gptj, codegen)
     # windows and chunks shorter than the prompts, so that losing one changes the output
     sliding_window=12,
+    attn_logit_softcapping=5.0,  # gemma2: a cap the tiny scores reach
     use_sliding_window=True,
     attention_chunk_size=16,
     max_position_embeddings=256,
