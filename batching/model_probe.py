@@ -3,7 +3,7 @@
 transformers' model code computes q/k/v and calls the registered attention function; genq trusts it
 to pass everything that shapes attention as arguments. A model can break that trust silently: run
 its own attention (bloom, codegen), express a sliding window or chunks only through the mask it
-builds (qwen2_moe, phimoe, llama4), compute a mask of its own (doge), call attention twice per
+builds (phimoe, llama4), compute a mask of its own (doge), call attention twice per
 layer (diffllama), attend bidirectionally (bert), or position its tokens from a cache genq does not
 pass (bart). So before an engine serves, the model runs under a *probe* implementation that
 records every attention call, and whose mask hook returns the model's mask as a function of
@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 
 PROBE_NAME = "genq_probe"
 # logits genq computes vs the model's own eager attention: max |diff| / max(1, max |reference|)
-LOGIT_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
+# (float32 routers and rotary tables round differently in a packed batch: ~1e-6 even in float64;
+# what the check is for, a model using something genq does not pass, errs by 0.1 to 1)
+LOGIT_TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-2}
 HALF_TOLERANCE = 0.25  # bfloat16 / float16: rounding differs between paths; catches gross errors only
 # keyword arguments attention calls may carry that change nothing genq computes
 HARMLESS_KWARGS = {
@@ -60,6 +62,7 @@ HARMLESS_KWARGS = {
     "return_dict",
     "output_hidden_states",
     "output_router_logits",
+    "logits_to_keep",
 }
 
 
@@ -103,7 +106,7 @@ class KVGeometry:
 class MaskPattern:
     """What a layer's mask expresses beyond causal that its attention call does not pass."""
 
-    window: int | None = None  # a sliding window (qwen2_moe, phimoe: in the mask only)
+    window: int | None = None  # a sliding window (phimoe: in the mask only)
     chunk: int | None = None  # chunked attention: a query sees its own chunk of `chunk` positions (llama4)
 
 

@@ -83,7 +83,7 @@ TINY = dict(
     rotary_dim=8,  # partial rotary (gptj, codegen)
     # windows and chunks shorter than the prompts, so that losing one changes the output
     sliding_window=12,
-    attn_logit_softcapping=5.0,  # gemma2: a cap the tiny scores reach
+    attn_logit_softcapping=2.0,  # gemma2: a cap the tiny scores reach
     use_sliding_window=True,
     attention_chunk_size=16,
     max_position_embeddings=256,
@@ -119,15 +119,26 @@ def tiny_config(model_type: str, **overrides):
     from transformers import AutoConfig
 
     defaults = AutoConfig.for_model(model_type).to_dict()
-    sizes = {k: v for k, v in TINY.items() if k in defaults}
-    if "kv_lora_rank" in defaults:  # latent attention expands K and V to every query head
-        sizes["num_key_value_heads"] = sizes.get("num_attention_heads", 4)
+    sizes = _shrink(defaults)
     sizes.update(PER_TYPE.get(model_type, {}))
     for name in ("text_config", "decoder"):  # composite configs: shrink the text decoder
         if isinstance(defaults.get(name), dict):
-            sub = defaults[name]
-            sizes[name] = {**sub, **{k: v for k, v in TINY.items() if k in sub}, **overrides}
+            sizes[name] = {**defaults[name], **_shrink(defaults[name]), **overrides}
     return AutoConfig.for_model(model_type, **{**sizes, **overrides})
+
+
+def _shrink(defaults: dict) -> dict:
+    sizes = {k: v for k, v in TINY.items() if k in defaults}
+    if "kv_lora_rank" in defaults:  # latent attention expands K and V to every query head
+        sizes["num_key_value_heads"] = sizes.get("num_attention_heads", 4)
+    layer_types = defaults.get("layer_types")
+    if isinstance(layer_types, list) and layer_types:  # one layer of each kind, in order of appearance
+        kinds = list(dict.fromkeys(layer_types))
+        sizes["layer_types"] = kinds if len(kinds) > 1 else kinds * 2
+        for name in ("num_hidden_layers", "n_layer", "num_layers"):
+            if name in sizes:
+                sizes[name] = len(sizes["layer_types"])
+    return sizes
 
 
 def build_tiny_model(config, seed: int = 0):
@@ -203,7 +214,7 @@ def check_model_type(model_type: str, directory: str) -> Result:
         try:
             got = engine_tokens(directory, prompt_list, **schedule)
         except ValueError as exc:
-            return Result(model_type, "refused", _short(exc))
+            return Result(model_type, "refused", _short(exc).replace(directory, "<tiny checkpoint>"))
         except Exception as exc:  # noqa: BLE001 - anything else is a crash, reported as a divergence
             return Result(model_type, "diverged", f"crashed under {schedule}: {_short(exc)}")
         if expected is None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from batching import support
+from batching.model_probe import MaskPattern
 
 MODEL_TYPES = support.decoder_model_types()
 
@@ -60,3 +61,18 @@ def _no_sinks(model) -> None:
 def test_features_the_walk_checks_change_the_reference(model_type, switch_off, overrides):
     """Were genq to ignore the feature, its tokens would differ from generate()'s, and the walk fail."""
     assert _reference(model_type) != _reference(model_type, switch_off, **overrides)
+
+
+@pytest.mark.parametrize(
+    "model_type,expected",
+    [("phimoe", MaskPattern(window=12)), ("llama4_text", MaskPattern(chunk=16))],
+)
+def test_windows_and_chunks_only_the_mask_expresses_are_read_from_it(model_type, expected, tmp_path):
+    """phimoe passes no sliding_window to its attention, llama4 no chunk size: genq reads both off
+    the mask transformers builds, and applies them (the walk above shows the tokens then match)."""
+    from batching import Engine, EngineConfig
+
+    with support.quiet():
+        support.build_tiny_model(support.tiny_config(model_type)).save_pretrained(tmp_path)
+        engine = Engine(EngineConfig(model=str(tmp_path), dtype="float64", device="cpu", max_model_len=128))
+    assert expected in engine.runner.mask_patterns.values()
