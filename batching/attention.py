@@ -99,7 +99,10 @@ def paged_attention(
         _pad_head_dim(key, cache.head_dim),
         _pad_head_dim(value, cache.head_dim),
     )
-    k_cache, v_cache = cache.k[layer][:heads], cache.v[layer][:heads]  # [Hkv, S, D]
+    narrow = heads != cache.num_kv_heads
+    k_cache, v_cache = cache.k[layer], cache.v[layer]  # [Hkv, S, D]
+    if narrow:
+        k_cache, v_cache = k_cache[:heads], v_cache[:heads]
     k_cache.index_copy_(1, meta.slot_mapping, key[0])
     v_cache.index_copy_(1, meta.slot_mapping, value[0])
 
@@ -114,8 +117,8 @@ def paged_attention(
         if meta.decode_kernel is not None and chunk is None:
             meta.decode_kernel.decode(
                 q[group.start : group.end],
-                cache.k_blocks[layer][:heads],
-                cache.v_blocks[layer][:heads],
+                cache.k_blocks[layer][:heads] if narrow else cache.k_blocks[layer],
+                cache.v_blocks[layer][:heads] if narrow else cache.v_blocks[layer],
                 group.block_ids,
                 group.width,
                 group.context_lens,
@@ -127,7 +130,9 @@ def paged_attention(
             )
             continue
         n = group.end - group.start
-        kd, vd = (t[:heads] for t in cache.gather(layer, group.block_ids))  # [Hkv, n * L, D]
+        kd, vd = cache.gather(layer, group.block_ids)  # [Hkv, n * L, D]
+        if narrow:
+            kd, vd = kd[:heads], vd[:heads]
         kd, vd = kd.view(kd.shape[0], n, -1, kd.shape[-1]), vd.view(vd.shape[0], n, -1, vd.shape[-1])
         mask = group.mask(sliding_window, cache.block_size, chunk)
         out[group.start : group.end] = _decode_attention(
@@ -138,7 +143,9 @@ def paged_attention(
         if prefill.block_ids is None:
             kp, vp = key[:, :, prefill.start : prefill.end], value[:, :, prefill.start : prefill.end]
         else:
-            kp, vp = (t[:heads] for t in cache.gather(layer, prefill.block_ids))  # [Hkv, >= L, D]
+            kp, vp = cache.gather(layer, prefill.block_ids)  # [Hkv, >= L, D]
+            if narrow:
+                kp, vp = kp[:heads], vp[:heads]
             kp, vp = kp[None, :, : prefill.context_len], vp[None, :, : prefill.context_len]  # [1, Hkv, L, D]
         mask = _causal_mask(prefill.end - prefill.start, prefill.context_len, sliding_window, q.device, chunk)
         out[prefill.start : prefill.end] = _prefill_attention(qp, kp, vp, mask, scale, softcap, s_aux)[

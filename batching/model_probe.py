@@ -89,8 +89,9 @@ class MaskProbe:
         return self
 
     def allows(self, q: int, kv: torch.Tensor) -> torch.Tensor:
-        zero = torch.zeros((), dtype=torch.long)
-        return self.mask_function(zero, zero, torch.tensor(q), kv).to(torch.bool).expand(kv.shape)
+        """[len(kv)] bool: which key positions `kv` the query at position `q` may see."""
+        zero = torch.zeros((), dtype=torch.long, device=kv.device)
+        return self.mask_function(zero, zero, zero + q, kv).to(torch.bool).expand(kv.shape)
 
 
 @dataclass(slots=True)
@@ -214,7 +215,7 @@ def kv_geometry(model, device: torch.device, max_len: int) -> KVGeometry:
         num_kv_heads=max(c.k_shape[1] for c in rec.calls),
         head_dim=max(max(c.k_shape[-1], c.v_shape[-1]) for c in rec.calls),
         query_width=sum(c.q_shape[1] * c.q_shape[-1] for c in rec.calls) / len(rec.calls),
-        mask_patterns=mask_patterns(model_type, rec.calls, max_len, model.config),
+        mask_patterns=mask_patterns(model_type, rec.calls, max_len, model.config, device),
     )
 
 
@@ -264,7 +265,7 @@ def _check_calls(model_type: str, calls: list[AttentionCall], num_tokens: int | 
 
 
 def mask_patterns(
-    model_type: str, calls: list[AttentionCall], max_len: int, config
+    model_type: str, calls: list[AttentionCall], max_len: int, config, device: torch.device
 ) -> dict[int, MaskPattern]:
     """Single-sequence forward: what each layer's mask allows, as a function of positions up to
     max_len, must be causal, within the window its call passes or one the mask alone expresses
@@ -274,9 +275,8 @@ def mask_patterns(
     for c in calls:
         if c.mask is None:
             raise refusal(model_type, f"layer {c.layer_idx} gets no attention mask from transformers")
-        window, chunk = _read_mask(
-            model_type, c, _probe_positions(max_len, config, c.sliding_window), max_len
-        )
+        positions = _probe_positions(max_len, config, c.sliding_window)
+        window, chunk = _read_mask(model_type, c, positions, max_len, device)
         sw = c.sliding_window
         if sw is not None and sw >= max_len:
             sw = None  # a window no context reaches
@@ -316,11 +316,11 @@ def _cache_windows(config) -> dict[int, int]:
     return {i: w for i, layer in enumerate(layers) if (w := getattr(layer, "sliding_window", None))}
 
 
-def _read_mask(model_type: str, call: AttentionCall, positions: list[int], max_len: int):
+def _read_mask(model_type: str, call: AttentionCall, positions: list[int], max_len: int, device):
     """(window, chunk) of a causal mask whose visible keys are one run ending at the query."""
     first_seen = {}
     for q in positions:
-        kv = torch.arange(min(q + 2, max_len))
+        kv = torch.arange(min(q + 2, max_len), device=device)
         try:
             allowed = call.mask.allows(q, kv)
         except Exception as exc:  # noqa: BLE001 - a mask function genq cannot evaluate
