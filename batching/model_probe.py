@@ -451,14 +451,21 @@ def _probe_step(engine, model_type: str, rec: _Recorder) -> None:
 
 
 def _check_logits(engine, model_type: str, prompts: dict[str, list[int]], rows) -> None:
-    """genq's logits against the model's own eager attention over each whole sequence alone."""
+    """genq's logits against the model's own eager attention over each whole sequence alone.
+
+    In float32/64 every row must agree. In 16 bits a mixture-of-experts router may pick another
+    expert for a row when the two paths round differently (a tiny PhiMoE in bfloat16 did), so
+    there it takes most rows off to refuse: what this check is for, something genq does not pass
+    (BART-style decoders that position tokens themselves), is off in nearly every row."""
     model = engine.model
     tolerance = LOGIT_TOLERANCE.get(engine.dtype, HALF_TOLERANCE)
+    most = engine.dtype not in LOGIT_TOLERANCE
     try:
         model.set_attn_implementation("eager")
     except (ValueError, AttributeError, NotImplementedError) as exc:
         log.warning("%s: no eager attention to check genq's logits against (%s)", model_type, exc)
         return
+    errors = []  # (relative error, token index, prompt length)
     try:
         with torch.inference_mode():
             for req_id, recorded in rows.items():
@@ -472,14 +479,17 @@ def _check_logits(engine, model_type: str, prompts: dict[str, list[int]], rows) 
                     log.warning("%s: its eager attention fails (%s); logits not compared", model_type, exc)
                     return
                 for num_tokens, got in recorded:
-                    ref = reference[num_tokens - 1]
-                    err = ((got - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item()
-                    if not err <= tolerance:
-                        raise refusal(
-                            model_type,
-                            f"its logits on genq's paged attention differ from its own eager attention "
-                            f"(relative error {err:.2g} at token {num_tokens} of a {len(prompts[req_id])}-token "
-                            "prompt): the model's output depends on something genq does not pass",
-                        )
+                    ref = reference[num_tokens - 1].float()
+                    err = ((got.float() - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item()
+                    errors.append((err, num_tokens, len(prompts[req_id])))
     finally:
         model.set_attn_implementation(ATTENTION_NAME)
+    bad = [e for e in errors if not e[0] <= tolerance]
+    if bad and (not most or 2 * len(bad) > len(errors)):
+        err, num_tokens, prompt_len = max(bad)
+        raise refusal(
+            model_type,
+            f"its logits on genq's paged attention differ from its own eager attention in {len(bad)} of "
+            f"{len(errors)} rows (relative error up to {err:.2g}, at token {num_tokens} of a {prompt_len}-token "
+            "prompt): the model's output depends on something genq does not pass",
+        )
