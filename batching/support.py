@@ -197,10 +197,11 @@ def engine_tokens(path: str, prompt_list: list[list[int]], max_new: int = MAX_NE
     return [o.token_ids for o in engine.generate(prompt_list, params)]
 
 
-def check_model_type(model_type: str, directory: str) -> Result:
-    """Build the tiny model of `model_type` into `directory` and compare genq with generate()."""
+def check_model_type(model_type: str, directory: str, **overrides) -> Result:
+    """Build the tiny model of `model_type` (config `overrides` on top) into `directory` and compare
+    genq with generate()."""
     try:
-        config = tiny_config(model_type)
+        config = tiny_config(model_type, **overrides)
         model = build_tiny_model(config)
         model.save_pretrained(directory)
     except Exception as exc:  # noqa: BLE001 - transformers cannot build it tiny: not genq's to judge

@@ -76,3 +76,17 @@ def test_windows_and_chunks_only_the_mask_expresses_are_read_from_it(model_type,
         support.build_tiny_model(support.tiny_config(model_type)).save_pretrained(tmp_path)
         engine = Engine(EngineConfig(model=str(tmp_path), dtype="float64", device="cpu", max_model_len=128))
     assert expected in engine.runner.mask_patterns.values()
+
+
+def test_kv_shared_across_layers_runs_identically(tmp_path):
+    """gemma4's last layers reuse an earlier layer's K/V (not in the two-layer walk): each keeps
+    its own copy in genq's cache, written from the K/V the model hands it, and the tokens match."""
+    with support.quiet():
+        result = support.check_model_type(
+            "gemma4_text",
+            str(tmp_path),
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "full_attention", "full_attention"],
+            num_kv_shared_layers=1,
+        )
+    assert result.status == "identical", result.reason
