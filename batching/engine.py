@@ -358,7 +358,9 @@ def _max_model_len(config: EngineConfig, model_config) -> int:
         limit = None
     if config.max_model_len is None:
         if limit is None:
-            raise ValueError("max_model_len: the model config has no max_position_embeddings; set it")
+            raise ValueError(
+                f"max_model_len: {model_config.model_type}'s config has no max_position_embeddings; set it"
+            )
         return int(limit)
     if limit is not None and config.max_model_len > limit:
         raise ValueError(
