@@ -42,16 +42,18 @@ class DecodeGroup:
     width: int  # blocks per sequence after padding
     _masks: dict = field(default_factory=dict)  # by sliding window, built once per step
 
-    def mask(self, sliding_window: int | None, block_size: int) -> torch.Tensor:
+    def mask(self, sliding_window: int | None, block_size: int, chunk: int | None = None) -> torch.Tensor:
         """[1, n, 1, width * block_size] bool, True where the query may attend."""
-        mask = self._masks.get(sliding_window)
+        mask = self._masks.get((sliding_window, chunk))
         if mask is None:
             lens = self.context_lens[:, None]
             pos = torch.arange(self.width * block_size, device=lens.device)[None, :]
             mask = pos < lens
             if sliding_window is not None:
                 mask &= pos > lens - 1 - sliding_window
-            mask = self._masks[sliding_window] = mask[None, :, None, :]
+            if chunk is not None:  # the query (at lens - 1) sees its own chunk only
+                mask &= pos >= (lens - 1) // chunk * chunk
+            mask = self._masks[(sliding_window, chunk)] = mask[None, :, None, :]
         return mask
 
 
@@ -62,6 +64,7 @@ class AttentionMetadata:
     decodes: list[DecodeGroup]  # single-query rows come first in the packed batch
     prefills: list[PrefillChunk]
     decode_kernel: PagedDecodeKernel | None = None  # attends decodes in place (CPU); None: gather + matmul
+    mask_patterns: dict = field(default_factory=dict)  # layer -> MaskPattern: windows/chunks of the mask only
 
 
 def paged_attention(
@@ -81,21 +84,41 @@ def paged_attention(
     """query: [1, H, T, D]; key, value: [1, Hkv, T, D]. Returns ([1, T, H, D], None)."""
     meta = genq_attn
     if meta is None:
-        raise RuntimeError("genq_paged attention needs the engine's step metadata (genq_attn=...)")
-    layer = module.layer_idx
-    k_cache, v_cache = meta.kv_cache.k[layer], meta.kv_cache.v[layer]  # [Hkv, S, D]
+        raise RuntimeError(
+            f"{type(module).__name__} called genq's paged attention without the engine's step metadata "
+            "(genq_attn=...): it does not pass the forward's keyword arguments on"
+        )
+    layer, cache = module.layer_idx, meta.kv_cache
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    # layers with fewer KV heads or smaller heads than the cache (per-layer sizes; MLA's K and V of
+    # different sizes) use its first heads, zero-padded: zeros add nothing to q·k, and padded value
+    # columns are cut from the output
+    heads, value_dim = key.shape[1], value.shape[-1]
+    query, key, value = (
+        _pad_head_dim(query, cache.head_dim),
+        _pad_head_dim(key, cache.head_dim),
+        _pad_head_dim(value, cache.head_dim),
+    )
+    narrow = heads != cache.num_kv_heads
+    k_cache, v_cache = cache.k[layer], cache.v[layer]  # [Hkv, S, D]
+    if narrow:
+        k_cache, v_cache = k_cache[:heads], v_cache[:heads]
     k_cache.index_copy_(1, meta.slot_mapping, key[0])
     v_cache.index_copy_(1, meta.slot_mapping, value[0])
 
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    chunk = None
+    if (pattern := meta.mask_patterns.get(layer)) is not None:  # what the model says only in its mask
+        sliding_window = pattern.window if pattern.window is not None else sliding_window
+        chunk = pattern.chunk
+
     q = query[0].transpose(0, 1)  # [T, H, D]
     out = torch.empty_like(q)
     for group in meta.decodes:
-        if meta.decode_kernel is not None:
+        if meta.decode_kernel is not None and chunk is None:
             meta.decode_kernel.decode(
                 q[group.start : group.end],
-                meta.kv_cache.k_blocks[layer],
-                meta.kv_cache.v_blocks[layer],
+                cache.k_blocks[layer][:heads] if narrow else cache.k_blocks[layer],
+                cache.v_blocks[layer][:heads] if narrow else cache.v_blocks[layer],
                 group.block_ids,
                 group.width,
                 group.context_lens,
@@ -107,33 +130,47 @@ def paged_attention(
             )
             continue
         n = group.end - group.start
-        kd, vd = meta.kv_cache.gather(layer, group.block_ids)  # [Hkv, n * L, D]
+        kd, vd = cache.gather(layer, group.block_ids)  # [Hkv, n * L, D]
+        if narrow:
+            kd, vd = kd[:heads], vd[:heads]
         kd, vd = kd.view(kd.shape[0], n, -1, kd.shape[-1]), vd.view(vd.shape[0], n, -1, vd.shape[-1])
-        mask = group.mask(sliding_window, meta.kv_cache.block_size)
+        mask = group.mask(sliding_window, cache.block_size, chunk)
         out[group.start : group.end] = _decode_attention(
             q[group.start : group.end], kd, vd, mask, scale, softcap, s_aux
         )
-    for chunk in meta.prefills:
-        qp = query[:, :, chunk.start : chunk.end]  # [1, H, q, D]
-        if chunk.block_ids is None:
-            kp, vp = key[:, :, chunk.start : chunk.end], value[:, :, chunk.start : chunk.end]
+    for prefill in meta.prefills:
+        qp = query[:, :, prefill.start : prefill.end]  # [1, H, q, D]
+        if prefill.block_ids is None:
+            kp, vp = key[:, :, prefill.start : prefill.end], value[:, :, prefill.start : prefill.end]
         else:
-            kp, vp = meta.kv_cache.gather(layer, chunk.block_ids)  # [Hkv, >= L, D]
-            kp, vp = kp[None, :, : chunk.context_len], vp[None, :, : chunk.context_len]  # [1, Hkv, L, D]
-        mask = _causal_mask(chunk.end - chunk.start, chunk.context_len, sliding_window, q.device)
-        out[chunk.start : chunk.end] = _prefill_attention(qp, kp, vp, mask, scale, softcap, s_aux)[
+            kp, vp = cache.gather(layer, prefill.block_ids)  # [Hkv, >= L, D]
+            if narrow:
+                kp, vp = kp[:heads], vp[:heads]
+            kp, vp = kp[None, :, : prefill.context_len], vp[None, :, : prefill.context_len]  # [1, Hkv, L, D]
+        mask = _causal_mask(prefill.end - prefill.start, prefill.context_len, sliding_window, q.device, chunk)
+        out[prefill.start : prefill.end] = _prefill_attention(qp, kp, vp, mask, scale, softcap, s_aux)[
             0
         ].transpose(0, 1)
+    if value_dim != out.shape[-1]:
+        out = out[..., :value_dim].contiguous()
     return out.unsqueeze(0), None
 
 
-def _causal_mask(q_len: int, kv_len: int, sliding_window: int | None, device) -> torch.Tensor:
+def _pad_head_dim(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    return x if x.shape[-1] == head_dim else F.pad(x, (0, head_dim - x.shape[-1]))
+
+
+def _causal_mask(
+    q_len: int, kv_len: int, sliding_window: int | None, device, chunk: int | None = None
+) -> torch.Tensor:
     """[q, L] bool: query j (at position kv_len - q_len + j) sees keys up to its own position."""
     q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
     k_pos = torch.arange(kv_len, device=device)[None, :]
     mask = k_pos <= q_pos
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
+    if chunk is not None:
+        mask &= k_pos >= q_pos // chunk * chunk
     return mask
 
 

@@ -13,7 +13,7 @@ import random
 import time
 from collections.abc import Sequence as Seq
 
-from batching import cpu_attention, step_cost
+from batching import cpu_attention, model_probe, step_cost
 from batching.block_manager import BlockManager, blocks_for
 from batching.config import EngineConfig
 from batching.cpu_attention import PagedDecodeKernel
@@ -46,14 +46,14 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         self.tokenizer = load_tokenizer_for(config)
         self.model = load_model(config, self.device, self.dtype, model_config)
-        mc = self.model.config
+        mc = self.model.config.get_text_config(decoder=True)  # multimodal configs nest the decoder's
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = _eos_ids(mc, self.tokenizer)
         self.max_model_len = _max_model_len(config, mc)
 
-        num_layers = mc.num_hidden_layers
-        num_kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
-        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        # the cache follows what the attention layers pass, not what the config names (model_probe.py)
+        geometry = model_probe.kv_geometry(self.model, self.device, self.max_model_len)
+        num_layers, num_kv_heads, head_dim = geometry.num_layers, geometry.num_kv_heads, geometry.head_dim
         block_bytes = KVCache.bytes_per_block(
             num_layers, num_kv_heads, head_dim, config.block_size, self.dtype
         )
@@ -69,11 +69,18 @@ class Engine:
             self.device,
         )
         self.block_manager = BlockManager(num_device_blocks, num_host_blocks, config.block_size)
-        self.scheduler = Scheduler(config, self.block_manager, attention_context_per_token(self.model))
+        self.scheduler = Scheduler(
+            config, self.block_manager, attention_context_per_token(self.model, geometry.query_width)
+        )
         # prices the budget from the steps' own times; None while warming up, and with plain token budgets
         self.step_costs: step_cost.StepCostModel | None = None
         self.runner = ModelRunner(
-            self.model, self.kv_cache, config.block_size, self.device, self._decode_kernel()
+            self.model,
+            self.kv_cache,
+            config.block_size,
+            self.device,
+            self._decode_kernel(),
+            geometry.mask_patterns,
         )
         self.sampler = Sampler()
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
@@ -329,16 +336,8 @@ class Engine:
         return kernel if kernel is not None and kernel.supports(self.dtype, self.device) else None
 
     def _warm_up(self) -> None:
-        """One tiny request through the real path: proves the model works with paged attention."""
-        try:
-            # the smallest request (one KV slot), so that every valid pool and max_model_len can take it
-            self.add_request("__warmup__", [0], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-            while self.has_unfinished_requests():
-                self.step()
-        except (TypeError, RuntimeError, AttributeError, NotImplementedError) as exc:
-            raise ValueError(
-                f"model: {self.config.model!r} cannot run on genq's paged attention: {exc}"
-            ) from exc
+        """Probe requests through the real path: proves the model runs exactly on paged attention."""
+        model_probe.verify(self)
         for key in self._counters:
             self._counters[key] = 0 if isinstance(self._counters[key], int) else 0.0
 
@@ -355,13 +354,18 @@ def _max_model_len(config: EngineConfig, model_config) -> int:
     limit = getattr(model_config, "max_position_embeddings", None) or getattr(
         model_config, "n_positions", None
     )
+    if limit is not None and limit <= 0:  # xlnet: -1, no learned limit
+        limit = None
     if config.max_model_len is None:
         if limit is None:
-            raise ValueError("max_model_len: the model config has no max_position_embeddings; set it")
+            raise ValueError(
+                f"max_model_len: {model_config.model_type}'s config has no max_position_embeddings; set it"
+            )
         return int(limit)
     if limit is not None and config.max_model_len > limit:
         raise ValueError(
-            f"max_model_len ({config.max_model_len}) exceeds the model's max_position_embeddings ({limit})"
+            f"max_model_len ({config.max_model_len}) exceeds {model_config.model_type}'s "
+            f"max_position_embeddings ({limit})"
         )
     return config.max_model_len
 

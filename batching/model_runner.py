@@ -30,12 +30,14 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         decode_kernel: PagedDecodeKernel | None = None,
+        mask_patterns: dict | None = None,
     ):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
         self.decode_kernel = decode_kernel  # CPU: attends decodes in place (cpu_attention.py)
+        self.mask_patterns = mask_patterns or {}  # layer -> windows/chunks only the mask expresses
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
@@ -105,6 +107,7 @@ class ModelRunner:
             decodes=decodes,
             prefills=prefills,
             decode_kernel=self.decode_kernel,
+            mask_patterns=self.mask_patterns,
         )
         return ModelInput(
             input_ids=torch.tensor([input_ids], device=self.device),

@@ -20,7 +20,7 @@ TORCH_DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 
 
 def tiny_llama_config():
@@ -125,14 +125,15 @@ def check_model_source(config: EngineConfig) -> None:
 def _check_supported(model_config) -> None:
     if getattr(model_config, "is_encoder_decoder", False):
         raise ValueError(
-            f"model: {model_config.model_type} is an encoder-decoder; genq runs decoder-only models"
+            f"model: genq cannot run {model_config.model_type}: it is an encoder-decoder; genq runs "
+            "decoder-only models"
         )
     layer_types = set(getattr(model_config, "layer_types", None) or ())
     unsupported = layer_types - SUPPORTED_LAYER_TYPES
     if unsupported:
         raise ValueError(
-            f"model: layer types {sorted(unsupported)} are not supported "
-            f"(only {sorted(SUPPORTED_LAYER_TYPES)})"
+            f"model: genq cannot run {model_config.model_type}: its layer types {sorted(unsupported)} "
+            f"have no paged attention in genq (only {sorted(SUPPORTED_LAYER_TYPES)})"
         )
 
 
@@ -155,12 +156,36 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, m
                 trust_remote_code=config.trust_remote_code,
                 attn_implementation=ATTENTION_NAME,
             )
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
             raise ValueError(f"model: cannot load weights of {config.model!r}: {exc}") from exc
+        except ValueError as exc:
+            raise ValueError(
+                f"model: genq cannot run {model_config.model_type}: transformers cannot load "
+                f"{config.model!r} as a causal LM: {exc}"
+            ) from exc
+        except KeyError as exc:
+            if exc.args != (ATTENTION_NAME,):
+                raise
+            # falcon, gptj, gpt_neo: one attention class per implementation, each computing attention itself
+            raise ValueError(
+                f"model: genq cannot run {model_config.model_type}: it picks its attention class from its "
+                "own table (eager / sdpa / flash_attention_2), each computing attention itself; "
+                "transformers offers no AttentionInterface hook for it"
+            ) from exc
     model.set_attn_implementation(ATTENTION_NAME)
+    if dtype == torch.float64:
+        use_eager_experts(model)
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
     return model
+
+
+def use_eager_experts(model) -> None:
+    """Mixture-of-experts layers default to grouped matmuls, which refuse float64: loop over experts."""
+    try:
+        model.set_experts_implementation("eager")
+    except (ValueError, AttributeError, NotImplementedError):
+        pass  # no experts, or no choice of implementation
 
 
 def build_tiny_llama(model_config):

@@ -41,18 +41,20 @@ class StepCosts:
     decode_context_per_token: float | None = None  # + s / this
 
 
-def attention_context_per_token(model) -> float:
+def attention_context_per_token(model, query_width: float | None = None) -> float:
     """C from the weights: how many tokens of context one token's attention must span to cost as much
     as the rest of its forward pass (the decoder's linear weights per layer, one multiply-add each
     per token, over the multiply-adds of q·k and p·v per key for every head). About 1,400 for a
     256-wide model, about 12,000 for a 7B one."""
-    mc = model.config
+    mc = model.config.get_text_config(decoder=True)  # multimodal configs nest the decoder's
     weights = model.num_parameters(exclude_embeddings=True)
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     if head is not None and embed is not None and head.weight is not embed.weight:
         weights -= head.weight.numel()  # the LM head runs once per sampled row, not per token
-    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-    return weights / mc.num_hidden_layers / (2 * mc.num_attention_heads * head_dim)
+    if query_width is None:  # query heads x head size (the engine passes what the layers pass)
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        query_width = mc.num_attention_heads * head_dim
+    return weights / mc.num_hidden_layers / (2 * query_width)
 
 
 def features(seqs, num_scheduled_tokens) -> tuple[float, ...]:

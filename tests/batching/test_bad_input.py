@@ -180,7 +180,7 @@ def test_bad_engine_config(kwargs, match):
 
 def test_max_model_len_over_the_models_limit():
     with pytest.raises(
-        ValueError, match=r"max_model_len \(4096\) exceeds the model's max_position_embeddings \(2048\)"
+        ValueError, match=r"max_model_len \(4096\) exceeds llama's max_position_embeddings \(2048\)"
     ):
         Engine(EngineConfig(model="tiny-llama", device="cpu", max_model_len=4096, num_device_blocks=8))
 

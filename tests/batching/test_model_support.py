@@ -1,0 +1,92 @@
+"""Every decoder architecture of the installed transformers runs token-identical or is refused at load.
+
+batching/support.py builds each model type tiny (float64, wide weights) and compares genq with
+`model.generate()` under two schedules; here each type is one test. A refusal must name the model
+type and say what genq lacks; a divergence or a crash fails. The sensitivity controls show that the
+walk would see a sliding window, a soft-cap or attention sinks being ignored.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batching import support
+from batching.model_probe import MaskPattern
+
+MODEL_TYPES = support.decoder_model_types()
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_runs_identically_or_is_refused_at_load(model_type, tmp_path):
+    with support.quiet():
+        result = support.check_model_type(model_type, str(tmp_path))
+    if result.status == "untested":
+        pytest.skip(result.reason)  # transformers itself cannot build or generate with it tiny
+    assert result.status in ("identical", "refused"), result.reason
+    if result.status == "refused":
+        assert f"genq cannot run {model_type}" in result.reason, result.reason
+
+
+def test_the_walk_covers_the_families_genq_runs():
+    """The walk is not vacuous: it knows the popular decoders (and the engine runs them, above)."""
+    for model_type in ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gpt2", "deepseek_v3", "gpt_oss"):
+        assert model_type in MODEL_TYPES
+
+
+def _reference(model_type: str, switch_off=None, **overrides) -> list[list[int]]:
+    with support.quiet():
+        model = support.build_tiny_model(support.tiny_config(model_type, **overrides))
+        if switch_off is not None:
+            switch_off(model)
+        return support.reference_tokens(model, support.prompts())
+
+
+def _no_sinks(model) -> None:
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.fill_(float("-inf"))  # a sink of -inf takes no probability mass
+
+
+@pytest.mark.parametrize(
+    "model_type,switch_off,overrides",
+    [
+        ("mistral", None, dict(sliding_window=None)),  # the window
+        ("gemma2", None, dict(attn_logit_softcapping=None)),  # the attention soft-cap
+        ("gpt_oss", _no_sinks, {}),  # the attention sinks
+    ],
+    ids=["sliding_window", "softcap", "sinks"],
+)
+def test_features_the_walk_checks_change_the_reference(model_type, switch_off, overrides):
+    """Were genq to ignore the feature, its tokens would differ from generate()'s, and the walk fail."""
+    assert _reference(model_type) != _reference(model_type, switch_off, **overrides)
+
+
+@pytest.mark.parametrize(
+    "model_type,expected",
+    [("phimoe", MaskPattern(window=12)), ("llama4_text", MaskPattern(chunk=16))],
+)
+def test_windows_and_chunks_only_the_mask_expresses_are_read_from_it(model_type, expected, tmp_path):
+    """phimoe passes no sliding_window to its attention, llama4 no chunk size: genq reads both off
+    the mask transformers builds, and applies them (the walk above shows the tokens then match)."""
+    from batching import Engine, EngineConfig
+
+    with support.quiet():
+        support.build_tiny_model(support.tiny_config(model_type)).save_pretrained(tmp_path)
+        engine = Engine(EngineConfig(model=str(tmp_path), dtype="float64", device="cpu", max_model_len=128))
+    assert expected in engine.runner.mask_patterns.values()
+
+
+def test_kv_shared_across_layers_runs_identically(tmp_path):
+    """gemma4's last layers reuse an earlier layer's K/V (not in the two-layer walk): each keeps
+    its own copy in genq's cache, written from the K/V the model hands it, and the tokens match."""
+    with support.quiet():
+        result = support.check_model_type(
+            "gemma4_text",
+            str(tmp_path),
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "full_attention", "full_attention"],
+            num_kv_shared_layers=1,
+        )
+    assert result.status == "identical", result.reason
