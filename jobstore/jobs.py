@@ -101,7 +101,11 @@ def _insert_job(names: tuple[str, ...]):
         queued = (
             select(func.count())
             .select_from(JOBS)
-            .where(JOBS.c.tenant_id == bindparam("tenant_id"), JOBS.c.status == JobStatus.QUEUED)
+            .where(
+                JOBS.c.tenant_id == bindparam("tenant_id"),
+                JOBS.c.status == JobStatus.QUEUED,
+                JOBS.c.batch_id.is_(None),  # a batch's jobs have limits of their own
+            )
             .scalar_subquery()
         )
         values = select(*[bindparam(name, type_=JOBS.c[name].type) for name in columns])
@@ -446,11 +450,11 @@ def try_reconciler_lock(session: Session) -> bool:
 
 
 def queued_by_tenant(db: Session | Connection) -> dict[uuid.UUID, int]:
-    """Queued jobs per tenant (tenants with none are left out)."""
+    """Queued jobs per tenant submitted through POST /jobs, not a batch's (tenants with none are left out)."""
     return dict(
         db.execute(
             select(JOBS.c.tenant_id, func.count())
-            .where(JOBS.c.status == JobStatus.QUEUED)
+            .where(JOBS.c.status == JobStatus.QUEUED, JOBS.c.batch_id.is_(None))
             .group_by(JOBS.c.tenant_id)
         ).all()
     )

@@ -1,7 +1,8 @@
 """The reconciler (run every RECONCILE_INTERVAL seconds by `celery -A workers beat`).
 
 Postgres is the source of truth; Redis only says "job X is ready". Two ways they disagree are
-mended here: a job committed but never sent to Redis (the API died, or Redis was down), and a job
+mended here (and batches of the Batch API whose jobs have all ended are finalized: their output
+files written, jobstore/batches.py): a job committed but never sent to Redis (the API died, or Redis was down), and a job
 whose worker died (its lease expired): it goes back to `queued`, keeping its tokens, and is sent
 again; the next worker resumes from those tokens. A third: Redis lost its data (restarted without
 persistence), taking the messages of queued jobs with it. The reconciler keeps a marker key in Redis;
@@ -18,7 +19,7 @@ import redis
 from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobstore import jobs
+from jobstore import batches, jobs
 from jobstore.dispatch import send_job
 from jobstore.settings import Settings
 
@@ -54,7 +55,23 @@ def reconcile(sessions: sessionmaker[Session], celery: Celery, settings: Setting
         )
     if redis_lost:
         _set_marker(settings)
-    return {"requeued": len(requeued), "sent": len(to_send), "resent": forgotten}
+    finalized = finalize_batches(sessions, settings)
+    return {"requeued": len(requeued), "sent": len(to_send), "resent": forgotten, "finalized": finalized}
+
+
+def finalize_batches(sessions: sessionmaker[Session], settings: Settings) -> int:
+    """Write the output files of the batches whose jobs have all ended (each in a transaction of its own,
+    so one batch's failure leaves the others done); returns how many were finalized. GET /v1/batches/<id>
+    does the same for the batch it reads: whichever comes first does it, the other passes by."""
+    with sessions.begin() as session:
+        ready = batches.ready_batches(session)
+    finalized = 0
+    for batch_id in ready:
+        with sessions.begin() as session:
+            finalized += batches.finalize_batch(session, batch_id, settings.model)
+    if finalized:
+        log.info("reconciler: %d batches finalized", finalized)
+    return finalized
 
 
 def _marker_key(settings: Settings) -> str:
