@@ -6,7 +6,6 @@ tenant sees nothing."""
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 
 import openai
@@ -15,7 +14,7 @@ import requests
 
 from batching import SamplingParams
 from batching.tokenizer import load_tokenizer
-from tests.conftest import BIN, ROOT, free_port, settings_env
+from tests.conftest import serve_api
 
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 
@@ -23,28 +22,8 @@ TERMINAL = ("completed", "failed", "cancelled", "expired")
 @pytest.fixture(scope="module")
 def api_url(wide):
     """gunicorn serving the app that sends to the `wide` worker's queue (its settings, its Redis prefix)."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [BIN / "gunicorn", "--bind", f"127.0.0.1:{port}", "--workers", "2", "webapi:create_app()"],
-        cwd=ROOT,
-        env={**settings_env(wide.settings), "API_ACCESS_LOG": ""},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(200):
-            try:
-                if requests.get(f"{url}/healthz", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                time.sleep(0.1)
-        else:
-            pytest.fail("gunicorn did not answer /healthz")
+    with serve_api(wide.settings) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=20)
 
 
 def client_for(api_url: str, key: str) -> openai.OpenAI:
