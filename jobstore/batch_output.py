@@ -9,18 +9,21 @@ from jobstore.models import JobStatus
 CHAT_ENDPOINT = "/v1/chat/completions"
 
 
-def output_line(job, endpoint: str, model: str) -> dict:
+def output_line(job, endpoint: str, model: str, batch_cancelled: bool = False) -> dict:
     """The line for one job of a batch (a row with the columns jobstore.batches._batch_jobs reads)."""
     custom_id = (job.metadata_ or {}).get("custom_id")
     line = {"id": f"batch_req_{job.id.hex}", "custom_id": custom_id, "response": None, "error": None}
     if job.status != JobStatus.SUCCEEDED:
-        cancelled = job.status == JobStatus.CANCELLED
-        line["error"] = {
-            "code": "batch_cancelled" if cancelled else (job.error_code or "failed"),
-            "message": "the batch was cancelled before this request finished"
-            if cancelled
-            else (job.error_message or "the request failed"),
-        }
+        if job.status != JobStatus.CANCELLED:
+            error = {"code": job.error_code or "failed", "message": job.error_message or "the request failed"}
+        elif batch_cancelled:
+            error = {
+                "code": "batch_cancelled",
+                "message": "the batch was cancelled before this request finished",
+            }
+        else:
+            error = {"code": "cancelled", "message": f"this request's job ({job.id}) was cancelled"}
+        line["error"] = error
         return line
     line["response"] = {
         "status_code": 200,

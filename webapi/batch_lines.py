@@ -13,6 +13,7 @@ import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
 from pydantic import BaseModel, ValidationError
 
@@ -62,6 +63,7 @@ class BatchBuilder:
     error_count: int = 0
     requests: int = 0  # valid lines so far
     job_ids: list[uuid.UUID] = field(default_factory=list)
+    sent_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     _custom_ids: set[str] = field(default_factory=set)
 
     def add(self, lines: Sequence[tuple[int, bytes]]) -> list[tuple]:
@@ -182,6 +184,8 @@ class BatchBuilder:
         except ValidationError as exc:
             self._validation_error(request.line, exc, prefix="body.")
             return None
-        job_id, row = job_row(self.tenant_id, self.batch_id, request.index, job, request.prompt_tokens)
+        job_id, row = job_row(
+            self.tenant_id, self.batch_id, request.index, job, request.prompt_tokens, self.sent_at
+        )
         self.job_ids.append(job_id)
         return row

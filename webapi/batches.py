@@ -128,15 +128,15 @@ def validate_and_insert(session, batch: Batch, file_id: str) -> BatchBuilder:
 
 
 def send(batch: Batch, builder: BatchBuilder) -> None:
-    """Send the batch's committed jobs to Redis in pipelines and record them sent; if Redis is down the
-    reconciler sends them (they are in Postgres)."""
+    """Send the batch's committed jobs to Redis in pipelines (their rows already say sent); if Redis is
+    down, clear that mark so the reconciler sends them (they are in Postgres)."""
     try:
         sent = services().bulk_sender.send((job_id, batch.priority) for job_id in builder.job_ids)
     except (KombuError, RedisError, OSError) as exc:
         log.warning("batch %s stays queued unsent (the reconciler will send it): %s", batch.id, exc)
+        with services().sessions.begin() as session:
+            batches.mark_unsent(session, batch.id)
         return
-    with services().sessions.begin() as session:
-        batches.mark_sent(session, batch.id)
     JOBS_SUBMITTED.labels(priority=str(batch.priority)).inc(sent)
 
 

@@ -252,3 +252,27 @@ def test_v1_errors_take_openai_shape(client, auth):
     assert r.status_code == 401 and r.json["error"]["type"] == "authentication_error"
     r = client.get(f"/v1/batches/batch_{uuid.uuid4().hex}", headers=headers)
     assert r.status_code == 404 and r.json["error"]["message"].startswith("no such batch")
+
+
+def test_the_reconciler_finalizes_a_batch_nobody_polls(client, auth, sessions, settings):
+    from workers.reconciler import finalize_batches
+
+    headers = auth()
+    file_id = upload(client, headers, jsonl(chat_line(i) for i in range(2))).json["id"]
+    batch = create(client, headers, file_id).json
+    finalize_batches(sessions, settings)  # other tests' batches may be ready: finalize them first
+    with sessions.begin() as s:
+        s.execute(
+            text(
+                "UPDATE jobs SET status = 'succeeded', output_text = :t, finish_reason = 'stop', "
+                "finished_at = now() WHERE batch_id = :b"
+            ),
+            {"t": b"ok", "b": batch["id"]},
+        )
+    assert finalize_batches(sessions, settings) >= 1
+    with sessions() as s:
+        status, output = s.execute(
+            text("SELECT status, output_file_id FROM batches WHERE id = :b"), {"b": batch["id"]}
+        ).one()
+    assert status == "completed" and output is not None
+    assert finalize_batches(sessions, settings) == 0  # nothing left to do: finalized once
