@@ -276,3 +276,23 @@ def test_the_reconciler_finalizes_a_batch_nobody_polls(client, auth, sessions, s
         ).one()
     assert status == "completed" and output is not None
     assert finalize_batches(sessions, settings) == 0  # nothing left to do: finalized once
+
+
+def test_redis_down_at_submission_leaves_the_batch_for_the_reconciler(settings, database, new_key, sessions):
+    import dataclasses
+
+    from tests.conftest import free_port
+    from webapi import create_app
+
+    down = dataclasses.replace(settings, redis_url=f"redis://127.0.0.1:{free_port()}/0")  # nothing listens
+    app = create_app(down)
+    try:
+        client, headers = app.test_client(), {"Authorization": f"Bearer {new_key()}"}
+        file_id = upload(client, headers, jsonl(chat_line(i) for i in range(3))).json["id"]
+        batch = create(client, headers, file_id).json
+        assert batch["status"] == "in_progress" and batch["request_counts"]["total"] == 3
+        rows = batch_jobs(sessions, batch["id"])
+        # committed and marked unsent: the reconciler's unsent_jobs picks them up
+        assert [(r.status, r.enqueued_at) for r in rows] == [("queued", None)] * 3
+    finally:
+        app.extensions["genq"].close()
