@@ -1,14 +1,16 @@
 """The reconciler (run every RECONCILE_INTERVAL seconds by `celery -A workers beat`).
 
 Postgres is the source of truth; Redis only says "job X is ready". Two ways they disagree are
-mended here (and batches of the Batch API whose jobs have all ended are finalized: their output
-files written, jobstore/batches.py): a job committed but never sent to Redis (the API died, or Redis was down), and a job
+mended here: a job committed but never sent to Redis (the API died, or Redis was down), and a job
 whose worker died (its lease expired): it goes back to `queued`, keeping its tokens, and is sent
 again; the next worker resumes from those tokens. A third: Redis lost its data (restarted without
 persistence), taking the messages of queued jobs with it. The reconciler keeps a marker key in Redis;
 when the marker is gone, every queued job is sent again. (A queued job whose message went missing
 any other way is sent again `resend_after_seconds` after it was sent.) Extra messages are harmless (a claim only
 succeeds on a queued job), so two reconcilers racing between commit and send cost nothing.
+
+It also finalizes the Batch API's batches whose jobs have all ended (writes their output and error
+files: jobstore/batches.py), so a batch completes even if nobody polls it.
 """
 
 from __future__ import annotations
