@@ -9,17 +9,22 @@ file with any invalid line. The prompts of a group are rendered and tokenized in
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from jobstore.batches import job_row
 from jobstore.requests import JobCreate
-from webapi.openai_schemas import CHAT_ENDPOINT, BatchLine, ChatCompletionRequest, CompletionRequest
+from webapi.openai_schemas import (
+    CHAT_ENDPOINT,
+    ChatBatchLine,
+    ChatCompletionRequest,
+    CompletionBatchLine,
+    CompletionRequest,
+)
 from webapi.prompts import PromptError, check_length, check_token_ids, count_texts, render_chats
 
 MAX_REPORTED_ERRORS = 1000  # a file with more invalid lines reports its first this many
@@ -83,13 +88,15 @@ class BatchBuilder:
             self.errors.append(LineError(line, code, message, param))
 
     def _parse(self, number: int, raw: bytes) -> _Request | None:
+        model = ChatBatchLine if self.endpoint == CHAT_ENDPOINT else CompletionBatchLine
         try:
-            line = BatchLine.model_validate(json.loads(raw))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            self._error(number, "invalid_json_line", f"line {number} is not valid JSON: {exc}")
-            return None
+            line = model.model_validate_json(raw)  # parsed and checked in one pass, body included
         except ValidationError as exc:
-            self._validation_error(number, exc)
+            first = exc.errors(include_url=False)[0]
+            if first["type"] == "json_invalid":
+                self._error(number, "invalid_json_line", f"line {number} is not valid JSON: {first['msg']}")
+            else:
+                self._validation_error(number, exc)
             return None
         if line.url != self.endpoint:
             self._error(
@@ -108,16 +115,8 @@ class BatchBuilder:
             )
             return None
         self._custom_ids.add(line.custom_id)
-        model: type[BaseModel] = (
-            ChatCompletionRequest if self.endpoint == CHAT_ENDPOINT else CompletionRequest
-        )
-        try:
-            body = model.model_validate(line.body)
-        except ValidationError as exc:
-            self._validation_error(number, exc, prefix="body.")
-            return None
         index, self.requests = self.requests, self.requests + 1
-        return _Request(number, index, line.custom_id, body)
+        return _Request(number, index, line.custom_id, line.body)
 
     def _validation_error(self, number: int, exc: ValidationError, prefix: str = "") -> None:
         for e in exc.errors(include_url=False)[:1]:  # the first problem of a line is enough to fix it

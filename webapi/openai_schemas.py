@@ -159,6 +159,18 @@ class BatchLine(BaseModel):
     body: dict[str, Any]
 
 
+class ChatBatchLine(BatchLine):
+    """A line of a /v1/chat/completions batch: validated from its JSON text in one pass."""
+
+    body: ChatCompletionRequest
+
+
+class CompletionBatchLine(BatchLine):
+    """A line of a /v1/completions batch."""
+
+    body: CompletionRequest
+
+
 class BatchCreate(BaseModel):
     """Body of POST /v1/batches. `metadata.priority` ("0" most urgent … "9") sets the jobs' priority."""
 
