@@ -121,10 +121,11 @@ class Bench:
             raise RuntimeError(f"batch not accepted: {r.text[:2000]}")
         return r.json()["id"], t1 - t0, time.perf_counter() - t1
 
-    def submit_jobs(self) -> float:
-        """POST /jobs for every request over `connections` keep-alive connections; seconds taken."""
+    def submit_jobs(self, limit: int | None = None) -> float:
+        """POST /jobs for every request (or the first `limit`) over `connections` keep-alive connections;
+        seconds taken."""
         raws = []
-        for conv in self.convs:
+        for conv in self.convs[:limit]:
             body = {"messages": conv, "max_tokens": self.max_tokens, "temperature": 0, "priority": 8}
             host, port, raw = build_request(self.stack.url, "/jobs", body, self.stack.headers)
             raws.append(raw)
@@ -163,7 +164,7 @@ class Bench:
         with self.sessions() as s:
             return s.scalar(select(func.count()).select_from(Job).where(Job.status.in_(ACTIVE)))
 
-    def submission_round(self, wait_quiet: float) -> dict:
+    def submission_round(self, wait_quiet: float, baseline: int | None) -> dict:
         waited = wait_for_quiet(wait_quiet) if wait_quiet else 0.0
         load = os.getloadavg()[0]
         before = self.queued_in_redis()
@@ -171,10 +172,10 @@ class Bench:
         queued = self.queued_in_redis() - before
         batch_s = upload_s + create_s
         self.clear()
-        jobs_s = self.submit_jobs()
+        n, m = len(self.convs), min(baseline or len(self.convs), len(self.convs))
+        jobs_s = self.submit_jobs(m) * n / m  # at the rate measured on the first m
         queued_jobs = self.queued_in_redis()
         self.clear()
-        n = len(self.convs)
         return {
             "waited_for_quiet_s": waited,
             "load_average_before": load,
@@ -186,6 +187,7 @@ class Bench:
             "jobs_s": jobs_s,
             "jobs_jobs_per_s": n / jobs_s,
             "jobs_in_redis": queued_jobs,
+            "jobs_timed": m,
             "speedup": jobs_s / batch_s,
         }
 
@@ -213,6 +215,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=1, help="submission rounds; the median is reported")
     parser.add_argument("--connections", type=int, default=16, help="POST /jobs connections at once")
+    parser.add_argument(
+        "--baseline-requests",
+        type=int,
+        help="submission rounds: time POST /jobs on the first N requests only (its rate is steady; default all)",
+    )
     parser.add_argument("--skip-e2e", action="store_true", help="submission rate only")
     parser.add_argument(
         "--wait-quiet",
@@ -231,7 +238,7 @@ def main() -> None:
         try:
             stack.pause_intake()
             for i in range(args.repeat):
-                row = bench.submission_round(args.wait_quiet)
+                row = bench.submission_round(args.wait_quiet, args.baseline_requests)
                 result["rounds"].append(row)
                 print(
                     f"round {i + 1}: batch {row['batch_s']:.2f} s (upload {row['batch_upload_s']:.2f} + create "

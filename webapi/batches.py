@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from concurrent.futures import ThreadPoolExecutor
 
 from flask import Blueprint
 from kombu.exceptions import KombuError
@@ -99,11 +98,7 @@ def create_batch(body: BatchCreate):
 
 
 def validate_and_insert(session, batch: Batch, file_id: str) -> BatchBuilder:
-    """Validate every line of the file; insert its jobs (in a savepoint, undone if any line is invalid).
-
-    Group k's COPY runs in a thread while group k+1 is validated and rendered here: Postgres ingests on
-    one core while this process renders on the other. The file is read through a session of its own
-    (it was committed at upload), so the COPY's session is only ever used by one thread at a time."""
+    """Validate every line of the file; insert its jobs (in a savepoint, undone if any line is invalid)."""
     settings = services().settings
     tokenizer = tokenizer_for(settings.model)
     builder = BatchBuilder(
@@ -116,19 +111,12 @@ def validate_and_insert(session, batch: Batch, file_id: str) -> BatchBuilder:
         tokenizer,
     )
     savepoint = session.begin_nested()
-    copying = None
+    lines = iter_lines(iter_chunks(session, file_id))
     try:
-        with services().sessions() as reader, ThreadPoolExecutor(1, thread_name_prefix="genq-copy") as copier:
-            lines = iter_lines(iter_chunks(reader, file_id))
-            while group := list(itertools.islice(lines, LINES_PER_GROUP)):
-                rows = builder.add(group)
-                if copying is not None:
-                    copying.result()
-                    copying = None
-                if not builder.error_count:
-                    copying = copier.submit(batches.copy_jobs, session, rows)
-            if copying is not None:
-                copying.result()
+        while group := list(itertools.islice(lines, LINES_PER_GROUP)):
+            rows = builder.add(group)
+            if not builder.error_count:
+                batches.copy_jobs(session, rows)
     except NoChatTemplate as exc:
         savepoint.rollback()
         raise APIError(400, "invalid_request", f"endpoint: {exc}") from None
