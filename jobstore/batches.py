@@ -193,7 +193,7 @@ def finalize_batch(db: Session, batch_id: str, model: str) -> bool:
             name = f"{batch_id}_{'output' if succeeded else 'error'}.jsonl"
             files[succeeded] = FileWriter(db, batch.tenant_id, "batch_output", name)
         line = output_line(row, batch.endpoint, model, batch_cancelled=cancelled)
-        files[succeeded].write(json.dumps(line, ensure_ascii=False).encode() + b"\n")
+        files[succeeded].write(json.dumps(line).encode() + b"\n")  # ASCII: any text survives
     for writer in files.values():
         writer.close()
     batch.status = BatchStatus.CANCELLED if cancelled else BatchStatus.COMPLETED

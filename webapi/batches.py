@@ -21,7 +21,7 @@ from webapi.auth import current_tenant, require_api_key
 from webapi.batch_lines import BatchBuilder
 from webapi.errors import APIError
 from webapi.extensions import db, services
-from webapi.files import owned_file
+from webapi.files import OBJECT_ID, owned_file
 from webapi.metrics import JOBS_CANCELLED, JOBS_SUBMITTED
 from webapi.openai_schemas import BatchCreate, BatchListQuery, BatchObject, BatchPage, RequestCounts
 from webapi.prompts import NoChatTemplate, tokenizer_for
@@ -158,6 +158,8 @@ def get_batch(batch_id: str):
 @endpoint(query=BatchListQuery, responses={200: BatchPage})
 def list_batches(query: BatchListQuery):
     """The caller's batches, newest first, a page at a time (`after`: the last id of the previous page)."""
+    if query.after is not None and not OBJECT_ID.fullmatch(query.after):
+        raise APIError(422, "invalid_request", "after: not a batch id")
     page = batches.list_batches(db(), current_tenant().id, after=query.after, limit=query.limit + 1)
     more, page = len(page) > query.limit, page[: query.limit]
     data = [BatchObject.model_validate(batch_object(b)) for b in page]
@@ -186,7 +188,7 @@ def cancel_batch(batch_id: str):
 
 def owned_batch(batch_id: str) -> Batch:
     """404 for a batch that does not exist or belongs to another tenant (indistinguishable on purpose)."""
-    batch = batches.get_batch(db(), batch_id, current_tenant().id) if len(batch_id) <= 40 else None
+    batch = batches.get_batch(db(), batch_id, current_tenant().id) if OBJECT_ID.fullmatch(batch_id) else None
     if batch is None:
         raise APIError(404, "not_found", f"no such batch: {batch_id}")
     return batch

@@ -3,6 +3,7 @@ content, delete it. An upload streams into Postgres a chunk at a time (jobstore/
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from flask import Blueprint, Response, request, stream_with_context
@@ -20,6 +21,7 @@ from webapi.spec import endpoint
 bp = Blueprint("files", __name__, url_prefix="/v1/files")
 bp.before_request(require_api_key)
 MULTIPART_OVERHEAD = 1 << 16  # the form's boundaries and headers around the file
+OBJECT_ID = re.compile(r"[A-Za-z0-9_-]{1,40}")  # the shape of the ids genq gives out (file-..., batch_...)
 
 
 class FileUpload(BaseModel):
@@ -46,7 +48,7 @@ def upload_file():
     if upload is None:
         raise APIError(400, "invalid_request", "file: send the file as the multipart field `file`")
     limits = FileLimits(settings.max_file_bytes, settings.max_batch_requests)
-    name = (upload.filename or "input.jsonl")[:255]
+    name = "".join(ch for ch in upload.filename or "" if ch.isprintable())[:255] or "input.jsonl"
     try:
         with services().sessions.begin() as session:
             stored = files.store_file(
@@ -103,7 +105,7 @@ def delete_file(file_id: str):
 
 def owned_file(file_id: str):
     """404 for a file that does not exist or belongs to another tenant (indistinguishable on purpose)."""
-    file = files.get_file(db(), file_id, current_tenant().id) if len(file_id) <= 40 else None
+    file = files.get_file(db(), file_id, current_tenant().id) if OBJECT_ID.fullmatch(file_id) else None
     if file is None:
         raise APIError(404, "not_found", f"no such file: {file_id}")
     return file

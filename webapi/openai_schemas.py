@@ -158,6 +158,13 @@ class BatchLine(BaseModel):
     url: Endpoint
     body: dict[str, Any]
 
+    @field_validator("custom_id")
+    @classmethod
+    def no_nul(cls, value: str) -> str:
+        if "\x00" in value:
+            raise ValueError("NUL characters are not supported")
+        return value
+
 
 class ChatBatchLine(BatchLine):
     """A line of a /v1/chat/completions batch: validated from its JSON text in one pass."""
