@@ -56,6 +56,15 @@ def on_exit(server):
 
 
 def post_worker_init(worker):
-    """What is loaded by now (modules, the app) lives as long as the process: keep it out of the garbage
-    collector's way, so that a full collection walks only the objects of requests."""
+    """Load the model's tokenizer and chat template before the first request (a request would otherwise
+    wait for them); then what is loaded by now (modules, the app, the tokenizer) lives as long as the
+    process: keep it out of the garbage collector's way, so that a full collection walks only the
+    objects of requests."""
+    from jobstore.settings import Settings
+    from webapi.prompts import warm_up
+
+    try:
+        warm_up(Settings.from_env().model)
+    except Exception as exc:  # noqa: BLE001 - the first request that needs it loads it (and reports why not)
+        worker.log.warning("tokenizer not loaded ahead of requests: %s", exc)
     gc.freeze()

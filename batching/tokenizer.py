@@ -11,10 +11,17 @@ from functools import lru_cache
 BUILTIN_MODEL = "tiny-llama"
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2; bytes follow from id 3
 BOS_ID, EOS_ID = 1, 2
+# tiny-llama's chat template: small, so chat requests (`messages`) can be tested end to end without a real
+# instruct model. Each message is `<|role|>` and its content on lines of their own, then `</s>`.
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}"
+    "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 def byte_level_tokenizer():
-    """One token per byte (259 ids), BOS added; round-trips any UTF-8 text. Built locally, no download."""
+    """One token per byte (259 ids), BOS added; round-trips any UTF-8 text; a small chat template. Built
+    locally, no download."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -31,7 +38,12 @@ def byte_level_tokenizer():
     )
     tok.add_special_tokens(SPECIAL_TOKENS)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<unk>"
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<unk>",
+        chat_template=TINY_CHAT_TEMPLATE,
     )
 
 

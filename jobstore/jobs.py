@@ -27,7 +27,7 @@ from sqlalchemy import Connection, Interval, bindparam, delete, func, inspect, s
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from jobstore.models import Job, JobStatus
+from jobstore.models import Batch, BatchStatus, Job, JobStatus
 
 ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING)
 FINISHED = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
@@ -102,7 +102,11 @@ def _insert_job(names: tuple[str, ...]):
         queued = (
             select(func.count())
             .select_from(JOBS)
-            .where(JOBS.c.tenant_id == bindparam("tenant_id"), JOBS.c.status == JobStatus.QUEUED)
+            .where(
+                JOBS.c.tenant_id == bindparam("tenant_id"),
+                JOBS.c.status == JobStatus.QUEUED,
+                JOBS.c.batch_id.is_(None),  # a batch's jobs have limits of their own
+            )
             .scalar_subquery()
         )
         values = select(*[bindparam(name, type_=JOBS.c[name].type) for name in columns])
@@ -413,6 +417,9 @@ def forget_sent(session: Session, sent_before_seconds: float = 0.0) -> int:
     return result.rowcount
 
 
+BATCH_ENDED = (BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED, BatchStatus.CANCELLED)
+
+
 def purge_finished(session: Session, older_than_days: float, limit: int) -> int:
     """Delete at most `limit` finished jobs (succeeded, failed, cancelled) that finished more than
     `older_than_days` ago; returns how many. Rows another transaction holds are left for next time."""
@@ -421,6 +428,8 @@ def purge_finished(session: Session, older_than_days: float, limit: int) -> int:
         .where(
             Job.status.in_(FINISHED),
             Job.finished_at < func.now() - timedelta(days=older_than_days),
+            # a Batch API job goes only once its batch's output file is written
+            Job.batch_id.is_(None) | Job.batch_id.in_(select(Batch.id).where(Batch.status.in_(BATCH_ENDED))),
         )
         .limit(limit)
         .with_for_update(skip_locked=True)
@@ -465,11 +474,11 @@ def try_reconciler_lock(session: Session) -> bool:
 
 
 def queued_by_tenant(db: Session | Connection) -> dict[uuid.UUID, int]:
-    """Queued jobs per tenant (tenants with none are left out)."""
+    """Queued jobs per tenant submitted through POST /jobs, not a batch's (tenants with none are left out)."""
     return dict(
         db.execute(
             select(JOBS.c.tenant_id, func.count())
-            .where(JOBS.c.status == JobStatus.QUEUED)
+            .where(JOBS.c.status == JobStatus.QUEUED, JOBS.c.batch_id.is_(None))
             .group_by(JOBS.c.tenant_id)
         ).all()
     )

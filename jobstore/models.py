@@ -1,4 +1,4 @@
-"""Database tables: tenants, their API keys (hashed), and jobs."""
+"""Database tables: tenants, their API keys (hashed), jobs, and the Batch API's files and batches."""
 
 from __future__ import annotations
 
@@ -69,6 +69,31 @@ class JobStatus(str, enum.Enum):
         return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
 
 
+class BatchStatus(str, enum.Enum):
+    """A batch's status, as OpenAI's Batch API names them."""
+
+    VALIDATING = "validating"
+    FAILED = "failed"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
+def _status_enum(enum_class: type[enum.Enum], name: str) -> Enum:
+    """A string column holding one of `enum_class`'s values, checked by a constraint (no native enum)."""
+    return Enum(
+        enum_class,
+        name=name,
+        native_enum=False,
+        length=16,
+        create_constraint=True,
+        values_callable=lambda e: [m.value for m in e],
+    )
+
+
 def _timestamp(**kwargs) -> Mapped[datetime]:
     return mapped_column(DateTime(timezone=True), **kwargs)
 
@@ -99,17 +124,7 @@ class Job(Base):
 
     id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
     tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
-    status: Mapped[JobStatus] = mapped_column(
-        Enum(
-            JobStatus,
-            name="status",
-            native_enum=False,
-            length=16,
-            create_constraint=True,
-            values_callable=lambda e: [m.value for m in e],
-        ),
-        default=JobStatus.QUEUED,
-    )
+    status: Mapped[JobStatus] = mapped_column(_status_enum(JobStatus, "status"), default=JobStatus.QUEUED)
     priority: Mapped[int] = mapped_column(SmallInteger)
 
     # the request, as validated by the API
@@ -139,6 +154,10 @@ class Job(Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     # times a full worker handed it back for more urgent work (bounded, so a job is not preempted forever)
     handbacks: Mapped[int] = mapped_column(SmallInteger, default=0, server_default=text("0"))
+
+    # the batch this job is a line of (the Batch API), and the line's index in the batch's input file
+    batch_id: Mapped[str | None] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
+    batch_index: Mapped[int | None] = mapped_column(Integer)
 
     # timings
     created_at: Mapped[datetime] = _timestamp(server_default=func.now())
@@ -172,6 +191,77 @@ class Job(Base):
             "created_at",
             postgresql_where=text("status = 'queued' AND enqueued_at IS NULL"),
         ),
-        # POST /jobs: the queued-job caps count this (small) index, not the whole table
-        Index("ix_jobs_queued_tenant", "tenant_id", postgresql_where=text("status = 'queued'")),
+        # POST /jobs: the queued-job caps count this (small) index, not the whole table; a batch's jobs
+        # are not counted (a batch has limits of its own, and must not lock its tenant out of /jobs)
+        Index(
+            "ix_jobs_queued_tenant",
+            "tenant_id",
+            postgresql_where=text("status = 'queued' AND batch_id IS NULL"),
+        ),
+        # a batch's jobs in input order: its request counts, its output file
+        Index("ix_jobs_batch", "batch_id", "batch_index", postgresql_where=text("batch_id IS NOT NULL")),
+    )
+
+
+class File(Base):
+    """A file of the Batch API (an input of requests, or a batch's output or errors), in chunks."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)  # "file-..." as OpenAI's ids look
+    tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    purpose: Mapped[str] = mapped_column(String(32))  # "batch" (uploaded), "batch_output" (written)
+    filename: Mapped[str] = mapped_column(String(255))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    lines: Mapped[int] = mapped_column(Integer)  # non-blank lines
+    created_at: Mapped[datetime] = _timestamp(server_default=func.now())
+
+    __table_args__ = (
+        Index("ix_files_tenant_created", "tenant_id", text("created_at DESC"), text("id DESC")),
+    )
+
+
+class FileChunk(Base):
+    """One piece (about FILE_CHUNK_BYTES) of a file's content, so a file streams in and out in pieces."""
+
+    __tablename__ = "file_chunks"
+
+    file_id: Mapped[str] = mapped_column(ForeignKey("files.id", ondelete="CASCADE"), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class Batch(Base):
+    """A batch of the Batch API: one job per line of its input file (jobs.batch_id)."""
+
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)  # "batch_..."
+    tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    status: Mapped[BatchStatus] = mapped_column(_status_enum(BatchStatus, "status"))
+    endpoint: Mapped[str] = mapped_column(String(32))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    input_file_id: Mapped[str] = mapped_column(String(40))  # kept when the file is deleted, as OpenAI does
+    output_file_id: Mapped[str | None] = mapped_column(String(40))
+    error_file_id: Mapped[str | None] = mapped_column(String(40))
+    priority: Mapped[int] = mapped_column(SmallInteger)
+    metadata_: Mapped[dict | None] = mapped_column("metadata", JSONB)
+    errors: Mapped[list | None] = mapped_column(JSONB)  # validation errors: [{code, message, param, line}]
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    completed: Mapped[int] = mapped_column(Integer, default=0)  # written when it is finalized
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+
+    created_at: Mapped[datetime] = _timestamp(server_default=func.now())
+    in_progress_at: Mapped[datetime | None] = _timestamp()
+    expires_at: Mapped[datetime | None] = _timestamp()
+    finalizing_at: Mapped[datetime | None] = _timestamp()
+    completed_at: Mapped[datetime | None] = _timestamp()
+    failed_at: Mapped[datetime | None] = _timestamp()
+    cancelling_at: Mapped[datetime | None] = _timestamp()
+    cancelled_at: Mapped[datetime | None] = _timestamp()
+
+    __table_args__ = (
+        Index("ix_batches_tenant_created", "tenant_id", text("created_at DESC"), text("id DESC")),
+        # the reconciler's look for batches whose jobs are all done
+        Index("ix_batches_live", "status", postgresql_where=text("status IN ('in_progress', 'cancelling')")),
     )

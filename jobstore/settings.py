@@ -63,6 +63,11 @@ class Settings:
     max_queued_jobs: int = 20000  # all tenants together: beyond this many queued jobs, POST /jobs answers 429
     rate_limit: str = "50/second;2000/minute"  # per API key, Flask-Limiter syntax; counters live in Redis
     auth_cache_seconds: float = 5.0  # an API process trusts a key it looked up for this long (revocation lag)
+    batch_priority: int = (
+        8  # priority of a batch's jobs unless its metadata.priority sets one (0 most urgent)
+    )
+    max_batch_requests: int = 50000  # lines (requests) a batch input file may hold; OpenAI's limit
+    max_file_bytes: int = 209715200  # bytes a batch input file may hold (200 MiB); OpenAI's limit
     log_level: str = "INFO"
 
     @classmethod

@@ -13,13 +13,16 @@ import random
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 import redis
+import requests
 
 from jobstore.db import create_database_if_missing, drop_database, make_engine, make_session_factory
 from jobstore.keys import create_key
@@ -45,6 +48,33 @@ def settings_env(settings: Settings) -> dict[str, str]:
         if value is not None:
             env[f.name.upper()] = str(value)
     return env
+
+
+@contextmanager
+def serve_api(settings: Settings, workers: int = 2) -> Iterator[str]:
+    """`gunicorn "webapi:create_app()"` for `settings` on a free port, as in the Procfile; yields its URL."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [BIN / "gunicorn", "--bind", f"127.0.0.1:{port}", "--workers", str(workers), "webapi:create_app()"],
+        cwd=ROOT,
+        env={**settings_env(settings), "API_ACCESS_LOG": ""},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if requests.get(f"{url}/healthz", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:  # not listening yet, or its workers are still starting
+                time.sleep(0.1)
+        else:
+            raise AssertionError(f"gunicorn did not answer /healthz: {proc.stderr.read().decode()[-3000:]}")
+        yield url
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=20)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import logging
 from flask import Flask
 
 from jobstore.settings import Settings
-from webapi import docs, jobs, ops
+from webapi import batches, docs, files, jobs, ops
 from webapi.cli import keys
 from webapi.errors import init_errors
 from webapi.extensions import init_extensions
@@ -24,6 +24,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     init_errors(app)
     init_metrics(app)
     app.register_blueprint(jobs.bp)
+    app.register_blueprint(files.bp)
+    app.register_blueprint(batches.bp)
     app.register_blueprint(ops.bp)
     app.register_blueprint(docs.bp)
     app.cli.add_command(keys)

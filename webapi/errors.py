@@ -1,10 +1,14 @@
-"""The one error shape, `{"error": {"code", "message"}}`, for every failure the API answers."""
+"""The one error shape, `{"error": {"code", "message"}}`, for every failure the API answers; under /v1
+(the OpenAI-compatible surface) the same errors take OpenAI's shape, `{"error": {"message", "type",
+"param", "code"}}`, and invalid requests answer 400 as OpenAI's do, so OpenAI's clients raise their usual
+exceptions (BadRequestError, AuthenticationError, NotFoundError, RateLimitError)."""
 
 from __future__ import annotations
 
 import logging
+import re
 
-from flask import Flask, jsonify
+from flask import Flask, has_request_context, jsonify, request
 from pydantic import ValidationError
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -21,8 +25,29 @@ class APIError(Exception):
         self.status, self.code, self.message, self.headers = status, code, message, headers or {}
 
 
+OPENAI_PREFIX = "/v1/"
+OPENAI_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    429: "rate_limit_error",
+}
+FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")  # "messages.0.role: ..." names the field at fault
+
+
 def error_response(status: int, code: str, message: str, headers: dict | None = None):
+    if has_request_context() and request.path.startswith(OPENAI_PREFIX):
+        return openai_error_response(status, code, message, headers)
     return jsonify(error={"code": code, "message": message}), status, headers or {}
+
+
+def openai_error_response(status: int, code: str, message: str, headers: dict | None = None):
+    """The error in OpenAI's shape; 422 becomes 400, as OpenAI answers an invalid request."""
+    status = 400 if status == 422 else status
+    kind = OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    field = FIELD.match(message)
+    body = {"message": message, "type": kind, "param": field and field.group(1), "code": code}
+    return jsonify(error=body), status, headers or {}
 
 
 def from_validation_error(exc: ValidationError, where: str = "body") -> APIError:

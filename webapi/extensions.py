@@ -14,12 +14,14 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobstore.db import make_engine, make_session_factory
-from jobstore.dispatch import make_celery
+from jobstore.dispatch import BulkSender, make_celery
 from jobstore.settings import Settings
 from webapi.errors import error_response
 from webapi.key_cache import KeyCache
 from webapi.queue_size import QueueSize
 from webapi.sent_marks import SentMarks
+
+LIMITED_BLUEPRINTS = ("jobs", "files", "batches")  # RATE_LIMIT counts their calls (a batch is one call)
 
 
 @dataclass
@@ -33,10 +35,12 @@ class Services:
     key_cache: KeyCache  # API keys looked up in the last few seconds
     sent_marks: SentMarks  # jobs sent to Redis, recorded in Postgres in batches
     queue_size: QueueSize  # queued jobs per tenant and in all, counted at most once a second
+    bulk_sender: BulkSender  # a batch's jobs to Redis, in pipelines
 
     def close(self) -> None:
         """Record the pending "sent" marks, then close every database connection (tests, shutdown)."""
         self.sent_marks.close()
+        self.bulk_sender.close()
         self.engine.dispose()
 
 
@@ -48,23 +52,25 @@ def init_extensions(app: Flask, settings: Settings) -> None:
         storage_uri=settings.redis_url,
         key_prefix=f"{settings.redis_key_prefix}ratelimit",
         default_limits=[settings.rate_limit],
-        default_limits_exempt_when=lambda: request.blueprint != "jobs",
+        default_limits_exempt_when=lambda: request.blueprint not in LIMITED_BLUEPRINTS,
         storage_options={"socket_timeout": 2, "socket_connect_timeout": 2},
         headers_enabled=False,  # X-RateLimit-* on every answer would cost a second Redis call per request
         swallow_errors=True,
         in_memory_fallback_enabled=True,  # Redis down: count in memory, never a 500
     )
     sessions = make_session_factory(engine)
+    celery = make_celery(settings)
     app.extensions["genq"] = Services(
         settings,
         engine,
         sessions,
-        make_celery(settings),
+        celery,
         limiter,
         engine.execution_options(isolation_level="AUTOCOMMIT"),
         KeyCache(settings.auth_cache_seconds),
         SentMarks(sessions),
         QueueSize(engine),
+        BulkSender(celery, settings),
     )
     app.teardown_appcontext(_close_session)
     app.register_error_handler(RateLimitExceeded, _rate_limited)

@@ -20,7 +20,15 @@ from webapi.auth import current_tenant, require_api_key
 from webapi.errors import APIError
 from webapi.extensions import db, services
 from webapi.metrics import JOBS_CANCELLED, JOBS_SUBMITTED
-from webapi.schemas import JobCreate, JobOut, JobPage, ListQuery
+from webapi.prompts import (
+    NoChatTemplate,
+    check_length,
+    check_token_ids,
+    count_texts,
+    render_chats,
+    tokenizer_for,
+)
+from webapi.schemas import JobOut, JobPage, JobSubmit, ListQuery
 from webapi.spec import endpoint
 
 log = logging.getLogger(__name__)
@@ -31,10 +39,10 @@ IDEMPOTENCY_HELP = "Retrying with the same key returns the same job (a different
 
 
 @bp.post("")
-@endpoint(body=JobCreate, responses={202: JobOut}, headers={"Idempotency-Key": IDEMPOTENCY_HELP})
-def create_job(body: JobCreate):
+@endpoint(body=JobSubmit, responses={202: JobOut}, headers={"Idempotency-Key": IDEMPOTENCY_HELP})
+def create_job(body: JobSubmit):
     """Submit a job; it is queued at once and runs in priority order (0 first)."""
-    prompt_tokens = check_model_limits(body)
+    request, prompt_tokens = job_request(body)
     key = idempotency_key()
     tenant_id, cap = current_tenant().id, services().settings.max_queued_per_tenant
     with services().autocommit.connect() as conn:  # one INSERT; near its cap, the tenant's count is inside it
@@ -45,7 +53,7 @@ def create_job(body: JobCreate):
             job, created = jobs.create_job(
                 conn,
                 tenant_id,
-                body.model_dump(),
+                request,
                 prompt_tokens=prompt_tokens,
                 idempotency_key=key,
                 max_queued=cap if near_cap else None,
@@ -122,34 +130,33 @@ def check_not_overloaded() -> None:
         )
 
 
-def check_model_limits(body: JobCreate) -> int:
-    """The prompt's token count; 422 when prompt tokens + max_tokens do not fit the model."""
-    from batching.tokenizer import load_tokenizer  # imports no model code; loaded once per model
-
+def job_request(body: JobSubmit) -> tuple[dict, int]:
+    """The job's stored fields (chat messages rendered into input_ids) and its prompt token count; 422 when
+    the prompt cannot run on the model (no chat template, unknown token ids, too long)."""
     settings = services().settings
-    tokenizer = load_tokenizer(settings.model)
-    if body.input_ids is not None:
-        prompt_tokens = len(body.input_ids)
-        if tokenizer is not None and max(body.input_ids) >= len(tokenizer):
-            raise APIError(
-                422,
-                "invalid_request",
-                f"input_ids: token ids must be below {len(tokenizer)}, "
-                f"the vocabulary size of {settings.model}",
+    tokenizer = tokenizer_for(settings.model)
+    request = body.model_dump(exclude={"messages"})
+    try:
+        if body.messages is not None:
+            [ids] = render_chats(tokenizer, settings.model, [[m.for_template() for m in body.messages]])
+            if not isinstance(ids, list):
+                raise APIError(422, "invalid_request", str(ids))
+            request["input_ids"] = ids
+            prompt_tokens, error = len(ids), None
+        elif body.input_ids is not None:
+            prompt_tokens, error = (
+                len(body.input_ids),
+                check_token_ids(body.input_ids, tokenizer, settings.model),
             )
-    elif tokenizer is None:
-        raise APIError(422, "invalid_request", f"prompt: {settings.model} has no tokenizer; send input_ids")
-    else:
-        prompt_tokens = len(tokenizer.encode(body.prompt))
-    if prompt_tokens + body.max_tokens > settings.max_model_len:
-        field = "max_tokens" if body.max_tokens >= settings.max_model_len else "prompt"
-        raise APIError(
-            422,
-            "invalid_request",
-            f"{field}: prompt too long for the model: {prompt_tokens} prompt "
-            f"tokens + max_tokens {body.max_tokens} > max_model_len {settings.max_model_len}",
-        )
-    return prompt_tokens
+        else:
+            [prompt_tokens], error = count_texts(tokenizer, settings.model, [body.prompt]), None
+    except NoChatTemplate as exc:
+        raise APIError(422, "invalid_request", str(exc)) from None
+    field = "messages" if body.messages is not None else "prompt"
+    error = error or check_length(prompt_tokens, body.max_tokens, settings.max_model_len, field)
+    if error is not None:
+        raise APIError(422, "invalid_request", str(error))
+    return request, prompt_tokens
 
 
 def enqueue(job: Job) -> None:

@@ -6,12 +6,32 @@ import uuid
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jobstore.models import Job, JobStatus
 from jobstore.requests import JobCreate, MetadataValue
+from webapi.openai_schemas import ChatMessage
 
 __all__ = ["JobCreate"]  # defined in jobstore (the worker validates stored jobs with it too)
+
+
+class JobSubmit(JobCreate):
+    """Body of POST /jobs: a job whose prompt is text, token ids, or chat messages. Messages are rendered
+    with the model's chat template (add_generation_prompt) and stored as the job's input_ids."""
+
+    messages: list[ChatMessage] | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description="Chat messages (OpenAI's format), rendered by the server. Give this, prompt or input_ids.",
+    )
+
+    @model_validator(mode="after")
+    def prompt_xor_input_ids(self) -> JobSubmit:  # replaces JobCreate's: a third way to give the prompt
+        if sum(value is not None for value in (self.prompt, self.input_ids, self.messages)) != 1:
+            raise ValueError("give exactly one of `prompt`, `input_ids` or `messages`")
+        return self
+
 
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 FinishReason = Literal["stop", "length", "abort"]

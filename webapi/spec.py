@@ -15,7 +15,8 @@ from flask import Flask, request
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 
-from webapi.errors import APIError, from_validation_error
+from webapi.errors import OPENAI_PREFIX, APIError, from_validation_error
+from webapi.openai_schemas import OpenAIError
 from webapi.schemas import ErrorResponse
 
 REF = "#/components/schemas/{model}"
@@ -23,7 +24,7 @@ PATH_ARG = re.compile(r"<(?:([^:<>]+):)?([^<>]+)>")  # werkzeug's <converter:nam
 ERROR_STATUSES = {
     400: "Malformed JSON",
     401: "Missing or unknown API key",
-    404: "No such job for this key",
+    404: "Not found (or another tenant's)",
     409: "Conflict",
     413: "Body too large",
     415: "Body is not JSON",
@@ -40,9 +41,10 @@ RETRY_AFTER = {
 @dataclass
 class Operation:
     summary: str
-    responses: dict[int, type[BaseModel]]
+    responses: dict[int, type[BaseModel] | None]  # None: raw bytes (a file's content)
     body: type[BaseModel] | None = None
     query: type[BaseModel] | None = None
+    form: type[BaseModel] | None = None  # a multipart/form-data body (the view reads it)
     errors: list[int] = field(default_factory=list)
     auth: bool = True
     headers: dict[str, str] = field(default_factory=dict)
@@ -50,14 +52,16 @@ class Operation:
 
 def endpoint(
     *,
-    responses: dict[int, type[BaseModel]],
+    responses: dict[int, type[BaseModel] | None],
     body: type[BaseModel] | None = None,
     query: type[BaseModel] | None = None,
+    form: type[BaseModel] | None = None,
     errors: tuple[int, ...] = (),
     auth: bool = True,
     headers: dict[str, str] | None = None,
 ):
-    """Validate the JSON body / query string into `body=` / `query=` and document the view."""
+    """Validate the JSON body / query string into `body=` / `query=` and document the view (a multipart
+    `form=` is documented only: the view reads it, as it streams its file)."""
 
     def decorate(view):
         @functools.wraps(view)
@@ -73,12 +77,14 @@ def endpoint(
             responses=responses,
             body=body,
             query=query,
+            form=form,
             errors=sorted(
                 {
                     *errors,
                     # a call with a key: the key is checked in Postgres, and counted against its rate limit
                     *([401, 429, 503] if auth else []),
                     *([400, 413, 415, 422] if body else []),
+                    *([400, 413, 422] if form else []),
                     *([422] if query else []),
                 }
             ),
@@ -117,13 +123,16 @@ def parse_query(model: type[BaseModel]) -> BaseModel:
 def openapi(app: Flask, title: str, version: str) -> dict:
     """The OpenAPI 3.1 document of every @endpoint view registered on `app`."""
     paths: dict[str, dict] = {}
-    models = {ErrorResponse: "serialization"}  # request models validate, response models serialize
+    models = {
+        ErrorResponse: "serialization",
+        OpenAIError: "serialization",
+    }  # requests validate, responses serialize
     for rule in sorted(app.url_map.iter_rules(), key=lambda r: r.rule):
         op: Operation | None = getattr(app.view_functions[rule.endpoint], "operation", None)
         if op is None:
             continue
-        models.update({m: "serialization" for m in op.responses.values()})
-        models.update({m: "validation" for m in (op.body, op.query) if m is not None})
+        models.update({m: "serialization" for m in op.responses.values() if m is not None})
+        models.update({m: "validation" for m in (op.body, op.query, op.form) if m is not None})
         for method in sorted(rule.methods - {"HEAD", "OPTIONS"}):
             paths.setdefault(_path(rule.rule), {})[method.lower()] = _operation(rule, op)
     _, schemas = models_json_schema(
@@ -177,15 +186,27 @@ def _operation(rule, op: Operation) -> dict:
             "required": True,
             "content": {"application/json": {"schema": {"$ref": REF.format(model=op.body.__name__)}}},
         }
+    if op.form is not None:
+        doc["requestBody"] = {
+            "required": True,
+            "content": {"multipart/form-data": {"schema": {"$ref": REF.format(model=op.form.__name__)}}},
+        }
     for status, model in op.responses.items():
+        if model is None:
+            doc["responses"][str(status)] = {
+                "description": "The file's content",
+                "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+            }
+            continue
         doc["responses"][str(status)] = {
             "description": (model.__doc__ or model.__name__).strip().splitlines()[0],
             "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}},
         }
+    error_model = "OpenAIError" if rule.rule.startswith(OPENAI_PREFIX) else "ErrorResponse"
     for status in (*op.errors, *([404] if rule.arguments else [])):
         doc["responses"][str(status)] = {
             "description": ERROR_STATUSES[status],
-            "content": {"application/json": {"schema": {"$ref": REF.format(model="ErrorResponse")}}},
+            "content": {"application/json": {"schema": {"$ref": REF.format(model=error_model)}}},
             **({"headers": RETRY_AFTER} if status in (429, 503) else {}),
         }
     if op.auth:

@@ -11,6 +11,9 @@ succeeds on a queued job), so two reconcilers racing between commit and send cos
 
 With JOB_RETENTION_DAYS set, it also deletes finished jobs older than that, in batches of
 PURGE_BATCH rows (one short transaction each), at most once every PURGE_EVERY_SECONDS.
+
+It also finalizes the Batch API's batches whose jobs have all ended (writes their output and error
+files: jobstore/batches.py), so a batch completes even if nobody polls it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import redis
 from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobstore import jobs
+from jobstore import batches, jobs
 from jobstore.dispatch import send_job
 from jobstore.settings import Settings
 
@@ -67,8 +70,15 @@ def reconcile(sessions: sessionmaker[Session], celery: Celery, settings: Setting
         )
     if redis_lost:
         _set_marker(settings)
+    finalized = finalize_batches(sessions, settings)
     purged = purge_old_jobs(sessions, settings) if _purge_due(settings) else 0
-    return {"requeued": len(requeued), "sent": len(to_send), "resent": forgotten, "purged": purged}
+    return {
+        "requeued": len(requeued),
+        "sent": len(to_send),
+        "resent": forgotten,
+        "finalized": finalized,
+        "purged": purged,
+    }
 
 
 def purge_old_jobs(
@@ -96,6 +106,21 @@ def purge_old_jobs(
             settings.job_retention_days,
         )
     return purged
+
+
+def finalize_batches(sessions: sessionmaker[Session], settings: Settings) -> int:
+    """Write the output files of the batches whose jobs have all ended (each in a transaction of its own,
+    so one batch's failure leaves the others done); returns how many were finalized. GET /v1/batches/<id>
+    does the same for the batch it reads: whichever comes first does it, the other passes by."""
+    with sessions.begin() as session:
+        ready = batches.ready_batches(session)
+    finalized = 0
+    for batch_id in ready:
+        with sessions.begin() as session:
+            finalized += batches.finalize_batch(session, batch_id, settings.model)
+    if finalized:
+        log.info("reconciler: %d batches finalized", finalized)
+    return finalized
 
 
 def _marker_key(settings: Settings) -> str:

@@ -1,11 +1,13 @@
-"""The broker side of a job, against the real Redis: priority lists and a message moved to the head."""
+"""The broker side of a job, against the real Redis: priority lists, a message moved to the head, and the
+bulk sender of batches writing the messages Celery writes."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
 
-from jobstore.dispatch import QUEUE, make_celery, move_to_head, queue_key, send_job
+from jobstore.dispatch import QUEUE, BulkSender, make_celery, move_to_head, queue_key, send_job
 
 
 def taken_order(redis_client, key: str, ids: list[uuid.UUID]) -> list[uuid.UUID]:
@@ -36,3 +38,30 @@ def test_a_job_sent_back_goes_to_the_head_of_its_priority(settings, redis_client
     finally:
         app.close()
         redis_client.delete(key, queue_key(settings, QUEUE, 0))
+
+
+def test_bulk_sender_writes_the_message_celery_writes(settings, redis_client):
+    settings = dataclasses.replace(
+        settings, redis_key_prefix=f"{settings.redis_key_prefix}bulk-{uuid.uuid4().hex[:6]}:"
+    )
+    app = make_celery(settings)
+    sender = BulkSender(app, settings, pipeline_size=3)
+    try:
+        job_id = uuid.uuid4()
+        send_job(app, job_id, 4)
+        celerys = json.loads(redis_client.lpop(queue_key(settings, QUEUE, 4)))
+        ours = json.loads(sender.message(job_id, 4))
+        for message in (celerys, ours):  # fresh per message: the task id and kombu's delivery tag
+            message["headers"].update(id=None, root_id=None)
+            message["properties"].update(correlation_id=None, delivery_tag=None)
+        assert ours == celerys
+
+        jobs = [(uuid.uuid4(), p) for p in (0, 9, 9, 5, 9, 0, 9)]  # more than one pipeline's worth
+        assert sender.send(jobs) == len(jobs)
+        for priority in (0, 5, 9):
+            expected = [j for j, p in jobs if p == priority]
+            assert taken_order(redis_client, queue_key(settings, QUEUE, priority), expected) == expected
+    finally:
+        sender.close()
+        app.close()
+        redis_client.delete(*(queue_key(settings, QUEUE, p) for p in (0, 4, 5, 9)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from webapi import create_app
-from webapi.schemas import JobCreate
+from webapi.schemas import JobSubmit
 
 
 def test_healthz_ok(client):
@@ -46,9 +46,20 @@ def test_metrics(client, auth):
 def test_openapi_is_generated_from_the_schemas(client, app):
     doc = client.get("/openapi.json").json
     assert doc["openapi"].startswith("3.1")
-    assert set(doc["paths"]) == {"/jobs", "/jobs/{job_id}", "/jobs/{job_id}/cancel", "/healthz"}
+    assert set(doc["paths"]) == {
+        "/jobs",
+        "/jobs/{job_id}",
+        "/jobs/{job_id}/cancel",
+        "/healthz",
+        "/v1/files",
+        "/v1/files/{file_id}",
+        "/v1/files/{file_id}/content",
+        "/v1/batches",
+        "/v1/batches/{batch_id}",
+        "/v1/batches/{batch_id}/cancel",
+    }
     create = doc["paths"]["/jobs"]["post"]
-    assert create["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/JobCreate")
+    assert create["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/JobSubmit")
     assert {"202", "400", "401", "413", "415", "422", "429", "503"} <= set(create["responses"])
     for path, method in (("/jobs", "post"), ("/jobs", "get"), ("/jobs/{job_id}", "get")):
         for status in ("429", "503"):  # rate limit, queue caps, database down: each says when to retry
@@ -56,9 +67,14 @@ def test_openapi_is_generated_from_the_schemas(client, app):
             assert answer["headers"]["Retry-After"]["schema"] == {"type": "integer"}, (path, status)
     assert "429" not in doc["paths"]["/healthz"]["get"]["responses"]
     assert create["security"] == [{"bearer": []}] and "security" not in doc["paths"]["/healthz"]["get"]
-    schema = doc["components"]["schemas"]["JobCreate"]
-    assert schema == JobCreate.model_json_schema(ref_template="#/components/schemas/{model}")
+    schema = doc["components"]["schemas"]["JobSubmit"]
+    expected = JobSubmit.model_json_schema(ref_template="#/components/schemas/{model}")
+    assert schema == {k: v for k, v in expected.items() if k != "$defs"}  # nested models are components
     assert schema["additionalProperties"] is False
+    upload = doc["paths"]["/v1/files"]["post"]["requestBody"]["content"]
+    assert upload["multipart/form-data"]["schema"]["$ref"].endswith("/FileUpload")
+    batch_errors = doc["paths"]["/v1/batches"]["post"]["responses"]["400"]["content"]["application/json"]
+    assert batch_errors["schema"]["$ref"].endswith("/OpenAIError")  # /v1 answers errors in OpenAI's shape
     listing = {p["name"] for p in doc["paths"]["/jobs"]["get"]["parameters"]}
     assert listing == {"status", "limit", "cursor"}
     for ref in _refs(doc):

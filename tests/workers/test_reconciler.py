@@ -19,7 +19,7 @@ from jobstore import jobs
 from jobstore.db import create_database_if_missing, drop_database, make_engine, make_session_factory
 from jobstore.dispatch import make_celery
 from jobstore.keys import create_key, tenant_for_key
-from jobstore.models import Job, JobStatus
+from jobstore.models import Batch, BatchStatus, Job, JobStatus
 from tests.conftest import ROOT, settings_env
 from workers import reconciler
 
@@ -146,3 +146,29 @@ def test_finished_jobs_past_retention_are_purged_in_batches(fresh, celery):
     another = new_job(sessions, tenant, JobStatus.FAILED, age_days=8)
     assert reconciler.reconcile(sessions, celery, week)["purged"] == 0  # at most once an hour
     assert remaining(sessions, [another]) == {another}
+
+
+def test_a_batch_job_is_purged_only_once_its_batch_has_ended(fresh, celery):
+    """The Batch API writes a batch's output file from its jobs: retention must not take them first."""
+    st, sessions = fresh
+    tenant = new_tenant(sessions)
+    job = new_job(sessions, tenant, JobStatus.SUCCEEDED, age_days=8)
+    with sessions.begin() as s:
+        s.add(
+            Batch(
+                id="batch_retention",
+                tenant_id=tenant,
+                status=BatchStatus.IN_PROGRESS,
+                endpoint="/v1/completions",
+                completion_window="24h",
+                input_file_id="file_retention",
+                priority=8,
+            )
+        )
+        s.flush()
+        s.execute(update(Job).where(Job.id == job).values(batch_id="batch_retention", batch_index=0))
+    week = dataclasses.replace(st, job_retention_days=7)
+    assert reconciler.purge_old_jobs(sessions, week) == 0 and remaining(sessions, [job]) == {job}
+    with sessions.begin() as s:
+        s.execute(update(Batch).where(Batch.id == "batch_retention").values(status=BatchStatus.COMPLETED))
+    assert reconciler.purge_old_jobs(sessions, week) == 1 and remaining(sessions, [job]) == set()

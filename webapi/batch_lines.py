@@ -1,0 +1,190 @@
+"""A batch input file, validated line by line into genq job rows, a group of lines at a time.
+
+Each line is `{custom_id, method, url, body}`; the body is an OpenAI chat or text completion request. A
+line's prompt is rendered and counted with the model's tokenizer and checked against MAX_MODEL_LEN as
+POST /jobs does, and the job it makes is checked with JobCreate, the schema the worker checks stored
+jobs with. Every invalid line is reported (line number, field, message); the caller queues nothing of a
+file with any invalid line. The prompts of a group are rendered and tokenized in one call each.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from pydantic import ValidationError
+
+from jobstore.batches import job_row
+from jobstore.requests import JobCreate
+from webapi.openai_schemas import (
+    CHAT_ENDPOINT,
+    ChatBatchLine,
+    ChatCompletionRequest,
+    CompletionBatchLine,
+    CompletionRequest,
+)
+from webapi.prompts import PromptError, check_length, check_token_ids, count_texts, render_chats
+
+MAX_REPORTED_ERRORS = 1000  # a file with more invalid lines reports its first this many
+
+
+@dataclass(frozen=True, slots=True)
+class LineError:
+    line: int
+    code: str
+    message: str
+    param: str | None = None
+
+    def as_dict(self) -> dict:
+        return {"code": self.code, "message": self.message, "param": self.param, "line": self.line}
+
+
+@dataclass
+class _Request:
+    """A line that passed the shape checks, waiting for its prompt to be rendered and counted."""
+
+    line: int
+    index: int
+    custom_id: str
+    body: ChatCompletionRequest | CompletionRequest
+    prompt_ids: list[int] | None = None
+    prompt_tokens: int = 0
+
+
+@dataclass
+class BatchBuilder:
+    """Turns the lines of one batch's input file into job rows; `errors` collects every invalid line."""
+
+    batch_id: str
+    tenant_id: uuid.UUID
+    endpoint: str
+    priority: int
+    model: str
+    max_model_len: int
+    tokenizer: object
+    errors: list[LineError] = field(default_factory=list)
+    error_count: int = 0
+    requests: int = 0  # valid lines so far
+    job_ids: list[uuid.UUID] = field(default_factory=list)
+    sent_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    _custom_ids: set[str] = field(default_factory=set)
+
+    def add(self, lines: Sequence[tuple[int, bytes]]) -> list[tuple]:
+        """Job rows (jobstore.batches.JOB_COLUMNS) of the valid lines among `lines` ((line number, text))."""
+        parsed = [request for number, raw in lines if (request := self._parse(number, raw)) is not None]
+        self._prepare_prompts(parsed)
+        rows = []
+        for request in parsed:
+            row = self._job_row(request)
+            if row is not None:
+                rows.append(row)
+        return rows
+
+    def _error(self, line: int, code: str, message: str, param: str | None = None) -> None:
+        self.error_count += 1
+        if len(self.errors) < MAX_REPORTED_ERRORS:
+            self.errors.append(LineError(line, code, message, param))
+
+    def _parse(self, number: int, raw: bytes) -> _Request | None:
+        model = ChatBatchLine if self.endpoint == CHAT_ENDPOINT else CompletionBatchLine
+        try:
+            line = model.model_validate_json(raw)  # parsed and checked in one pass, body included
+        except ValidationError as exc:
+            first = exc.errors(include_url=False)[0]
+            if first["type"] == "json_invalid":
+                self._error(number, "invalid_json_line", f"line {number} is not valid JSON: {first['msg']}")
+            else:
+                self._validation_error(number, exc)
+            return None
+        if line.url != self.endpoint:
+            self._error(
+                number,
+                "mismatched_endpoint",
+                f"url: {line.url} is not the batch's endpoint {self.endpoint}",
+                "url",
+            )
+            return None
+        if line.custom_id in self._custom_ids:
+            self._error(
+                number,
+                "duplicate_custom_id",
+                f"custom_id: {line.custom_id!r} is used by an earlier line",
+                "custom_id",
+            )
+            return None
+        self._custom_ids.add(line.custom_id)
+        index, self.requests = self.requests, self.requests + 1
+        return _Request(number, index, line.custom_id, line.body)
+
+    def _validation_error(self, number: int, exc: ValidationError, prefix: str = "") -> None:
+        for e in exc.errors(include_url=False)[:1]:  # the first problem of a line is enough to fix it
+            param = prefix + ".".join(str(p) for p in e["loc"]) if e["loc"] else prefix.rstrip(".") or None
+            message = e["msg"].removeprefix("Value error, ")
+            self._error(number, "invalid_request", f"{param}: {message}" if param else message, param)
+
+    def _prepare_prompts(self, requests: list[_Request]) -> None:
+        """Render chats, and count text prompts, in one call per group of lines."""
+        chats = [r for r in requests if isinstance(r.body, ChatCompletionRequest)]
+        if chats:
+            rendered = render_chats(
+                self.tokenizer, self.model, [[m.for_template() for m in r.body.messages] for r in chats]
+            )
+            for request, ids in zip(chats, rendered, strict=True):
+                if isinstance(ids, PromptError):
+                    request.prompt_tokens = -1
+                    self._error(request.line, "invalid_request", f"body.{ids}", "body.messages")
+                else:
+                    request.prompt_ids, request.prompt_tokens = ids, len(ids)
+        texts = [
+            r for r in requests if isinstance(r.body, CompletionRequest) and isinstance(r.body.prompt, str)
+        ]
+        for request, count in zip(
+            texts, count_texts(self.tokenizer, self.model, [r.body.prompt for r in texts])
+        ):
+            request.prompt_tokens = count
+        for request in requests:
+            if isinstance(request.body, CompletionRequest) and isinstance(request.body.prompt, list):
+                request.prompt_ids, request.prompt_tokens = request.body.prompt, len(request.body.prompt)
+                error = check_token_ids(request.prompt_ids, self.tokenizer, self.model)
+                if error is not None:
+                    request.prompt_tokens = -1
+                    self._error(
+                        request.line, "invalid_request", f"body.prompt: {error.message}", "body.prompt"
+                    )
+
+    def _job_row(self, request: _Request) -> tuple | None:
+        if request.prompt_tokens < 0:  # its prompt was refused
+            return None
+        body = request.body
+        chat = isinstance(body, ChatCompletionRequest)
+        max_tokens = body.requested_max_tokens()
+        if max_tokens is None:  # OpenAI's chat default: as much as the context leaves
+            max_tokens = max(1, self.max_model_len - request.prompt_tokens)
+        error = check_length(
+            request.prompt_tokens, max_tokens, self.max_model_len, "messages" if chat else "prompt"
+        )
+        if error is not None:
+            self._error(request.line, "context_length_exceeded", f"body.{error}", f"body.{error.field}")
+            return None
+        fields = dict(
+            body.sampling(),
+            max_tokens=max_tokens,
+            priority=self.priority,
+            metadata={"batch_id": self.batch_id, "custom_id": request.custom_id},
+        )
+        if request.prompt_ids is not None:
+            fields["input_ids"] = request.prompt_ids
+        else:
+            fields["prompt"] = body.prompt
+        try:
+            job = JobCreate.model_validate(fields).model_dump()
+        except ValidationError as exc:
+            self._validation_error(request.line, exc, prefix="body.")
+            return None
+        job_id, row = job_row(
+            self.tenant_id, self.batch_id, request.index, job, request.prompt_tokens, self.sent_at
+        )
+        self.job_ids.append(job_id)
+        return row

@@ -1,0 +1,200 @@
+"""/v1/batches: OpenAI's Batch API over genq jobs. Creating a batch validates its whole input file and,
+when every line is valid, inserts one job per line (COPY) and sends them to Redis in pipelines; a file
+with an invalid line makes a `failed` batch with per-line errors, and nothing of it is queued. A batch's
+jobs run at BATCH_PRIORITY (8) unless `metadata.priority` ("0" … "9") says otherwise. The output file
+is written once every job has ended (jobstore/batches.py: by the reconciler, or here when polled)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from flask import Blueprint
+from kombu.exceptions import KombuError
+from redis.exceptions import RedisError
+from sqlalchemy import func
+
+from jobstore import batches
+from jobstore.files import iter_chunks, iter_lines
+from jobstore.models import Batch, BatchStatus
+from webapi.auth import current_tenant, require_api_key
+from webapi.batch_lines import BatchBuilder
+from webapi.errors import APIError
+from webapi.extensions import db, services
+from webapi.files import OBJECT_ID, owned_file
+from webapi.metrics import JOBS_CANCELLED, JOBS_SUBMITTED
+from webapi.openai_schemas import BatchCreate, BatchListQuery, BatchObject, BatchPage, RequestCounts
+from webapi.prompts import NoChatTemplate, tokenizer_for
+from webapi.spec import endpoint
+
+log = logging.getLogger(__name__)
+bp = Blueprint("batches", __name__, url_prefix="/v1/batches")
+bp.before_request(require_api_key)
+LINES_PER_GROUP = 1000  # lines validated, rendered and COPYed at once
+
+
+@bp.post("")
+@endpoint(body=BatchCreate, responses={200: BatchObject})
+def create_batch(body: BatchCreate):
+    """Create a batch from an uploaded file; it is validated whole, then its requests are queued."""
+    settings = services().settings
+    file = owned_file(body.input_file_id)
+    if file.purpose != "batch":
+        raise APIError(400, "invalid_request", f"input_file_id: {file.id} is not a batch input file")
+    if file.lines > settings.max_batch_requests:
+        raise APIError(
+            400,
+            "too_many_requests",
+            f"input_file_id: {file.lines:,} requests, more than the {settings.max_batch_requests:,} a batch may hold",
+        )
+    priority = int((body.metadata or {}).get("priority", settings.batch_priority))
+    with services().sessions.begin() as session:
+        batch = Batch(
+            id=batches.new_batch_id(),
+            tenant_id=current_tenant().id,
+            status=BatchStatus.VALIDATING,
+            endpoint=body.endpoint,
+            completion_window=body.completion_window,
+            input_file_id=file.id,
+            priority=priority,
+            metadata_=body.metadata,
+            total=0,
+            completed=0,
+            failed=0,
+        )
+        session.add(batch)
+        session.flush()
+        builder = validate_and_insert(session, batch, file.id)
+        if builder.error_count or not builder.requests:
+            batch.status, batch.failed_at = BatchStatus.FAILED, func.now()
+            batch.errors = [e.as_dict() for e in builder.errors] or [
+                {
+                    "code": "empty_file",
+                    "message": "input_file_id: the file holds no request",
+                    "param": None,
+                    "line": None,
+                }
+            ]
+        else:
+            batch.status, batch.in_progress_at, batch.total = (
+                BatchStatus.IN_PROGRESS,
+                func.now(),
+                builder.requests,
+            )
+            batch.expires_at = func.now() + batches.COMPLETION_WINDOW
+        session.flush()
+        session.refresh(batch)  # the timestamps Postgres set
+    if batch.status == BatchStatus.IN_PROGRESS:
+        send(batch, builder)
+    log.info(
+        "batch %s of tenant %s: %s, %d requests at priority %d",
+        batch.id,
+        current_tenant().name,
+        batch.status.value,
+        builder.requests,
+        priority,
+    )
+    return batch_object(batch)
+
+
+def validate_and_insert(session, batch: Batch, file_id: str) -> BatchBuilder:
+    """Validate every line of the file; insert its jobs (in a savepoint, undone if any line is invalid)."""
+    settings = services().settings
+    tokenizer = tokenizer_for(settings.model)
+    builder = BatchBuilder(
+        batch.id,
+        batch.tenant_id,
+        batch.endpoint,
+        batch.priority,
+        settings.model,
+        settings.max_model_len,
+        tokenizer,
+    )
+    savepoint = session.begin_nested()
+    lines = iter_lines(iter_chunks(session, file_id))
+    try:
+        while group := list(itertools.islice(lines, LINES_PER_GROUP)):
+            rows = builder.add(group)
+            if not builder.error_count:
+                batches.copy_jobs(session, rows)
+    except NoChatTemplate as exc:
+        savepoint.rollback()
+        raise APIError(400, "invalid_request", f"endpoint: {exc}") from None
+    if builder.error_count or not builder.requests:
+        savepoint.rollback()
+    else:
+        savepoint.commit()
+    return builder
+
+
+def send(batch: Batch, builder: BatchBuilder) -> None:
+    """Send the batch's committed jobs to Redis in pipelines (their rows already say sent); if Redis is
+    down, clear that mark so the reconciler sends them (they are in Postgres)."""
+    try:
+        sent = services().bulk_sender.send((job_id, batch.priority) for job_id in builder.job_ids)
+    except (KombuError, RedisError, OSError) as exc:
+        log.warning("batch %s stays queued unsent (the reconciler will send it): %s", batch.id, exc)
+        with services().sessions.begin() as session:
+            batches.mark_unsent(session, batch.id)
+        return
+    JOBS_SUBMITTED.labels(priority=str(batch.priority)).inc(sent)
+
+
+@bp.get("/<batch_id>")
+@endpoint(responses={200: BatchObject})
+def get_batch(batch_id: str):
+    """A batch: its status and request counts; a batch whose jobs have all ended is finalized here."""
+    batch = owned_batch(batch_id)
+    if batch.status in batches.LIVE:
+        with services().sessions.begin() as session:
+            finalized = batches.finalize_batch(session, batch.id, services().settings.model)
+        if finalized:
+            db().expire_all()
+            batch = owned_batch(batch_id)
+    return batch_object(batch)
+
+
+@bp.get("")
+@endpoint(query=BatchListQuery, responses={200: BatchPage})
+def list_batches(query: BatchListQuery):
+    """The caller's batches, newest first, a page at a time (`after`: the last id of the previous page)."""
+    if query.after is not None and not OBJECT_ID.fullmatch(query.after):
+        raise APIError(422, "invalid_request", "after: not a batch id")
+    page = batches.list_batches(db(), current_tenant().id, after=query.after, limit=query.limit + 1)
+    more, page = len(page) > query.limit, page[: query.limit]
+    data = [BatchObject.model_validate(batch_object(b)) for b in page]
+    return BatchPage(
+        data=data, first_id=page[0].id if page else None, last_id=page[-1].id if page else None, has_more=more
+    ).model_dump()
+
+
+@bp.post("/<batch_id>/cancel")
+@endpoint(responses={200: BatchObject}, errors=(409,))
+def cancel_batch(batch_id: str):
+    """Cancel a batch: its queued and running requests are cancelled; it is `cancelled` once finalized."""
+    batch = owned_batch(batch_id)
+    if batch.status not in (BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING, BatchStatus.CANCELLED):
+        raise APIError(409, "conflict", f"batch already {batch.status.value}; it cannot be cancelled")
+    with services().sessions.begin() as session:
+        cancelled = batches.cancel_batch(session, session.get(Batch, batch.id, with_for_update=True))
+    if cancelled:
+        JOBS_CANCELLED.labels(str(batch.priority)).inc(cancelled)
+        log.info(
+            "batch %s cancelled by tenant %s: %d jobs cancelled", batch.id, current_tenant().name, cancelled
+        )
+    db().expire_all()
+    return batch_object(owned_batch(batch_id))
+
+
+def owned_batch(batch_id: str) -> Batch:
+    """404 for a batch that does not exist or belongs to another tenant (indistinguishable on purpose)."""
+    batch = batches.get_batch(db(), batch_id, current_tenant().id) if OBJECT_ID.fullmatch(batch_id) else None
+    if batch is None:
+        raise APIError(404, "not_found", f"no such batch: {batch_id}")
+    return batch
+
+
+def batch_object(batch: Batch) -> dict:
+    total, completed, failed = batches.request_counts(db(), batch)
+    counts = RequestCounts(total=total, completed=completed, failed=failed)
+    return BatchObject.of(batch, counts, services().settings.model).model_dump()

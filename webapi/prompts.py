@@ -1,0 +1,128 @@
+"""Prompts from requests: chat messages rendered with the model's own chat template, token counts, and the
+model's length limit. POST /jobs and the Batch API both go through here, one request or thousands at once.
+
+Chat messages become token ids with `tokenizer.apply_chat_template(..., add_generation_prompt=True)`,
+stored as the job's `input_ids`, so the engine runs exactly what the template made (a rendered text
+tokenized again could gain a second BOS). A conversation whose text contains a special token's text
+(`<|im_start|>`, `</s>`, ...) is rendered with `sanitize_control_tokens=True`: its writer gets those
+characters as text, never the control token. The others (nearly all) are rendered and tokenized in one
+batched call, as apply_chat_template does by default: sanitizing costs twice the time, and changes
+nothing where there is nothing to sanitize but where a message's edges fall between tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from jinja2 import TemplateError
+
+
+@dataclass(frozen=True, slots=True)
+class PromptError:
+    """Why one request's prompt cannot run: the field, and a message naming the limit."""
+
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+class NoChatTemplate(ValueError):
+    """The model has no chat template, so `messages` cannot be rendered."""
+
+
+def tokenizer_for(model: str):
+    """The model's tokenizer (loaded once per process; no model weights), or None if it ships none."""
+    from batching.tokenizer import load_tokenizer  # imports no model code
+
+    return load_tokenizer(model)
+
+
+def warm_up(model: str) -> None:
+    """Load the model's tokenizer and compile its chat template now (an API process calls this as it
+    starts), so that the first request, or a 10,000-line batch, does not pay for them."""
+    tokenizer = tokenizer_for(model)
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        render_chats(tokenizer, model, [[{"role": "user", "content": "hello"}]])
+
+
+def render_chats(tokenizer, model: str, conversations: Sequence[list[dict]]) -> list[list[int] | PromptError]:
+    """Token ids of each conversation with the assistant's turn opened, or the template's refusal."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise NoChatTemplate(
+            f"messages: the model {model} has no chat template; send `prompt` (text you rendered yourself) "
+            "or `input_ids` instead"
+        )
+    special = _special_text(tokenizer)
+    hostile = [any(special.search(m["content"] + m.get("name", "")) for m in c) for c in conversations]
+    rendered: list[list[int] | PromptError | None] = [None] * len(conversations)
+    for sanitize in (False, True):
+        picked = [i for i, h in enumerate(hostile) if h == sanitize]
+        if not picked:
+            continue
+        try:
+            outs = _apply(tokenizer, [conversations[i] for i in picked], sanitize)
+        except TemplateError:  # one conversation refused (e.g. roles out of order): find which, one at a time
+            outs = [_render_one(tokenizer, conversations[i], sanitize) for i in picked]
+        for i, out in zip(picked, outs, strict=True):
+            rendered[i] = out
+    return rendered
+
+
+@lru_cache(maxsize=8)
+def _special_text(tokenizer) -> re.Pattern:
+    """Matches the text of any of the tokenizer's added (control) tokens."""
+    texts = sorted(
+        {t.content for t in tokenizer.added_tokens_decoder.values() if t.content}, key=len, reverse=True
+    )
+    return re.compile("|".join(map(re.escape, texts)) or "(?!)")
+
+
+def _render_one(tokenizer, conversation: list[dict], sanitize: bool) -> list[int] | PromptError:
+    try:
+        return _apply(tokenizer, [conversation], sanitize)[0]
+    except TemplateError as exc:
+        return PromptError("messages", f"the model's chat template refused them: {exc}")
+
+
+def _apply(tokenizer, conversations: list[list[dict]], sanitize: bool) -> list[list[int]]:
+    out = tokenizer.apply_chat_template(
+        conversations, add_generation_prompt=True, return_dict=True, sanitize_control_tokens=sanitize
+    )
+    return out["input_ids"]
+
+
+def count_texts(tokenizer, model: str, texts: Sequence[str]) -> list[int]:
+    """Prompt tokens of each text prompt, as the engine will encode it (special tokens such as BOS added)."""
+    if tokenizer is None:
+        raise NoChatTemplate(f"prompt: the model {model} has no tokenizer; send token ids instead")
+    if not texts:
+        return []
+    return [len(ids) for ids in tokenizer(list(texts))["input_ids"]]
+
+
+def check_length(
+    prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_field: str
+) -> PromptError | None:
+    """None if prompt tokens + max_tokens fit the model, else the error naming the field at fault."""
+    if prompt_tokens + max_tokens <= max_model_len:
+        return None
+    field = "max_tokens" if max_tokens >= max_model_len else prompt_field
+    return PromptError(
+        field,
+        f"prompt too long for the model: {prompt_tokens} prompt tokens + max_tokens {max_tokens} > "
+        f"max_model_len {max_model_len}",
+    )
+
+
+def check_token_ids(input_ids: Sequence[int], tokenizer, model: str) -> PromptError | None:
+    """None if every id is in the model's vocabulary."""
+    if tokenizer is not None and input_ids and max(input_ids) >= len(tokenizer):
+        return PromptError(
+            "input_ids", f"token ids must be below {len(tokenizer)}, the vocabulary size of {model}"
+        )
+    return None
