@@ -30,8 +30,11 @@ run: install services
 test: install services
 	$(VENV)/bin/pytest -q tests
 
+# What CI checks before the tests (and .pre-commit-config.yaml before each commit): formatting, lint, types.
 lint: install
-	$(VENV)/bin/ruff check batching jobstore webapi workers tests bench
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
