@@ -13,7 +13,7 @@ import uuid
 import redis
 from celery import Celery
 
-from jobstore.settings import Settings
+from jobstore.settings import StoreSettings
 
 QUEUE = "generate"
 TASK = "generate"
@@ -22,7 +22,7 @@ PRIORITIES = range(10)
 SEP = ":"
 
 
-def celery_config(settings: Settings) -> dict:
+def celery_config(settings: StoreSettings) -> dict:
     """Celery settings shared by every process that sends or consumes jobs."""
     transport = {
         "queue_order_strategy": "priority",
@@ -41,7 +41,7 @@ def celery_config(settings: Settings) -> dict:
     )
 
 
-def make_celery(settings: Settings, name: str = "genq") -> Celery:
+def make_celery(settings: StoreSettings, name: str = "genq") -> Celery:
     """A Celery app that can send jobs (the API uses this; workers/celery.py extends it)."""
     app = Celery(name, set_as_current=False)
     app.conf.update(celery_config(settings))
@@ -73,14 +73,14 @@ return 0
 """
 
 
-def move_to_head(client: redis.Redis, settings: Settings, job_id: uuid.UUID, priority: int) -> bool:
+def move_to_head(client: redis.Redis, settings: StoreSettings, job_id: uuid.UUID, priority: int) -> bool:
     """Move the message just sent for `job_id` to the head of its priority's list, so it is taken next
     among equals: a job handed back, or a message a full worker declined, keeps its place ahead of the
     jobs of its priority that came after it. False if it was not near the tail (taken already)."""
     return bool(client.eval(_TO_HEAD, 1, queue_key(settings, QUEUE, priority), str(job_id), 64))
 
 
-def queue_key(settings: Settings, queue: str, priority: int) -> str:
+def queue_key(settings: StoreSettings, queue: str, priority: int) -> str:
     """The Redis list holding `queue`'s messages of `priority` (kombu's naming: the plain name for 0)."""
     return (
         f"{settings.redis_key_prefix}{queue}{SEP}{priority}"

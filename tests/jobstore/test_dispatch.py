@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 
 from jobstore.dispatch import QUEUE, make_celery, move_to_head, queue_key, send_job
@@ -17,9 +16,7 @@ def taken_order(redis_client, key: str, ids: list[uuid.UUID]) -> list[uuid.UUID]
 
 
 def test_a_job_sent_back_goes_to_the_head_of_its_priority(settings, redis_client):
-    settings = dataclasses.replace(
-        settings, redis_key_prefix=f"{settings.redis_key_prefix}head-{uuid.uuid4().hex[:6]}:"
-    )
+    settings = settings.replace(redis_key_prefix=f"{settings.redis_key_prefix}head-{uuid.uuid4().hex[:6]}:")
     app = make_celery(settings)
     key = queue_key(settings, QUEUE, 7)
     try:

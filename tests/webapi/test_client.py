@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import signal
 import subprocess
@@ -22,7 +21,7 @@ N = 40
 @pytest.fixture(scope="module")
 def served(settings, new_key, tmp_path_factory, redis_client):
     """A worker, and the API on a real HTTP port (werkzeug, threaded) in front of it."""
-    settings = dataclasses.replace(settings, rate_limit="2000/second")
+    settings = settings.replace(rate_limit="2000/second")
     with worker_stack(settings, new_key, tmp_path_factory.mktemp("client"), max_num_seqs=4) as stack:
         server = make_server("127.0.0.1", 0, stack.client.application, threaded=True)
         thread = threading.Thread(target=server.serve_forever, daemon=True)

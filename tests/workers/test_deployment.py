@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import fields
 
 import pytest
 import yaml
@@ -79,7 +78,7 @@ def test_compose_ordering_health_and_gpu(compose):
 def test_env_example_documents_every_setting():
     text = (ROOT / ".env.example").read_text()
     documented = set(re.findall(r"^#? ?([A-Z][A-Z0-9_]+)=", text, flags=re.M))
-    assert {f.name.upper() for f in fields(Settings)} <= documented
+    assert {name.upper() for name in Settings.model_fields} <= documented
     used = set(
         re.findall(
             r"\$\{([A-Z][A-Z0-9_]+)",
