@@ -23,7 +23,7 @@ services:
 # The local stack without Docker (Procfile via honcho; .env is read if present): API on :8000, a worker,
 # beat (the reconciler) and Flower on :5555, against the local Postgres and Redis.
 run: install services
-	$(VENV)/bin/honcho run $(PY) -m jobstore createdb
+	$(VENV)/bin/honcho run $(VENV)/bin/genq db create
 	$(VENV)/bin/honcho run $(VENV)/bin/alembic upgrade head
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/honcho start
 
