@@ -9,12 +9,13 @@ put a buffering proxy (nginx) before it, or set API_WORKER_CLASS=gthread.
 """
 
 import gc
-import multiprocessing
 import os
+
+from jobstore.cpus import available_cpus
 
 bind = f"{os.environ.get('API_HOST', '127.0.0.1')}:{os.environ.get('API_PORT', '8000')}"
 worker_class = os.environ.get("API_WORKER_CLASS", "sync")
-workers = int(os.environ.get("API_WORKERS", 2 * multiprocessing.cpu_count()))
+workers = int(os.environ.get("API_WORKERS", 2 * available_cpus()))  # CPUs of the cgroup quota, not the host
 threads = int(os.environ.get("API_THREADS", 4 if worker_class == "gthread" else 1))
 accesslog = os.environ.get("API_ACCESS_LOG", "-") or None  # "" turns the access log off
 preload_app = False  # each worker builds its own app: no database or Redis connection crosses a fork
