@@ -5,6 +5,9 @@ FROM python:3.11-slim
 
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
+# pyproject.toml extras to install: "api" makes the API's image (no torch), "api,worker" the image of
+# everything else (worker, beat, flower, migrate)
+ARG EXTRAS=api,worker
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -24,13 +27,13 @@ RUN useradd --create-home --uid 1000 genq \
     && mkdir -p "$HF_HOME" "$GENQ_KERNEL_CACHE" \
     && chown -R genq:genq /home/genq/.cache
 
-# torch first: the largest layer, rebuilt only when TORCH_INDEX_URL changes
-RUN pip install --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"
+# torch first (worker images only): the largest layer, rebuilt only when TORCH_INDEX_URL changes
+RUN case ",$EXTRAS," in *,worker,*) pip install --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION" ;; esac
 
 # then the dependencies (from pyproject.toml alone, so code changes do not reinstall them) ...
 COPY pyproject.toml README.md ./
 RUN mkdir batching jobstore webapi workers \
-    && pip install . \
+    && pip install ".[$EXTRAS]" \
     && pip uninstall -y genq
 
 # ... then the code

@@ -98,6 +98,8 @@ def test_the_gpu_profile_builds_cuda_torch_and_the_default_profile_matches_its_t
     env = dict(re.findall(r"^([A-Z_]+)=(.*)$", (ROOT / ".env.example").read_text(), flags=re.M))
     assert env["COMPOSE_PROFILES"] == "cpu" and env["TORCH_INDEX_URL"].endswith("/cpu")
     assert "/cu" in env["CUDA_TORCH_INDEX_URL"]
+    assert services["api"]["build"]["args"]["EXTRAS"] == "api"  # the API's image has no torch
+    assert "*,worker,*) pip install" in (ROOT / "Dockerfile").read_text()
 
 
 def test_every_long_running_service_has_a_healthcheck_and_caches_are_writable(compose):
