@@ -31,9 +31,9 @@ RUN useradd --create-home --uid 1000 genq \
 RUN case ",$EXTRAS," in *,worker,*) pip install --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION" ;; esac
 
 # then the dependencies (from pyproject.toml alone, so code changes do not reinstall them) ...
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 RUN mkdir batching jobstore webapi workers \
-    && pip install ".[$EXTRAS]" \
+    && pip install -c constraints.txt ".[$EXTRAS]" \
     && pip uninstall -y genq
 
 # ... then the code

@@ -5,14 +5,14 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install test lint run services bench clean
+.PHONY: install test lint lock run services bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# The CPU wheel first, so the open `torch>=2.4` range installs nothing more.
 	$(PIP) install -q "torch==$(TORCH_VERSION)" || $(PIP) install -q "torch>=2.4"
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -c constraints.txt -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -35,6 +35,17 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+
+# constraints.txt, the lock file: exact versions of every dependency of every extra (Linux x86_64, Python
+# 3.11), resolved with the CPU torch and leaving torch out (install and the images put a pinned torch, CPU
+# or CUDA, first). install, CI and the Dockerfile install through it, so all run the same versions; a
+# dependency added to pyproject.toml and not yet locked still installs. Run `make lock` after changing them.
+TORCH_WHEELS ?= https://download.pytorch.org/whl/cpu/torch/
+lock: install
+	echo "torch==$(TORCH_VERSION)+cpu" > $(VENV)/torch-cpu.txt
+	$(VENV)/bin/uv pip compile pyproject.toml --all-extras --python-version 3.11 \
+	    --python-platform x86_64-manylinux_2_28 --no-emit-package torch --find-links $(TORCH_WHEELS) \
+	    -c $(VENV)/torch-cpu.txt --custom-compile-command "make lock" -o constraints.txt
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
