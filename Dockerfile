@@ -1,13 +1,18 @@
 # One image for every service (api, worker, beat, flower, migrate); docker-compose.yml picks the command.
-# The CPU build of torch by default; for a GPU worker build with
-#   --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
+# The CPU build of torch by default; docker-compose.yml builds the GPU worker's image with
+#   --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126   (a CUDA build of torch)
 FROM python:3.11-slim
 
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_VERSION=2.13.0
+# pyproject.toml extras to install: "api" makes the API's image (no torch), "api,worker" the image of
+# everything else (worker, beat, flower, migrate)
+ARG EXTRAS=api,worker
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    HF_HOME=/home/genq/.cache/huggingface
+    HF_HOME=/home/genq/.cache/huggingface \
+    GENQ_KERNEL_CACHE=/home/genq/.cache/genq
 
 WORKDIR /app
 
@@ -16,19 +21,24 @@ WORKDIR /app
 RUN apt-get update && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
 
-# torch first: the largest layer, rebuilt only when TORCH_INDEX_URL changes
-RUN pip install --index-url "$TORCH_INDEX_URL" "torch>=2.4"
+# the user, and the caches it writes (models, the CPU kernel), made before a volume mounts on them so
+# that the volume starts owned by genq, not root
+RUN useradd --create-home --uid 1000 genq \
+    && mkdir -p "$HF_HOME" "$GENQ_KERNEL_CACHE" \
+    && chown -R genq:genq /home/genq/.cache
+
+# torch first (worker images only): the largest layer, rebuilt only when TORCH_INDEX_URL changes
+RUN case ",$EXTRAS," in *,worker,*) pip install --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION" ;; esac
 
 # then the dependencies (from pyproject.toml alone, so code changes do not reinstall them) ...
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 RUN mkdir batching jobstore webapi workers \
-    && pip install . \
+    && pip install -c constraints.txt ".[$EXTRAS]" \
     && pip uninstall -y genq
 
 # ... then the code
 COPY . .
-RUN pip install --no-deps . \
-    && useradd --create-home --uid 1000 genq
+RUN pip install --no-deps .
 
 USER genq
 EXPOSE 8000 5555

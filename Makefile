@@ -5,14 +5,14 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install test lint run services bench clean
+.PHONY: install test lint lock run services bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# The CPU wheel first, so the open `torch>=2.4` range installs nothing more.
 	$(PIP) install -q "torch==$(TORCH_VERSION)" || $(PIP) install -q "torch>=2.4"
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -c constraints.txt -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -23,15 +23,29 @@ services:
 # The local stack without Docker (Procfile via honcho; .env is read if present): API on :8000, a worker,
 # beat (the reconciler) and Flower on :5555, against the local Postgres and Redis.
 run: install services
-	$(VENV)/bin/honcho run $(PY) -m jobstore createdb
+	$(VENV)/bin/honcho run $(VENV)/bin/genq db create
 	$(VENV)/bin/honcho run $(VENV)/bin/alembic upgrade head
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/honcho start
 
 test: install services
 	$(VENV)/bin/pytest -q tests
 
+# What CI checks before the tests (and .pre-commit-config.yaml before each commit): formatting, lint, types.
 lint: install
-	$(VENV)/bin/ruff check batching jobstore webapi workers tests bench
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+# constraints.txt, the lock file: exact versions of every dependency of every extra (Linux x86_64, Python
+# 3.11), resolved with the CPU torch and leaving torch out (install and the images put a pinned torch, CPU
+# or CUDA, first). install, CI and the Dockerfile install through it, so all run the same versions; a
+# dependency added to pyproject.toml and not yet locked still installs. Run `make lock` after changing them.
+TORCH_WHEELS ?= https://download.pytorch.org/whl/cpu/torch/
+lock: install
+	echo "torch==$(TORCH_VERSION)+cpu" > $(VENV)/torch-cpu.txt
+	$(VENV)/bin/uv pip compile pyproject.toml --all-extras --python-version 3.11 \
+	    --python-platform x86_64-manylinux_2_28 --no-emit-package torch --find-links $(TORCH_WHEELS) \
+	    -c $(VENV)/torch-cpu.txt --custom-compile-command "make lock" -o constraints.txt
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

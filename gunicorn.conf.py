@@ -17,14 +17,15 @@ directory at exit if it was made here.
 
 import gc
 import glob
-import multiprocessing
 import os
 import shutil
 import tempfile
 
+from jobstore.cpus import available_cpus
+
 bind = f"{os.environ.get('API_HOST', '127.0.0.1')}:{os.environ.get('API_PORT', '8000')}"
 worker_class = os.environ.get("API_WORKER_CLASS", "sync")
-workers = int(os.environ.get("API_WORKERS", 2 * multiprocessing.cpu_count()))
+workers = int(os.environ.get("API_WORKERS", 2 * available_cpus()))  # CPUs of the cgroup quota, not the host
 threads = int(os.environ.get("API_THREADS", 4 if worker_class == "gthread" else 1))
 accesslog = os.environ.get("API_ACCESS_LOG", "-") or None  # "" turns the access log off
 preload_app = False  # each worker builds its own app: no database or Redis connection crosses a fork
@@ -60,11 +61,11 @@ def post_worker_init(worker):
     wait for them); then what is loaded by now (modules, the app, the tokenizer) lives as long as the
     process: keep it out of the garbage collector's way, so that a full collection walks only the
     objects of requests."""
-    from jobstore.settings import Settings
+    from jobstore.settings import StoreSettings
     from webapi.prompts import warm_up
 
     try:
-        warm_up(Settings.from_env().model)
+        warm_up(StoreSettings.from_env().model)
     except Exception as exc:  # noqa: BLE001 - the first request that needs it loads it (and reports why not)
         worker.log.warning("tokenizer not loaded ahead of requests: %s", exc)
     gc.freeze()

@@ -78,7 +78,7 @@ def paged_attention(
     sliding_window=None,
     softcap=None,
     s_aux=None,
-    genq_attn: AttentionMetadata = None,
+    genq_attn: AttentionMetadata | None = None,
     **kwargs,
 ):
     """query: [1, H, T, D]; key, value: [1, Hkv, T, D]. Returns ([1, T, H, D], None)."""

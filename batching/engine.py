@@ -183,16 +183,16 @@ class Engine:
         """Run one batch; returns the outputs of requests that changed (new tokens, finished, aborted)."""
         started = time.perf_counter()
         sched = self.scheduler.schedule()
-        pricing = self.step_costs is not None and bool(sched.seqs)
-        make_up = step_cost.features(sched.seqs, sched.num_scheduled_tokens) if pricing else None
+        cost_model = self.step_costs if sched.seqs else None  # it learns from steps that ran a batch
+        make_up = step_cost.features(sched.seqs, sched.num_scheduled_tokens) if cost_model else None
         logits, sample_seqs = self.runner.execute(sched)
-        tokens = self.sampler(logits, sample_seqs) if sample_seqs else []
+        tokens = self.sampler(logits, sample_seqs) if logits is not None and sample_seqs else []
         outputs = self._postprocess(sched, sample_seqs, tokens)
         seconds = time.perf_counter() - started
         self._record_step(sched, seconds)
-        if pricing and (costs := self.step_costs.record(make_up, seconds)) is not None:
+        if cost_model and make_up is not None and (costs := cost_model.record(make_up, seconds)) is not None:
             log.log(
-                logging.INFO if self.step_costs.num_fits == 1 else logging.DEBUG,
+                logging.INFO if cost_model.num_fits == 1 else logging.DEBUG,
                 "step costs fitted on the last steps: %s",
                 costs,
             )

@@ -142,7 +142,8 @@ SPLIT_RATIO = 0.6  # start a new group when a context is this much shorter than 
 
 def group_by_length(lengths: list[int]) -> list[tuple[int, int]]:
     """Split lengths (sorted longest first) into [start, end) groups that waste little padding."""
-    groups, start = [], 0
+    groups: list[tuple[int, int]] = []
+    start = 0
     for i, length in enumerate(lengths):
         if i - start >= MIN_GROUP and len(groups) < MAX_GROUPS - 1 and length < SPLIT_RATIO * lengths[start]:
             groups.append((start, i))

@@ -254,6 +254,7 @@ class Scheduler:
             if not bm.can_swap_in(seq, extra):
                 return 0
             mapping = bm.swap_in(seq)
+            assert mapping is not None  # can_swap_in said it fits
             out.swap_in.extend(mapping)
             self.num_blocks_swapped_in += len(mapping)
             self.swapped.remove(seq)

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import redis
 from celery import Celery
 
-from jobstore.settings import Settings
+from jobstore.settings import StoreSettings
 
 QUEUE = "generate"
 TASK = "generate"
@@ -25,7 +25,7 @@ PRIORITIES = range(10)
 SEP = ":"
 
 
-def celery_config(settings: Settings) -> dict:
+def celery_config(settings: StoreSettings) -> dict:
     """Celery settings shared by every process that sends or consumes jobs."""
     transport = {
         "queue_order_strategy": "priority",
@@ -44,7 +44,7 @@ def celery_config(settings: Settings) -> dict:
     )
 
 
-def make_celery(settings: Settings, name: str = "genq") -> Celery:
+def make_celery(settings: StoreSettings, name: str = "genq") -> Celery:
     """A Celery app that can send jobs (the API uses this; workers/celery.py extends it)."""
     app = Celery(name, set_as_current=False)
     app.conf.update(celery_config(settings))
@@ -76,14 +76,14 @@ return 0
 """
 
 
-def move_to_head(client: redis.Redis, settings: Settings, job_id: uuid.UUID, priority: int) -> bool:
+def move_to_head(client: redis.Redis, settings: StoreSettings, job_id: uuid.UUID, priority: int) -> bool:
     """Move the message just sent for `job_id` to the head of its priority's list, so it is taken next
     among equals: a job handed back, or a message a full worker declined, keeps its place ahead of the
     jobs of its priority that came after it. False if it was not near the tail (taken already)."""
     return bool(client.eval(_TO_HEAD, 1, queue_key(settings, QUEUE, priority), str(job_id), 64))
 
 
-def queue_key(settings: Settings, queue: str, priority: int) -> str:
+def queue_key(settings: StoreSettings, queue: str, priority: int) -> str:
     """The Redis list holding `queue`'s messages of `priority` (kombu's naming: the plain name for 0)."""
     return (
         f"{settings.redis_key_prefix}{queue}{SEP}{priority}"
@@ -100,7 +100,7 @@ class BulkSender:
     per batch can afford; a message is a header dict and a base64 body, so this builds each one from a
     template Celery made (tests/jobstore/test_dispatch.py checks it equals Celery's, ids aside)."""
 
-    def __init__(self, app: Celery, settings: Settings, pipeline_size: int = 2000):
+    def __init__(self, app: Celery, settings: StoreSettings, pipeline_size: int = 2000):
         self.settings, self.pipeline_size = settings, pipeline_size
         self.redis = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
         template = app.amqp.as_task_v2("", TASK, args=["-"], kwargs={}, ignore_result=None)

@@ -1,29 +1,58 @@
-"""Settings shared by the API, the workers and the migrations, read from the environment.
+"""Settings, read from the environment by pydantic-settings: one object per component.
 
-Every value has a default that works on a developer machine with local Postgres and Redis.
-`.env.example` documents each variable.
+    StoreSettings   Postgres, Redis and the model's limits: what every process shares (migrations, CLI)
+    WorkerSettings  + the engine, the job lifecycle and a worker's intake (workers/celery.py reads it)
+    ApiSettings     + the API's limits (webapi.create_app reads it)
+    Settings        all of them: a whole stack in one process (tests, benchmarks)
+
+Each field is read from the variable of its upper-case name (DATABASE_URL); unset or empty means the
+default, which works on a developer machine with local Postgres and Redis. `.env.example` documents
+each variable. A process reads its settings once, with `from_env()`, at its entry point.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from typing_extensions import Self
+
+from jobstore.cpus import available_cpus
 
 
-@dataclass(frozen=True, slots=True)
-class Settings:
+class StoreSettings(BaseSettings):
+    model_config = SettingsConfigDict(frozen=True, env_ignore_empty=True, extra="forbid")
+
     # --- where things live
     database_url: str = "postgresql+psycopg://postgres@127.0.0.1:5432/genq"
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_key_prefix: str = ""  # prefixes every broker key (isolates test runs sharing one Redis)
+    db_connect_timeout: float = 3.0  # seconds to connect to Postgres before giving up (the API answers 503)
 
     # --- the model (read by the API for its limits and by the worker for its engine)
     model: str = "tiny-llama"
-    max_model_len: int = (
-        2048  # prompt tokens + max_tokens must fit (also the engine's limit); tiny-llama's own
-    )
+    # prompt tokens + max_tokens must fit (also the engine's limit); tiny-llama's own is 2048
+    max_model_len: int = 2048
 
+    @classmethod
+    def from_env(cls, **overrides: Any) -> Self:
+        """This component's settings from os.environ (overrides win); a bad value names its variable."""
+        try:
+            return cls(**overrides)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc'])).upper()}={e.get('input')!r}: {e['msg']}" for e in exc.errors()
+            )
+            raise ValueError(f"invalid settings: {problems}") from None
+
+    def replace(self, **changes: Any) -> Self:
+        """A copy with `changes`, validated like values from the environment (tests, benchmarks)."""
+        return self.model_validate({**self.model_dump(), **changes})
+
+
+class WorkerSettings(StoreSettings):
     # --- engine sizes (None: the engine's own default)
     dtype: str = "auto"
     device: str = "auto"
@@ -41,47 +70,18 @@ class Settings:
     progress_interval: float = 0.5  # seconds between progress writes (and cancel checks) of a running job
     reconcile_interval: float = 10.0  # seconds between reconciler runs (celery beat)
     enqueue_grace_seconds: float = 10.0  # a queued job not sent to Redis after this is sent by the reconciler
-    resend_after_seconds: float = (
-        3600.0  # a queued job sent this long ago and still not claimed is sent again
-    )
+    resend_after_seconds: float = 3600.0  # a queued job sent this long ago, still unclaimed, is sent again
     db_retry_seconds: float = 60.0  # a worker retries a failing database write (with backoff) this long
-    db_connect_timeout: float = 3.0  # seconds to connect to Postgres before giving up (the API answers 503)
     job_retention_days: float | None = None  # finished jobs older than this are deleted; None: kept forever
 
     # --- a worker's intake (workers/intake.py)
-    worker_reserve: int | None = (
-        None  # jobs held beyond max_num_seqs, ready to start; None: max(2, max_num_seqs // 8)
-    )
-    queue_watch_interval: float = (
-        0.05  # seconds between looks at Redis for more urgent work, while a worker is full
-    )
+    worker_reserve: int | None = None  # jobs held beyond max_num_seqs; None: max(2, max_num_seqs // 8)
+    queue_watch_interval: float = 0.05  # seconds between looks at Redis for more urgent work, while full
     max_handbacks: int = 3  # a job is handed back for more urgent work at most this often
 
-    # --- the API
-    max_body_bytes: int = 1 << 20  # larger request bodies answer 413
-    max_queued_per_tenant: int = 1000  # a tenant with this many queued jobs gets 429 on POST /jobs
-    max_queued_jobs: int = 20000  # all tenants together: beyond this many queued jobs, POST /jobs answers 429
-    rate_limit: str = "50/second;2000/minute"  # per API key, Flask-Limiter syntax; counters live in Redis
-    auth_cache_seconds: float = 5.0  # an API process trusts a key it looked up for this long (revocation lag)
-    batch_priority: int = (
-        8  # priority of a batch's jobs unless its metadata.priority sets one (0 most urgent)
-    )
-    max_batch_requests: int = 50000  # lines (requests) a batch input file may hold; OpenAI's limit
-    max_file_bytes: int = 209715200  # bytes a batch input file may hold (200 MiB); OpenAI's limit
-    log_level: str = "INFO"
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> Settings:
-        """Settings from `environ` (default os.environ): each field's upper-case name, e.g. DATABASE_URL."""
-        environ = os.environ if environ is None else environ
-        values = {}
-        for f in fields(cls):
-            raw = environ.get(f.name.upper())
-            if raw is None or raw == "":
-                continue
-            values[f.name] = _parse(f.name, raw, f.type)
-        values.update(overrides)
-        return cls(**values)
+    # --- a worker's metrics (workers/metrics.py)
+    worker_metrics_port: int = 9808  # each worker process serves Prometheus metrics here; 0 turns them off
+    worker_metrics_address: str = "0.0.0.0"  # the address that server listens on
 
     def engine_options(self) -> dict:
         """Keyword arguments for batching.EngineConfig; unset sizes are left to the engine."""
@@ -102,9 +102,9 @@ class Settings:
         """torch threads for the worker's engine process; None leaves torch's own default (OMP_NUM_THREADS)."""
         if self.engine_threads is not None:
             return self.engine_threads
-        if os.environ.get("OMP_NUM_THREADS"):
+        if os.environ.get("OMP_NUM_THREADS"):  # torch's own variable, read by torch itself
             return None
-        return max(1, len(os.sched_getaffinity(0)) - 1)
+        return max(1, available_cpus() - 1)
 
     def worker_capacity(self, max_num_seqs: int) -> int:
         """Jobs a worker holds at most: what its engine runs at once, plus a reserve waiting in the engine."""
@@ -112,14 +112,20 @@ class Settings:
         return max_num_seqs + reserve
 
 
-def _parse(name: str, raw: str, annotation: str):
-    """Convert an environment string to the field's type, naming the variable when it is not valid."""
-    kind = annotation.split("|")[0].strip()
-    try:
-        if kind == "int":
-            return int(raw)
-        if kind == "float":
-            return float(raw)
-    except ValueError:
-        raise ValueError(f"{name.upper()} must be a {kind}, got {raw!r}") from None
-    return raw
+class ApiSettings(StoreSettings):
+    # --- the API
+    max_body_bytes: int = 1 << 20  # larger request bodies answer 413
+    max_queued_per_tenant: int = 1000  # a tenant with this many queued jobs gets 429 on POST /jobs
+    max_queued_jobs: int = 20000  # all tenants together: beyond this many queued jobs, POST /jobs answers 429
+    rate_limit: str = "50/second;2000/minute"  # per API key, Flask-Limiter syntax; counters live in Redis
+    auth_cache_seconds: float = 5.0  # an API process trusts a key it looked up for this long (revocation lag)
+    batch_priority: int = (
+        8  # priority of a batch's jobs unless its metadata.priority sets one (0 most urgent)
+    )
+    max_batch_requests: int = 50000  # lines (requests) a batch input file may hold; OpenAI's limit
+    max_file_bytes: int = 209715200  # bytes a batch input file may hold (200 MiB); OpenAI's limit
+    log_level: str = "INFO"
+
+
+class Settings(WorkerSettings, ApiSettings):
+    """Every component's settings in one object: a whole stack in one process (tests, benchmarks)."""

@@ -6,7 +6,7 @@ from alembic import context
 
 from jobstore.db import make_engine
 from jobstore.models import Base
-from jobstore.settings import Settings
+from jobstore.settings import StoreSettings
 
 config = context.config
 if config.config_file_name is not None and config.attributes.get("configure_logger", True):
@@ -16,7 +16,7 @@ target_metadata = Base.metadata
 
 
 def database_url() -> str:
-    return Settings.from_env().database_url
+    return StoreSettings.from_env().database_url
 
 
 def run_migrations_offline() -> None:

@@ -17,7 +17,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -43,10 +42,11 @@ def free_port() -> int:
 def settings_env(settings: Settings) -> dict[str, str]:
     """The environment that makes a subprocess (alembic, worker, gunicorn) read `settings`."""
     env = dict(os.environ)
-    for f in fields(settings):
-        value = getattr(settings, f.name)
+    for name, value in settings.model_dump(
+        exclude_defaults=True
+    ).items():  # defaults: as the environment says
         if value is not None:
-            env[f.name.upper()] = str(value)
+            env[name.upper()] = str(value)
     return env
 
 

@@ -6,7 +6,7 @@ import logging
 
 from flask import Flask
 
-from jobstore.settings import Settings
+from jobstore.settings import ApiSettings
 from webapi import batches, docs, files, jobs, ops
 from webapi.cli import keys
 from webapi.errors import init_errors
@@ -14,9 +14,9 @@ from webapi.extensions import init_extensions
 from webapi.metrics import init_metrics
 
 
-def create_app(settings: Settings | None = None) -> Flask:
+def create_app(settings: ApiSettings | None = None) -> Flask:
     """Build the app; settings default to the environment (see .env.example)."""
-    settings = settings or Settings.from_env()
+    settings = settings or ApiSettings.from_env()
     app = Flask(__name__)
     app.config.update(MAX_CONTENT_LENGTH=settings.max_body_bytes)
     _init_logging(settings.log_level)

@@ -1,21 +1,17 @@
-"""`flask --app webapi keys create TENANT`: make an API key (printed once, as the last line)."""
+"""`genq`: the one command line of the project, on click.
+
+genq batch submit prompts.jsonl --out results.jsonl   # the batch client (also installed as genq-batch)
+genq keys create|list|revoke                          # API keys (also `flask --app webapi keys ...`)
+genq db create                                        # the database named in DATABASE_URL
+"""
 
 from __future__ import annotations
 
 import click
-from flask.cli import AppGroup
 
-from jobstore.keys import create_key
-from webapi.extensions import services
+from jobstore.cli import db, keys
+from webapi.client import main as batch
 
-keys = AppGroup("keys", help="Manage API keys.")
+__all__ = ["genq", "keys"]
 
-
-@keys.command("create")
-@click.argument("tenant")
-def create(tenant: str) -> None:
-    """Create an API key for TENANT (the tenant is created if new). Only a hash is stored."""
-    with services().sessions.begin() as session:
-        key = create_key(session, tenant)
-    click.echo(f"API key for tenant {tenant!r} (shown once; only its hash is stored):")
-    click.echo(key)
+genq = click.Group("genq", help="genq: asynchronous text-generation jobs.", commands=[batch, keys, db])

@@ -12,12 +12,12 @@ custom_id -> job id) before anything else happens; run the same command again af
 and it submits only what the state file lacks and polls the rest. Each POST carries
 `Idempotency-Key: <custom_id>`, so a request that was accepted but not yet recorded when the client
 died is answered with the same job, never a duplicate. 429 and 503 answers are retried after their
-Retry-After.
+Retry-After. Ctrl-C stops the client cleanly: jobs already submitted keep running on the server (their
+ids are in the state file), and the same command collects them later.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -26,6 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import click
 import requests
 from tqdm import tqdm
 
@@ -45,6 +46,7 @@ class Client:
         self.headers = {"Authorization": f"Bearer {key}"}
         self.timeout = timeout
         self.max_wait = max_wait  # give up on one call after retrying this long
+        self.stopping = threading.Event()  # set on Ctrl-C: calls waiting to retry give up at once
         self._local = threading.local()
 
     def request(self, method: str, path: str, **kwargs) -> requests.Response:
@@ -63,11 +65,12 @@ class Client:
             except requests.ConnectionError:
                 wait = delay
                 r = None
-            if time.monotonic() + wait > deadline:
+            if time.monotonic() + wait > deadline or self.stopping.is_set():
                 if r is None:
                     raise BatchError(f"{method} {path}: the API at {self.url} does not answer")
                 return r
-            time.sleep(wait)
+            if self.stopping.wait(wait):
+                raise BatchError("interrupted")
             delay = min(delay * 2, 10.0)
 
     def _session(self) -> requests.Session:
@@ -160,28 +163,45 @@ def run_batch(
     """Submit what the state lacks, poll until every job is final; the result rows in input order."""
     todo = [item for item in items if item["custom_id"] not in state.entries]
     with ThreadPoolExecutor(concurrency) as pool:
-        with tqdm(
-            total=len(items),
-            initial=len(items) - len(todo),
-            desc="submitted",
-            unit="job",
-            disable=not progress,
-        ) as bar:
-            for entry in pool.map(lambda item: submit_one(client, item), todo):
-                state.record(entry)
-                bar.update()
-        jobs: dict[str, dict] = {}
-        pending = [e["job_id"] for e in state.entries.values() if e.get("job_id")]
-        with tqdm(total=len(pending), desc="finished", unit="job", disable=not progress) as bar:
-            while pending:
-                started = time.monotonic()
-                for job in pool.map(lambda job_id: poll_one(client, job_id), pending):
-                    jobs[job["id"]] = job
-                done = [job_id for job_id in pending if jobs[job_id]["status"] in FINAL]
-                bar.update(len(done))
-                pending = [job_id for job_id in pending if jobs[job_id]["status"] not in FINAL]
-                if pending:
-                    time.sleep(max(0.0, poll_interval - (time.monotonic() - started)))
+        try:
+            return _submit_and_poll(items, todo, client, state, pool, poll_interval, progress)
+        except KeyboardInterrupt:
+            client.stopping.set()  # requests in flight finish; queued ones are dropped
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+
+
+def _submit_and_poll(
+    items: list[dict],
+    todo: list[dict],
+    client: Client,
+    state: State,
+    pool: ThreadPoolExecutor,
+    poll_interval: float,
+    progress: bool,
+) -> list[dict]:
+    with tqdm(
+        total=len(items),
+        initial=len(items) - len(todo),
+        desc="submitted",
+        unit="job",
+        disable=not progress,
+    ) as bar:
+        for entry in pool.map(lambda item: submit_one(client, item), todo):
+            state.record(entry)
+            bar.update()
+    jobs: dict[str, dict] = {}
+    pending = [e["job_id"] for e in state.entries.values() if e.get("job_id")]
+    with tqdm(total=len(pending), desc="finished", unit="job", disable=not progress) as bar:
+        while pending:
+            started = time.monotonic()
+            for job in pool.map(lambda job_id: poll_one(client, job_id), pending):
+                jobs[job["id"]] = job
+            done = [job_id for job_id in pending if jobs[job_id]["status"] in FINAL]
+            bar.update(len(done))
+            pending = [job_id for job_id in pending if jobs[job_id]["status"] not in FINAL]
+            if pending:
+                time.sleep(max(0.0, poll_interval - (time.monotonic() - started)))
     return [result_row(item["custom_id"], state.entries[item["custom_id"]], jobs) for item in items]
 
 
@@ -215,56 +235,86 @@ def write_results(path: Path, rows: list[dict]) -> None:
     tmp.replace(path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="genq-batch", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    submit = commands.add_parser("submit", help="submit a JSONL file of requests and write the results")
-    submit.add_argument("input", type=Path, help="JSONL: one {custom_id, ...POST /jobs body} per line")
-    submit.add_argument(
-        "--url",
-        default=os.environ.get("GENQ_URL", "http://127.0.0.1:8000"),
-        help="the API (default $GENQ_URL or http://127.0.0.1:8000)",
-    )
-    submit.add_argument(
-        "--key", default=os.environ.get("GENQ_API_KEY"), help="API key (default $GENQ_API_KEY)"
-    )
-    submit.add_argument("--out", type=Path, required=True, help="results JSONL, in input order")
-    submit.add_argument("--state", type=Path, help="resume file (default <out>.state.jsonl)")
-    submit.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
-    submit.add_argument(
-        "--poll-interval", type=float, default=0.5, help="seconds between polls (default 0.5)"
-    )
-    submit.add_argument("--no-progress", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
-    if not args.key:
-        parser.error("an API key is needed: --key or GENQ_API_KEY")
-    state = State(args.state or args.out.with_name(args.out.name + ".state.jsonl"))
+@click.group(name="batch", help=__doc__.split("\n\n")[0])
+def main() -> None:
+    pass
+
+
+@main.command()
+@click.argument("input", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--url", envvar="GENQ_URL", default="http://127.0.0.1:8000", show_default=True, help="the API ($GENQ_URL)"
+)
+@click.option("--key", envvar="GENQ_API_KEY", required=True, help="API key ($GENQ_API_KEY)")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="results JSONL, in input order",
+)
+@click.option(
+    "--state",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="resume file [default: <out>.state.jsonl]",
+)
+@click.option(
+    "--concurrency", type=click.IntRange(min=1), default=8, show_default=True, help="requests in flight"
+)
+@click.option(
+    "--poll-interval",
+    type=click.FloatRange(min=0),
+    default=0.5,
+    show_default=True,
+    help="seconds between polls",
+)
+@click.option("--no-progress", is_flag=True, help="no progress bars")
+def submit(
+    input: Path,
+    url: str,
+    key: str,
+    out: Path,
+    state: Path | None,
+    concurrency: int,
+    poll_interval: float,
+    no_progress: bool,
+) -> None:
+    """Submit a JSONL file of requests (one {custom_id, ...POST /jobs body} per line) and write the results."""
+    resume = State(state or out.with_name(out.name + ".state.jsonl"))
+    items: list[dict] = []
     try:
-        items = read_requests(args.input)
+        items = read_requests(input)
         rows = run_batch(
             items,
-            Client(args.url, args.key),
-            state,
-            concurrency=args.concurrency,
-            poll_interval=args.poll_interval,
-            progress=not args.no_progress,
+            Client(url, key),
+            resume,
+            concurrency=concurrency,
+            poll_interval=poll_interval,
+            progress=not no_progress,
         )
     except BatchError as exc:
-        print(f"genq-batch: {exc}", file=sys.stderr)
-        return 2
+        click.echo(f"genq-batch: {exc}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        submitted = sum(1 for entry in resume.entries.values() if entry.get("job_id"))
+        click.echo(
+            f"\ngenq-batch: interrupted. {submitted} of {len(items)} requests are submitted and go on running "
+            f"on the server (nothing was cancelled; their job ids are in {resume.path}). Run the same command "
+            "again to submit the rest and collect every result.",
+            err=True,
+        )
+        sys.exit(130)
     finally:
-        state.close()
-    write_results(args.out, rows)
+        resume.close()
+    write_results(out, rows)
     counts: dict[str, int] = {}
     for row in rows:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
-    print(
-        f"{len(rows)} results written to {args.out}: "
+    click.echo(
+        f"{len(rows)} results written to {out}: "
         + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())),
-        file=sys.stderr,
+        err=True,
     )
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main(prog_name="genq-batch")

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from jobstore.db import make_engine, make_session_factory
 from jobstore.dispatch import BulkSender, make_celery
-from jobstore.settings import Settings
+from jobstore.settings import ApiSettings
 from webapi.errors import error_response
 from webapi.key_cache import KeyCache
 from webapi.queue_size import QueueSize
@@ -26,7 +26,7 @@ LIMITED_BLUEPRINTS = ("jobs", "files", "batches")  # RATE_LIMIT counts their cal
 
 @dataclass
 class Services:
-    settings: Settings
+    settings: ApiSettings
     engine: Engine
     sessions: sessionmaker[Session]
     celery: Celery  # sends jobs only; workers/celery.py is the consuming app
@@ -44,7 +44,7 @@ class Services:
         self.engine.dispose()
 
 
-def init_extensions(app: Flask, settings: Settings) -> None:
+def init_extensions(app: Flask, settings: ApiSettings) -> None:
     engine = make_engine(settings.database_url, settings.db_connect_timeout)
     limiter = Limiter(
         rate_limit_key,

@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 from jobstore.dispatch import QUEUE
 from jobstore.jobs import ACTIVE
 from jobstore.models import Job
-from jobstore.settings import Settings
+from jobstore.settings import ApiSettings
 
 HTTP_REQUESTS = Counter(
     "genq_http_requests_total", "HTTP requests answered", ["method", "endpoint", "status"]
@@ -53,7 +53,7 @@ def init_metrics(app: Flask) -> None:
         return response
 
 
-def exposition(session: Session, settings: Settings) -> bytes:
+def exposition(session: Session, settings: ApiSettings) -> bytes:
     """The /metrics text: the counters of every API process, then the gauges read now."""
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         counted = CollectorRegistry()
@@ -69,7 +69,7 @@ class _ReadAtScrape:
     """genq_jobs, genq_jobs_by_priority (Postgres) and genq_queue_depth (Redis), read when scraped:
     values of the service, not of the process that answers, so no process keeps them."""
 
-    def __init__(self, session: Session, settings: Settings):
+    def __init__(self, session: Session, settings: ApiSettings):
         self.session, self.settings = session, settings
 
     def collect(self):

@@ -18,9 +18,9 @@ import tempfile
 from celery import Celery
 
 from jobstore.dispatch import QUEUE, celery_config
-from jobstore.settings import Settings
+from jobstore.settings import WorkerSettings
 
-settings = Settings.from_env()
+settings = WorkerSettings.from_env()  # the worker's settings, read once for the process
 
 app = Celery("genq", include=["workers.tasks"])
 app.conf.update(

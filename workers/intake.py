@@ -37,7 +37,7 @@ from tenacity import Retrying, before_sleep_log, retry_if_exception_type, stop_a
 from jobstore import jobs
 from jobstore.dispatch import QUEUE, queue_key
 from jobstore.models import Job, JobStatus
-from jobstore.settings import Settings
+from jobstore.settings import WorkerSettings
 from workers import admission, metrics
 from workers.job_book import DB_DOWN, JobBook
 from workers.outcomes import Outcome
@@ -50,7 +50,7 @@ class Intake:
         self,
         book: JobBook,
         sessions: sessionmaker[Session],
-        settings: Settings,
+        settings: WorkerSettings,
         worker_id: str,
         send: Callable[[uuid.UUID, int], None],
         capacity: int,

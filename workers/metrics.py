@@ -10,7 +10,6 @@ module knows the metric names.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from datetime import datetime, timezone
@@ -21,7 +20,6 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 from workers.outcomes import Outcome
 
 log = logging.getLogger(__name__)
-DEFAULT_PORT = 9808
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
 _FAST = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -153,12 +151,14 @@ def set_intake(held: int, capacity: int) -> None:
 def start_server(port: int | None = None) -> int | None:
     """Serve this process's metrics over HTTP once; returns the port, or None if off or the port is taken."""
     global _server_started
-    port = int(os.environ.get("WORKER_METRICS_PORT", DEFAULT_PORT)) if port is None else port
+    from workers.celery import settings  # the worker's settings, read once
+
+    port = settings.worker_metrics_port if port is None else port
     with _server_lock:
         if _server_started or port == 0:
             return None
         try:
-            start_http_server(port, addr=os.environ.get("WORKER_METRICS_ADDRESS", "0.0.0.0"))
+            start_http_server(port, addr=settings.worker_metrics_address)
         except OSError as exc:
             log.error(
                 "worker metrics NOT served: port %d is unavailable (%s); another worker on this host? "

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from jobstore import batches, jobs
 from jobstore.dispatch import send_job
-from jobstore.settings import Settings
+from jobstore.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 PURGE_EVERY_SECONDS = 3600  # finished_at has no index: a purge reads the table, so not every run
@@ -34,7 +34,7 @@ PURGE_BATCH = 1000  # rows deleted per transaction
 PURGE_MAX_BATCHES = 50  # per run; a run that stops there leaves the rest to the next run
 
 
-def reconcile(sessions: sessionmaker[Session], celery: Celery, settings: Settings) -> dict[str, int]:
+def reconcile(sessions: sessionmaker[Session], celery: Celery, settings: WorkerSettings) -> dict[str, int]:
     """Requeue jobs with expired leases and send every queued job Redis never got; returns the counts."""
     redis_lost = not _marker_present(settings)
     with sessions.begin() as session:
@@ -83,7 +83,7 @@ def reconcile(sessions: sessionmaker[Session], celery: Celery, settings: Setting
 
 def purge_old_jobs(
     sessions: sessionmaker[Session],
-    settings: Settings,
+    settings: WorkerSettings,
     batch: int = PURGE_BATCH,
     max_batches: int = PURGE_MAX_BATCHES,
 ) -> int:
@@ -108,7 +108,7 @@ def purge_old_jobs(
     return purged
 
 
-def finalize_batches(sessions: sessionmaker[Session], settings: Settings) -> int:
+def finalize_batches(sessions: sessionmaker[Session], settings: WorkerSettings) -> int:
     """Write the output files of the batches whose jobs have all ended (each in a transaction of its own,
     so one batch's failure leaves the others done); returns how many were finalized. GET /v1/batches/<id>
     does the same for the batch it reads: whichever comes first does it, the other passes by."""
@@ -123,26 +123,26 @@ def finalize_batches(sessions: sessionmaker[Session], settings: Settings) -> int
     return finalized
 
 
-def _marker_key(settings: Settings) -> str:
+def _marker_key(settings: WorkerSettings) -> str:
     return f"{settings.redis_key_prefix}genq:reconciler-marker"
 
 
-def _marker_present(settings: Settings) -> bool:
+def _marker_present(settings: WorkerSettings) -> bool:
     """Whether the marker the reconciler left in Redis is still there (absent: Redis lost its data)."""
     with redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5) as client:
         return bool(client.exists(_marker_key(settings)))
 
 
-def _set_marker(settings: Settings) -> None:
+def _set_marker(settings: WorkerSettings) -> None:
     with redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5) as client:
         client.set(_marker_key(settings), "1")
 
 
-def _purge_key(settings: Settings) -> str:
+def _purge_key(settings: WorkerSettings) -> str:
     return f"{settings.redis_key_prefix}genq:retention-purged"
 
 
-def _purge_due(settings: Settings) -> bool:
+def _purge_due(settings: WorkerSettings) -> bool:
     """True at most once per PURGE_EVERY_SECONDS (whichever worker runs the reconciler), if retention is on."""
     if settings.job_retention_days is None:
         return False
@@ -150,6 +150,6 @@ def _purge_due(settings: Settings) -> bool:
         return bool(client.set(_purge_key(settings), "1", nx=True, ex=PURGE_EVERY_SECONDS))
 
 
-def _purge_again_next_run(settings: Settings) -> None:
+def _purge_again_next_run(settings: WorkerSettings) -> None:
     with redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5) as client:
         client.delete(_purge_key(settings))

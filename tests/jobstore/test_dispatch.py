@@ -3,7 +3,6 @@ bulk sender of batches writing the messages Celery writes."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import uuid
 
@@ -19,9 +18,7 @@ def taken_order(redis_client, key: str, ids: list[uuid.UUID]) -> list[uuid.UUID]
 
 
 def test_a_job_sent_back_goes_to_the_head_of_its_priority(settings, redis_client):
-    settings = dataclasses.replace(
-        settings, redis_key_prefix=f"{settings.redis_key_prefix}head-{uuid.uuid4().hex[:6]}:"
-    )
+    settings = settings.replace(redis_key_prefix=f"{settings.redis_key_prefix}head-{uuid.uuid4().hex[:6]}:")
     app = make_celery(settings)
     key = queue_key(settings, QUEUE, 7)
     try:
@@ -41,9 +38,7 @@ def test_a_job_sent_back_goes_to_the_head_of_its_priority(settings, redis_client
 
 
 def test_bulk_sender_writes_the_message_celery_writes(settings, redis_client):
-    settings = dataclasses.replace(
-        settings, redis_key_prefix=f"{settings.redis_key_prefix}bulk-{uuid.uuid4().hex[:6]}:"
-    )
+    settings = settings.replace(redis_key_prefix=f"{settings.redis_key_prefix}bulk-{uuid.uuid4().hex[:6]}:")
     app = make_celery(settings)
     sender = BulkSender(app, settings, pipeline_size=3)
     try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 
@@ -29,7 +28,7 @@ def test_models_match_migrations(settings, database):
 
 
 def test_downgrade_to_nothing_and_up_again(settings):
-    other = dataclasses.replace(settings, database_url=settings.database_url + "_updown")
+    other = settings.replace(database_url=settings.database_url + "_updown")
     create_database_if_missing(other.database_url)
     try:
         alembic(other, "upgrade", "head")

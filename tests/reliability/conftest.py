@@ -4,7 +4,6 @@ loop, a private Redis we can wipe, and a JSON file of the figures each scenario 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -172,7 +171,7 @@ def make_worker(tmp_path) -> Iterator:
 def stack_settings(settings: Settings, **overrides) -> Settings:
     """This session's settings with a Redis key prefix of its own (so only our worker sees our messages)."""
     prefix = f"{settings.redis_key_prefix}rel-{uuid.uuid4().hex[:6]}:"
-    return dataclasses.replace(settings, redis_key_prefix=prefix, **overrides)
+    return settings.replace(redis_key_prefix=prefix, **overrides)
 
 
 @pytest.fixture()

@@ -70,11 +70,10 @@ def test_file_upload_read_content_and_delete(client, auth):
 
 
 def test_upload_limits_are_named(settings, database, redis_client, new_key):
-    import dataclasses
 
     from webapi import create_app
 
-    app = create_app(dataclasses.replace(settings, max_batch_requests=2, max_file_bytes=4000))
+    app = create_app(settings.replace(max_batch_requests=2, max_file_bytes=4000))
     try:
         client, headers = app.test_client(), {"Authorization": f"Bearer {new_key()}"}
         r = upload(client, headers, jsonl(chat_line(i) for i in range(3)))
@@ -279,12 +278,11 @@ def test_the_reconciler_finalizes_a_batch_nobody_polls(client, auth, sessions, s
 
 
 def test_redis_down_at_submission_leaves_the_batch_for_the_reconciler(settings, database, new_key, sessions):
-    import dataclasses
 
     from tests.conftest import free_port
     from webapi import create_app
 
-    down = dataclasses.replace(settings, redis_url=f"redis://127.0.0.1:{free_port()}/0")  # nothing listens
+    down = settings.replace(redis_url=f"redis://127.0.0.1:{free_port()}/0")  # nothing listens
     app = create_app(down)
     try:
         client, headers = app.test_client(), {"Authorization": f"Bearer {new_key()}"}

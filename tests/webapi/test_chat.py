@@ -4,7 +4,6 @@ without a template is refused with a 422 naming `messages`."""
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 
 import pytest
@@ -47,7 +46,7 @@ def untemplated_model(tmp_path_factory):
 def app_for(settings, model):
     from webapi import create_app
 
-    return create_app(dataclasses.replace(settings, model=model))
+    return create_app(settings.replace(model=model))
 
 
 def stored(app, job_id: str):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import signal
 import subprocess
@@ -22,7 +21,7 @@ N = 40
 @pytest.fixture(scope="module")
 def served(settings, new_key, tmp_path_factory, redis_client):
     """A worker, and the API on a real HTTP port (werkzeug, threaded) in front of it."""
-    settings = dataclasses.replace(settings, rate_limit="2000/second")
+    settings = settings.replace(rate_limit="2000/second")
     with worker_stack(settings, new_key, tmp_path_factory.mktemp("client"), max_num_seqs=4) as stack:
         server = make_server("127.0.0.1", 0, stack.client.application, threaded=True)
         thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -132,3 +131,36 @@ def test_bad_input_is_refused_before_anything_is_sent(tmp_path):
         timeout=60,
     )
     assert r.returncode == 2 and "custom_id 'a' appears twice" in r.stderr
+
+
+def test_ctrl_c_stops_cleanly_and_says_what_happened_to_the_jobs(app, new_key, tmp_path):
+    """No worker runs here, so the client waits on queued jobs until it is interrupted."""
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    key = new_key()
+    items = [{"custom_id": f"c{i}", "prompt": "Hello", "max_tokens": 4} for i in range(5)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
+    state = tmp_path / "out.jsonl.state.jsonl"
+    try:
+        with (tmp_path / "client.log").open("w") as log:
+            client = subprocess.Popen(
+                client_command(f"http://127.0.0.1:{server.server_port}", key, tmp_path), cwd=ROOT, stderr=log
+            )
+        deadline = time.monotonic() + 60
+        while not state.exists() or len(state.read_text().splitlines()) < len(items):
+            assert client.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "client.log"
+            ).read_text()
+            time.sleep(0.01)
+        client.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        assert client.wait(timeout=30) == 130
+    finally:
+        server.shutdown()
+        thread.join()
+    err = (tmp_path / "client.log").read_text()
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "interrupted. 5 of 5 requests are submitted" in err and "nothing was cancelled" in err
+    assert str(state) in err
+    jobs = app.test_client().get("/jobs", headers={"Authorization": f"Bearer {key}"}).json["jobs"]
+    assert sorted(job["status"] for job in jobs) == ["queued"] * 5  # still there, still queued

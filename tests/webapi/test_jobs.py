@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 
@@ -203,7 +202,7 @@ def test_job_survives_redis_being_down(settings, sessions, auth):
     """The job is committed first; if Redis cannot take it, it stays queued for the reconciler."""
     from webapi import create_app
 
-    app = create_app(dataclasses.replace(settings, redis_url="redis://127.0.0.1:1/0"))
+    app = create_app(settings.replace(redis_url="redis://127.0.0.1:1/0"))
     r = submit(app.test_client(), auth())
     app.extensions["genq"].close()
     assert r.status_code == 202 and r.json["status"] == "queued"
@@ -240,7 +239,7 @@ def test_a_revoked_key_stops_working_after_the_auth_cache_time(settings, session
     from webapi import create_app
     from webapi.key_cache import KeyCache
 
-    app = create_app(dataclasses.replace(settings, auth_cache_seconds=5))
+    app = create_app(settings.replace(auth_cache_seconds=5))
     now = [1000.0]  # the cache's clock, moved by the test
     app.extensions["genq"].key_cache = KeyCache(5, timer=lambda: now[0])
     client, key = app.test_client(), new_key()
@@ -252,7 +251,7 @@ def test_a_revoked_key_stops_working_after_the_auth_cache_time(settings, session
     assert client.get("/jobs", headers=headers).status_code == 200  # still trusted: looked up < 5 s ago
     now[0] += 0.2
     assert client.get("/jobs", headers=headers).status_code == 401
-    uncached = create_app(dataclasses.replace(settings, auth_cache_seconds=0))
+    uncached = create_app(settings.replace(auth_cache_seconds=0))
     assert uncached.test_client().get("/jobs", headers=headers).status_code == 401
     app.extensions["genq"].close()
     uncached.extensions["genq"].close()
@@ -262,7 +261,7 @@ def test_the_per_tenant_cap_is_checked_inside_the_insert(settings, auth):
     """At the cap nothing is inserted (the count and the insert are one statement); other tenants go on."""
     from webapi import create_app
 
-    app = create_app(dataclasses.replace(settings, max_queued_per_tenant=2))
+    app = create_app(settings.replace(max_queued_per_tenant=2))
     client, headers = app.test_client(), auth()
     codes = [submit(client, headers).status_code for _ in range(4)]
     assert codes == [202, 202, 429, 429]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from webapi import create_app
 from webapi.schemas import JobSubmit
 
@@ -14,7 +12,7 @@ def test_healthz_ok(client):
 
 
 def test_healthz_and_api_answer_503_when_postgres_is_down(settings, auth):
-    app = create_app(dataclasses.replace(settings, database_url="postgresql://postgres@127.0.0.1:1/genq"))
+    app = create_app(settings.replace(database_url="postgresql://postgres@127.0.0.1:1/genq"))
     client = app.test_client()
     health = client.get("/healthz")
     jobs = client.get("/jobs", headers={"Authorization": "Bearer gq_whatever"})
@@ -27,7 +25,7 @@ def test_healthz_and_api_answer_503_when_postgres_is_down(settings, auth):
 
 
 def test_healthz_503_when_redis_is_down(settings, database):
-    app = create_app(dataclasses.replace(settings, redis_url="redis://127.0.0.1:1/0"))
+    app = create_app(settings.replace(redis_url="redis://127.0.0.1:1/0"))
     r = app.test_client().get("/healthz")
     app.extensions["genq"].close()
     assert r.status_code == 503 and r.json["error"]["message"] == "broker unavailable"

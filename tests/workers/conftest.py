@@ -91,8 +91,7 @@ def worker_stack(
     from webapi import create_app
 
     name = f"w{max_num_seqs}-{uuid.uuid4().hex[:6]}"
-    settings = dataclasses.replace(
-        settings,
+    settings = settings.replace(
         redis_key_prefix=f"{settings.redis_key_prefix}{name}:",
         max_num_seqs=max_num_seqs,
         worker_reserve=reserve,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import fields
 
 import pytest
 import yaml
@@ -79,7 +78,7 @@ def test_compose_ordering_health_and_gpu(compose):
 def test_env_example_documents_every_setting():
     text = (ROOT / ".env.example").read_text()
     documented = set(re.findall(r"^#? ?([A-Z][A-Z0-9_]+)=", text, flags=re.M))
-    assert {f.name.upper() for f in fields(Settings)} <= documented
+    assert {name.upper() for name in Settings.model_fields} <= documented
     used = set(
         re.findall(
             r"\$\{([A-Z][A-Z0-9_]+)",
@@ -88,3 +87,37 @@ def test_env_example_documents_every_setting():
     )
     assert used <= documented
     assert {"FLOWER_BASIC_AUTH", "HF_TOKEN"} <= documented
+
+
+def test_the_gpu_profile_builds_cuda_torch_and_the_default_profile_matches_its_torch():
+    """`cp .env.example .env && docker compose up` must not run a CUDA worker on a CPU build of torch."""
+    compose_file = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose_file["services"]
+    gpu_index = services["worker"]["build"]["args"]["TORCH_INDEX_URL"]
+    assert "/cu" in gpu_index and services["worker"]["image"] != services["worker-cpu"]["image"]
+    env = dict(re.findall(r"^([A-Z_]+)=(.*)$", (ROOT / ".env.example").read_text(), flags=re.M))
+    assert env["COMPOSE_PROFILES"] == "cpu" and env["TORCH_INDEX_URL"].endswith("/cpu")
+    assert "/cu" in env["CUDA_TORCH_INDEX_URL"]
+    assert services["api"]["build"]["args"]["EXTRAS"] == "api"  # the API's image has no torch
+    assert "*,worker,*) pip install" in (ROOT / "Dockerfile").read_text()
+
+
+def test_every_long_running_service_has_a_healthcheck_and_caches_are_writable(compose):
+    services = compose["services"]
+    for name, service in services.items():
+        if name != "migrate":  # one-shot: its exit status is what others wait for
+            assert service["healthcheck"]["test"], name
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    mounts = {volume.split(":")[1] for volume in services["api"]["volumes"]}
+    assert mounts == {"/home/genq/.cache/huggingface", "/home/genq/.cache/genq"}
+    # the image makes the mount points and gives them to its user before `USER genq`
+    assert 'mkdir -p "$HF_HOME" "$GENQ_KERNEL_CACHE"' in dockerfile
+    assert "chown -R genq:genq /home/genq/.cache" in dockerfile
+    assert dockerfile.index("chown -R genq") < dockerfile.index("USER genq")
+    assert "HF_HOME=/home/genq/.cache/huggingface" in dockerfile
+    assert "GENQ_KERNEL_CACHE=/home/genq/.cache/genq" in dockerfile
+
+
+def test_gunicorn_processes_follow_the_cpu_quota():
+    text = (ROOT / "gunicorn.conf.py").read_text()
+    assert "2 * available_cpus()" in text and "cpu_count()" not in text

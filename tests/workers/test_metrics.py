@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import socket
 import threading
@@ -33,9 +32,7 @@ def value(scraped: dict, name: str, **labels) -> float:
 @pytest.fixture(scope="module")
 def metered(settings, new_key, tmp_path_factory, redis_client):
     """A worker with a small KV pool (20 blocks of 16 tokens, 40 host blocks) serving metrics on its own port."""
-    small = dataclasses.replace(
-        settings, block_size=16, num_device_blocks=20, num_host_blocks=40, max_model_len=256
-    )
+    small = settings.replace(block_size=16, num_device_blocks=20, num_host_blocks=40, max_model_len=256)
     with worker_stack(small, new_key, tmp_path_factory.mktemp("metered"), max_num_seqs=2) as stack:
         yield stack
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import time
 import uuid
@@ -20,9 +19,7 @@ PRIORITIES = [9, 5, 9, 0, 3, 0]  # in the order sent
 @pytest.fixture()
 def queued(settings, redis_client):
     """Messages for PRIORITIES sent to a fresh key prefix (no worker listens there)."""
-    settings = dataclasses.replace(
-        settings, redis_key_prefix=f"{settings.redis_key_prefix}prio-{uuid.uuid4().hex[:6]}:"
-    )
+    settings = settings.replace(redis_key_prefix=f"{settings.redis_key_prefix}prio-{uuid.uuid4().hex[:6]}:")
     app = make_celery(settings)
     ids = [uuid.uuid4() for _ in PRIORITIES]
     for job_id, priority in zip(ids, PRIORITIES, strict=True):

@@ -3,7 +3,6 @@ on a first start and after Redis lost its data, and the retention purge (JOB_RET
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import subprocess
 import sys
@@ -42,8 +41,7 @@ def fresh(settings):
     """Settings naming a new, empty database (alembic upgrade head) and a new Redis namespace."""
     run = uuid.uuid4().hex[:8]
     base, _, _ = settings.database_url.rpartition("/")
-    st = dataclasses.replace(
-        settings,
+    st = settings.replace(
         database_url=f"{base}/genq_test_reconciler_{run}",
         redis_key_prefix=f"{settings.redis_key_prefix}reconciler-{run}:",
     )
@@ -137,7 +135,7 @@ def test_finished_jobs_past_retention_are_purged_in_batches(fresh, celery):
     kept_forever = reconciler.reconcile(sessions, celery, st)  # JOB_RETENTION_DAYS unset
     assert kept_forever["purged"] == 0 and remaining(sessions, everything) == set(everything)
 
-    week = dataclasses.replace(st, job_retention_days=7)
+    week = st.replace(job_retention_days=7)
     assert reconciler.purge_old_jobs(sessions, week, batch=2, max_batches=1) == 2  # one batch of two
     assert len(remaining(sessions, old)) == 1
     assert reconciler.reconcile(sessions, celery, week)["purged"] == 1  # the reconciler takes the rest
@@ -167,7 +165,7 @@ def test_a_batch_job_is_purged_only_once_its_batch_has_ended(fresh, celery):
         )
         s.flush()
         s.execute(update(Job).where(Job.id == job).values(batch_id="batch_retention", batch_index=0))
-    week = dataclasses.replace(st, job_retention_days=7)
+    week = st.replace(job_retention_days=7)
     assert reconciler.purge_old_jobs(sessions, week) == 0 and remaining(sessions, [job]) == {job}
     with sessions.begin() as s:
         s.execute(update(Batch).where(Batch.id == "batch_retention").values(status=BatchStatus.COMPLETED))

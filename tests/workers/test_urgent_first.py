@@ -3,7 +3,6 @@ urgent jobs neither wait behind it in Redis nor in the engine."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 
@@ -26,7 +25,7 @@ def timings(sessions, ids) -> dict[str, dict]:
 def test_urgent_jobs_overtake_a_backlog_ten_times_what_the_worker_holds(
     settings, sessions, new_key, tmp_path
 ):
-    settings = dataclasses.replace(settings, rate_limit="1000/second")  # the backlog is submitted at once
+    settings = settings.replace(rate_limit="1000/second")  # the backlog is submitted at once
     with worker_stack(settings, new_key, tmp_path, max_num_seqs=4, reserve=2) as stack:  # holds 6 jobs
         backlog = [
             stack.submit(prompt=f"backlog {i}", max_tokens=1500, priority=9, temperature=0.0)

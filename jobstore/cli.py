@@ -1,0 +1,93 @@
+"""The operator's commands on the job store: `genq keys ...` and `genq db ...` (webapi/cli.py gathers them;
+`flask --app webapi keys ...` runs the same `keys`). They read StoreSettings (DATABASE_URL) from the environment."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import click
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session
+
+from jobstore.db import create_database_if_missing, make_engine, make_session_factory, normalize_url
+from jobstore.keys import create_key, list_keys, revoke_key
+from jobstore.settings import StoreSettings
+
+
+@contextmanager
+def _transaction() -> Iterator[Session]:
+    settings = StoreSettings.from_env()
+    engine = make_engine(settings.database_url, settings.db_connect_timeout)
+    try:
+        with make_session_factory(engine).begin() as session:
+            yield session
+    finally:
+        engine.dispose()
+
+
+@click.group("keys", help="Manage API keys.")
+def keys() -> None:
+    pass
+
+
+@keys.command("create")
+@click.argument("tenant")
+def create(tenant: str) -> None:
+    """Create an API key for TENANT (the tenant is created if new); the key is the last line printed."""
+    with _transaction() as session:
+        key = create_key(session, tenant)
+    click.echo(f"API key for tenant {tenant!r} (shown once; only its hash is stored):")
+    click.echo(key)
+
+
+@keys.command("list")
+@click.option("--tenant", help="only this tenant's keys")
+def list_(tenant: str | None) -> None:
+    """List keys: prefix, tenant, created, revoked (keys themselves are never stored)."""
+    with _transaction() as session:
+        rows = [
+            (
+                key.prefix,
+                name,
+                f"{key.created_at:%Y-%m-%d %H:%M}",
+                f"{key.revoked_at:%Y-%m-%d %H:%M}" if key.revoked_at else "-",
+            )
+            for key, name in list_keys(session, tenant)
+        ]
+    widths = [
+        max(len(row[i]) for row in [("PREFIX", "TENANT", "CREATED", "REVOKED"), *rows]) for i in range(4)
+    ]
+    for row in [("PREFIX", "TENANT", "CREATED", "REVOKED"), *rows]:
+        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+@keys.command("revoke")
+@click.argument("key_or_prefix")
+def revoke(key_or_prefix: str) -> None:
+    """Revoke a key, given whole or by its prefix from `keys list`.
+
+    The API refuses it (401) at its next lookup: at once in API processes that have not seen it lately,
+    within AUTH_CACHE_SECONDS (5 s) in those that have."""
+    try:
+        with _transaction() as session:
+            key = revoke_key(session, key_or_prefix)
+            prefix = key.prefix
+    except LookupError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(
+        f"revoked {prefix}: refused at once, or within AUTH_CACHE_SECONDS by API processes that cached it"
+    )
+
+
+@click.group("db", help="The job database.")
+def db() -> None:
+    pass
+
+
+@db.command("create")
+def create_database() -> None:
+    """Create the database named in DATABASE_URL if it is missing (then: alembic upgrade head)."""
+    url = StoreSettings.from_env().database_url
+    created = create_database_if_missing(url)
+    click.echo(f"database {make_url(normalize_url(url)).database}: {'created' if created else 'exists'}")
