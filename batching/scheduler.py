@@ -100,6 +100,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        for seq in self.running:  # the last step computed their KV: full blocks join the prefix cache
+            self.block_manager.cache_computed_blocks(seq)
         self._make_room_for_urgent(out)
         budget = self._schedule_decodes(out)
         self.last_budget_used = self.max_num_batched_tokens - self._schedule_prefills(out, budget)
@@ -203,7 +205,7 @@ class Scheduler:
         out.add(seq, n)
         return self._chunk_cost(seq, n, budget)
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
+    def _chunk(self, seq: Sequence, budget: int, start: int | None = None) -> int:
         """Tokens of `seq`'s next prefill chunk within `budget` (the budget they take: `_chunk_cost`).
 
         A prefill token costs its share of the linear layers plus attention over everything before
@@ -212,12 +214,14 @@ class Scheduler:
         decode in the batch). With `context_per_token` = C, a chunk of n tokens starting at position s
         costs n * (1 + (s + n/2) / C) token-equivalents, plus s / C_ctx for gathering its context once
         the engine has fitted that price (`StepCosts`): the budget buys steps of even duration.
-        At least one token always fits, so a prefill never stalls."""
-        n = min(seq.num_uncomputed_tokens, budget)
+        At least one token always fits, so a prefill never stalls. `start`: where the chunk begins if
+        not at the computed tokens (a sequence about to start on a cached prefix)."""
+        start = seq.num_computed_tokens if start is None else start
+        n = min(seq.num_tokens - start, budget)
         if not self.cost_aware or n <= 1:
             return n
-        c, start = self.context_per_token, seq.num_computed_tokens
-        room = budget - self._context_cost(seq) + 0.5  # as _chunk_cost rounds
+        c = self.context_per_token
+        room = budget - self._context_cost(start) + 0.5  # as _chunk_cost rounds
         if c is None:
             fits = int(room)
         else:
@@ -226,10 +230,11 @@ class Scheduler:
             fits = int((math.sqrt(b * b + 2 * max(0.0, room) / c) - b) * c)
         return max(1, min(n, fits))
 
-    def _context_cost(self, seq: Sequence) -> float:
-        """What a chunk pays for the context it attends over, whatever its own length (gathering it)."""
+    def _context_cost(self, start: int) -> float:
+        """What a chunk starting at `start` pays for the context it attends over, whatever its own
+        length (gathering it)."""
         c = self.costs.chunk_context_per_token
-        return seq.num_computed_tokens / c if c else 0.0
+        return start / c if c else 0.0
 
     def _chunk_cost(self, seq: Sequence, n: int, budget: int) -> int:
         """The budget taken by `n` prefill tokens of `seq` starting at its computed position (see `_chunk`)."""
@@ -237,18 +242,24 @@ class Scheduler:
             return n
         start, c = seq.num_computed_tokens, self.context_per_token  # advanced only after the step runs
         attention = n * (start + n / 2) / c if c else 0.0
-        return min(budget, max(n, round(n + attention + self._context_cost(seq))))
+        return min(budget, max(n, round(n + attention + self._context_cost(start))))
 
     def _admit(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int:
-        """Swap in or start a not-running sequence with its first chunk; returns the budget it took (0: cannot)."""
+        """Swap in or start a not-running sequence with its first chunk; returns the budget it took (0: cannot).
+
+        A sequence that starts from scratch begins after the longest prefix of its tokens whose KV is
+        cached (block_manager.py) and computes only the rest."""
         bm = self.block_manager
         if len(self.running) >= self.max_num_seqs:
             return 0
-        n = self._first_chunk(seq, budget, first_prefill=all(k == 1 for k in out.num_scheduled_tokens))
+        hit = self._usable_cached_prefix(seq, out) if seq.status == SequenceStatus.WAITING else []
+        start = seq.num_computed_tokens + len(hit) * bm.block_size
+        first_prefill = all(k == 1 for k in out.num_scheduled_tokens)
+        n = self._first_chunk(seq.num_tokens - start, budget, first_prefill)
         if n == 0:
             return 0
         if self.chunked_prefill:
-            n = min(n, self._chunk(seq, budget))
+            n = min(n, self._chunk(seq, budget, start))
         if seq.status == SequenceStatus.SWAPPED:
             extra = blocks_for(seq.num_computed_tokens + n, bm.block_size) - len(seq.host_block_table)
             if not bm.can_swap_in(seq, extra):
@@ -258,33 +269,46 @@ class Scheduler:
             self.num_blocks_swapped_in += len(mapping)
             self.swapped.remove(seq)
         else:
+            free = bm.num_free_device_blocks - bm.num_taken_by(hit)
             if self.chunked_prefill:
-                n = min(n, bm.max_tokens_allocatable(seq) - self._reserve(out) * bm.block_size)
+                capacity = (len(hit) + free - self._reserve(out)) * bm.block_size - start
+                n = min(n, capacity)
                 if n <= 0:
                     return 0
-            elif not bm.can_allocate(seq, n):
+            elif blocks_for(start + n, bm.block_size) - len(hit) > free:
                 return 0
             self.waiting.remove(seq)
+            bm.take_cached_prefix(seq, hit)
         bm.allocate(seq, n)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         out.add(seq, n)
         return self._chunk_cost(seq, n, budget) if self.chunked_prefill else n
 
+    def _usable_cached_prefix(self, seq: Sequence, out: SchedulerOutput) -> list[int]:
+        """The cached blocks `seq` starts on: its longest cached prefix, shortened until the pool has a
+        block left for the tokens after it (a cached block nobody references is taken from the pool)."""
+        bm = self.block_manager
+        hit = bm.find_cached_prefix(seq)
+        room = bm.num_free_device_blocks - self._reserve(out)
+        while hit and bm.num_taken_by(hit) >= room:
+            hit.pop()
+        return hit
+
     def _reserve(self, out: SchedulerOutput) -> int:
         """Blocks a new prefill leaves free for growing decodes, unless this step's admissions were
         paid for by preemption or nothing else runs."""
         return self.watermark_blocks if self.running and not out.preempted else 0
 
-    def _first_chunk(self, seq: Sequence, budget: int, first_prefill: bool) -> int:
-        """Tokens to run for a sequence that starts (or resumes) this step."""
+    def _first_chunk(self, uncomputed: int, budget: int, first_prefill: bool) -> int:
+        """Tokens to run for a sequence that starts (or resumes) this step with `uncomputed` tokens left."""
         if self.chunked_prefill:
-            return min(seq.num_uncomputed_tokens, budget)
-        if seq.num_uncomputed_tokens <= budget:
-            return seq.num_uncomputed_tokens
+            return min(uncomputed, budget)
+        if uncomputed <= budget:
+            return uncomputed
         # without chunking a prompt runs whole: one longer than what is left of the budget runs
         # as the step's first prefill (overrunning the budget, stalling decodes) so it cannot starve
-        return seq.num_uncomputed_tokens if first_prefill else 0
+        return uncomputed if first_prefill else 0
 
     # --- preemption -------------------------------------------------------------------------------
 

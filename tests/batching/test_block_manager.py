@@ -18,8 +18,19 @@ from batching.sequence import Sequence
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def new_seq(num_prompt_tokens: int, name: str = "s") -> Sequence:
-    return Sequence(name, [5] * num_prompt_tokens, SamplingParams(), priority=5, sample_seed=0)
+def new_seq(num_prompt_tokens: int, name: str = "s", tokens: list[int] | None = None) -> Sequence:
+    tokens = tokens if tokens is not None else [5] * num_prompt_tokens
+    return Sequence(name, tokens, SamplingParams(), priority=5, sample_seed=0)
+
+
+# prompts of the machine below: prefixes of one text, a text of one repeated token, and texts that
+# share the first one's beginning and then differ, so that prefixes are shared at every length
+TEXT = [(7 * i) % 11 + 3 for i in range(30)]
+PROMPT_KINDS = [
+    lambda n: TEXT[:n],
+    lambda n: [5] * n,
+    lambda n: TEXT[: n // 2] + [99] * (n - n // 2),
+]
 
 
 def state(bm: BlockManager, seqs) -> tuple:
@@ -87,7 +98,8 @@ def test_swap_in_none_changes_nothing():
 
 
 @pytest.mark.parametrize(
-    "corrupt", ["double_owned", "leaked", "free_and_owned", "too_few_blocks", "both_pools"]
+    "corrupt",
+    ["double_owned", "leaked", "free_and_owned", "too_few_blocks", "both_pools", "shared_other_prefix"],
 )
 def test_check_invariants_catches_corruption(corrupt):
     bm = BlockManager(num_device_blocks=4, num_host_blocks=2, block_size=2)
@@ -99,11 +111,17 @@ def test_check_invariants_catches_corruption(corrupt):
     if corrupt == "double_owned":
         b.block_table.append(a.block_table[0])
     elif corrupt == "leaked":
-        bm.free_device.popleft()
+        bm.free_device.popitem(last=False)
     elif corrupt == "free_and_owned":
-        bm.free_device.append(a.block_table[0])
+        bm.free_device[a.block_table[0]] = None
     elif corrupt == "too_few_blocks":
         a.num_computed_tokens = 5
+    elif corrupt == "shared_other_prefix":  # b reads a's cached block, but b's tokens differ
+        bm.cache_computed_blocks(a)
+        b.token_ids[0] = 6
+        bm.free(b)
+        b.num_computed_tokens = 0
+        bm.take_cached_prefix(b, a.block_table[:1])
     else:
         a.host_block_table.append(bm.free_host.popleft())
     with pytest.raises(AssertionError):
@@ -121,16 +139,49 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.live: list[Sequence] = []
 
     @precondition(lambda self: self.bm is None)
-    @rule(device=st.integers(1, 12), host=st.integers(0, 8), block_size=st.integers(1, 4))
-    def make_pool(self, device, host, block_size):
-        self.bm = BlockManager(device, host, block_size)
+    @rule(
+        device=st.integers(1, 12),
+        host=st.integers(0, 8),
+        block_size=st.integers(1, 4),
+        caching=st.booleans(),
+    )
+    def make_pool(self, device, host, block_size, caching):
+        self.bm = BlockManager(device, host, block_size, enable_prefix_caching=caching)
 
     @precondition(lambda self: self.bm is not None)
-    @rule(target=seqs, prompt=st.integers(1, 30))
-    def add(self, prompt):
-        seq = new_seq(prompt, f"s{len(self.live)}")
+    @rule(target=seqs, prompt=st.integers(1, 30), kind=st.integers(0, len(PROMPT_KINDS) - 1))
+    def add(self, prompt, kind):
+        seq = new_seq(prompt, f"s{len(self.live)}", PROMPT_KINDS[kind](prompt))
         self.live.append(seq)
         return seq
+
+    @precondition(lambda self: self.bm is not None)
+    @rule(seq=seqs)
+    def start_on_cached_prefix(self, seq):
+        """A sequence without KV takes the longest cached chain matching its tokens, if the pool allows."""
+        if seq not in self.live or seq.block_table or seq.host_block_table or seq.num_computed_tokens:
+            return
+        bm = self.bm
+        hit = bm.find_cached_prefix(seq)
+        assert len(hit) * bm.block_size < seq.num_tokens, "no token left to compute"
+        assert len(set(hit)) == len(hit)
+        if not bm.enable_prefix_caching:
+            assert hit == []
+        if bm.num_taken_by(hit) > bm.num_free_device_blocks:
+            return
+        refs = [bm.ref_counts[b] for b in hit]
+        hits_before = bm.num_hit_tokens
+        bm.take_cached_prefix(seq, hit)
+        assert seq.block_table == hit and seq.num_computed_tokens == len(hit) * bm.block_size
+        assert [bm.ref_counts[b] for b in hit] == [r + 1 for r in refs]
+        assert bm.num_hit_tokens == hits_before + seq.num_computed_tokens
+        # that each block of the chain holds this sequence's prefix is checked by check_invariants
+
+    @precondition(lambda self: self.bm is not None)
+    @rule(seq=seqs)
+    def cache_computed(self, seq):
+        if seq in self.live and not seq.host_block_table:
+            self.bm.cache_computed_blocks(seq)
 
     @precondition(lambda self: self.bm is not None)
     @rule(seq=seqs, n=st.integers(0, 12))
@@ -161,7 +212,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def free(self, seq):
         if seq not in self.live:
             return
-        owned = len(seq.block_table), len(seq.host_block_table)
+        # blocks shared with other sequences stay theirs
+        owned = sum(self.bm.ref_counts[b] == 1 for b in seq.block_table), len(seq.host_block_table)
         free = self.bm.num_free_device_blocks, self.bm.num_free_host_blocks
         self.bm.free(seq)
         self.live.remove(seq)
@@ -178,6 +230,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         before = state(self.bm, self.live)
         table = list(seq.block_table)
+        private = [b for b in table if self.bm.ref_counts[b] == 1]
         used = blocks_for(seq.num_computed_tokens, self.bm.block_size)
         can = self.bm.can_swap_out(seq)
         mapping = self.bm.swap_out(seq)
@@ -187,7 +240,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         else:
             assert can and [d for d, _ in mapping] == table[:used]
             assert [h for _, h in mapping] == seq.host_block_table and seq.block_table == []
-            assert set(table) <= set(self.bm.free_device)
+            assert set(private) <= set(self.bm.free_device)
+            assert all(self.bm.ref_counts[b] > 0 for b in set(table) - set(private))
 
     @precondition(lambda self: self.bm is not None)
     @rule(seq=seqs)

@@ -64,15 +64,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(device, host, block_size)
         self.sched = Scheduler(self.config, self.bm)
 
-    @rule(priority=st.integers(0, 9), prompt=st.integers(1, 20), max_tokens=st.integers(1, 8))
-    def add(self, priority, prompt, max_tokens):
+    @rule(
+        priority=st.integers(0, 9),
+        prompt=st.integers(1, 20),
+        max_tokens=st.integers(1, 8),
+        shared=st.integers(0, 20),
+    )
+    def add(self, priority, prompt, max_tokens, shared):
+        """`shared`: how many leading tokens the prompt has in common with every other (prefix hits)."""
         if blocks_for(prompt + max_tokens - 1, self.bm.block_size) > self.bm.num_device_blocks:
             return  # the engine refuses what the pool can never hold
         req_id = f"r{len(self.requests)}"
         self.clock += 1.0
         seq = Sequence(
             req_id,
-            [5] * prompt,
+            [5] * min(shared, prompt) + [6 + len(self.requests)] * max(0, prompt - shared),
             SamplingParams(max_tokens=max_tokens, temperature=0),
             priority,
             sample_seed=0,
@@ -110,8 +116,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                 out.total_num_scheduled_tokens - max([n for n in scheduled.values() if n > 1], default=0)
                 <= budget
             )
-            for req_id, n in scheduled.items():
-                assert n == uncomputed[req_id], "a prompt was chunked with chunked prefill off"
+            for seq, n in zip(out.seqs, out.num_scheduled_tokens, strict=True):
+                # all of what the prefix cache did not give
+                assert n == seq.num_uncomputed_tokens, "a prompt was chunked with chunked prefill off"
+        for seq in not_running:
+            if seq.req_id in scheduled and uncomputed[seq.req_id] == seq.num_tokens:
+                # started from scratch: on a cached prefix of whole blocks, at least one token to compute
+                assert seq.num_computed_tokens % bm.block_size == 0
+                assert seq.num_computed_tokens < seq.num_tokens
         for seq, n in zip(out.seqs, out.num_scheduled_tokens, strict=True):
             assert seq.status == SequenceStatus.RUNNING and seq in sched.running and seq not in out.preempted
             assert 0 < n <= seq.num_uncomputed_tokens
@@ -373,7 +385,8 @@ def test_urgent_prefill_in_progress_is_not_starved_by_a_less_urgent_decode():
     )
     sched = Scheduler(config, BlockManager(16, 0, 1))
     low = Sequence("low", [5] * 10, SamplingParams(max_tokens=3, temperature=0), 1, 0, arrival_time=1.0)
-    urgent = Sequence("urgent", [5] * 5, SamplingParams(max_tokens=1, temperature=0), 0, 0, arrival_time=2.0)
+    # a prompt of its own (no prefix shared with "low": all of it is computed)
+    urgent = Sequence("urgent", [6] * 5, SamplingParams(max_tokens=1, temperature=0), 0, 0, arrival_time=2.0)
     sched.add(low)
     run_fake_step(sched)
     run_fake_step(sched)
