@@ -6,7 +6,8 @@
 2. The real Engine over a tiny float64 checkpoint (small pools, block sizes 1-4, both preemption modes,
    chunked prefill on and off):
    random add / abort / step never leak or double-own a block, every request finishes exactly once,
-   and greedy output stays token-identical to transformers' generate().
+   and greedy output stays token-identical to transformers' generate(), with prompts that share
+   prefixes (prefix caching on and off).
 """
 
 from __future__ import annotations
@@ -237,11 +238,12 @@ class EngineMachine(RuleBasedStateMachine):
         mode=st.sampled_from(["swap", "recompute"]),
         host=st.sampled_from([0, 4, 64]),
         chunked=st.booleans(),
+        caching=st.booleans(),
         load=st.lists(st.tuples(st.integers(3, 5), st.integers(5, 9)), min_size=2, max_size=3),
     )
-    def configure(self, block_size, mode, host, chunked, load):
+    def configure(self, block_size, mode, host, chunked, caching, load):
         host = host if mode == "swap" else 0
-        key = (block_size, mode, host, chunked)
+        key = (block_size, mode, host, chunked, caching)
         if key not in self.engines:
             # the biggest request (26 + 8 tokens) just fits; two long ones already fill it
             self.engines[key] = self.make_engine(
@@ -252,12 +254,15 @@ class EngineMachine(RuleBasedStateMachine):
                 max_num_seqs=3,
                 max_num_batched_tokens=8,
                 enable_chunked_prefill=chunked,
+                enable_prefix_caching=caching,
             )
         self.engine = self.engines[key]
         for req_id in list(self.engine.requests):  # left over by an example that failed
             self.engine.abort(req_id)
         while self.engine.has_unfinished_requests():
             self.engine.step()
+        # an example replays the same way: no cached KV left by the one before
+        self.engine.block_manager.reset_prefix_cache()
         for prompt, priority in load:  # start with long, mostly low-priority work
             self.add(prompt, priority, MAX_TOKENS, None)
 
@@ -325,8 +330,16 @@ class EngineMachine(RuleBasedStateMachine):
         assert bm.num_free_host_blocks == bm.num_host_blocks
 
 
+def shared_prefix_prompts() -> list[list[int]]:
+    """PROMPT_LENGTHS prompts, most of them sharing the beginning of the longest (prefix cache hits on
+    blocks that running, swapped and finished sequences hold), at lengths inside and across blocks."""
+    own = random_prompts(100, PROMPT_LENGTHS)
+    longest = own[-1]
+    return [own[0], longest[:3], own[2], longest[:8] + own[3][8:], longest[:17], longest]
+
+
 def test_engine_state_machine(make_engine, llama_path, reference):
-    prompts = random_prompts(100, PROMPT_LENGTHS)
+    prompts = shared_prefix_prompts()
     EngineMachine.make_engine = staticmethod(make_engine)
     EngineMachine.prompts = prompts
     EngineMachine.expected = [reference(llama_path, tuple(p), MAX_TOKENS) for p in prompts]
