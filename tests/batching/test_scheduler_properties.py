@@ -368,15 +368,18 @@ def test_no_preemption_for_a_whole_prompt_that_cannot_run_this_step():
     )
     sched = Scheduler(config, BlockManager(64, 64, 2))
     low = [
-        Sequence(f"low{i}", [5] * 4, SamplingParams(max_tokens=20, temperature=0), 9, 0, arrival_time=1.0 + i)
+        Sequence(
+            f"low{i}", [8 + i] * 4, SamplingParams(max_tokens=20, temperature=0), 9, 0, arrival_time=1.0 + i
+        )
         for i in range(2)
     ]
     for seq in low:
         sched.add(seq)
     run_fake_step(sched)
     run_fake_step(sched)
-    first = Sequence("first", [5] * 4, SamplingParams(max_tokens=2, temperature=0), 0, 0, arrival_time=3.0)
-    second = Sequence("second", [5] * 14, SamplingParams(max_tokens=2, temperature=0), 0, 0, arrival_time=4.0)
+    # prompts of their own: no prefix cache hits
+    first = Sequence("first", [6] * 4, SamplingParams(max_tokens=2, temperature=0), 0, 0, arrival_time=3.0)
+    second = Sequence("second", [7] * 14, SamplingParams(max_tokens=2, temperature=0), 0, 0, arrival_time=4.0)
     sched.add(first)
     sched.add(second)
     out = run_fake_step(sched)
