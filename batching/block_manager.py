@@ -57,6 +57,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.free_device: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_device_blocks))
         self.free_host: deque[int] = deque(range(num_host_blocks))
+        # host blocks swapped in during this step: the runner copies them to the device after this
+        # step's swap-outs, so they become reusable only at the next step (start_step)
+        self.host_released: list[int] = []
         self.ref_counts = [0] * num_device_blocks
         self.hash_of_block: list[bytes | None] = [None] * num_device_blocks
         self.cached: dict[bytes, int] = {}  # block hash -> device block holding that KV
@@ -64,6 +67,11 @@ class BlockManager:
         self.num_queried_tokens = 0  # tokens of sequences that started from scratch
         self.num_hit_tokens = 0  # of those, tokens whose KV came from the cache
         self.num_evictions = 0  # cached blocks handed out for other KV
+
+    def start_step(self) -> None:
+        """A new step is being scheduled: host blocks read by the last step's swap-ins are free again."""
+        self.free_host.extend(self.host_released)
+        self.host_released.clear()
 
     # --- prefix cache -----------------------------------------------------------------------------
 
@@ -227,7 +235,7 @@ class BlockManager:
             return None
         device = [self._take_free_block() for _ in range(n)]
         mapping = list(zip(seq.host_block_table, device, strict=True))
-        self.free_host.extend(seq.host_block_table)
+        self.host_released.extend(seq.host_block_table)
         seq.host_block_table = []
         seq.block_table = device
         return mapping
@@ -240,7 +248,7 @@ class BlockManager:
 
     @property
     def num_free_host_blocks(self) -> int:
-        return len(self.free_host)
+        return len(self.free_host) + len(self.host_released)
 
     @property
     def num_cached_device_blocks(self) -> int:
@@ -254,7 +262,7 @@ class BlockManager:
         return 1.0 - len(self.free_device) / self.num_device_blocks
 
     def host_usage(self) -> float:
-        return 1.0 - len(self.free_host) / self.num_host_blocks if self.num_host_blocks else 0.0
+        return 1.0 - self.num_free_host_blocks / self.num_host_blocks if self.num_host_blocks else 0.0
 
     def check_invariants(self, live: list[Sequence]) -> None:
         """Each device block is free (cached or not) or referenced, never both, and its count is the
@@ -276,7 +284,7 @@ class BlockManager:
         for b in range(self.num_device_blocks):
             assert refs[b] <= 1 or self.hash_of_block[b] is not None, f"block {b} shared but not cached"
         host_owned = [b for s in live for b in s.host_block_table]
-        all_host = host_owned + list(self.free_host)
+        all_host = host_owned + list(self.free_host) + self.host_released
         assert sorted(all_host) == list(range(self.num_host_blocks)), "host block leaked or double-owned"
         for s in live:
             assert not (s.block_table and s.host_block_table), f"{s} holds device and host blocks at once"

@@ -108,6 +108,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         fill = _Fill(SchedulerOutput())
+        self.block_manager.start_step()
         for seq in self.running:  # the last step computed their KV: full blocks join the prefix cache
             self.block_manager.cache_computed_blocks(seq)
         self._schedule_decodes(fill)

@@ -235,7 +235,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         can = self.bm.can_swap_out(seq)
         mapping = self.bm.swap_out(seq)
         if mapping is None:
-            assert not can and used > self.bm.num_free_host_blocks
+            assert not can and used > len(self.bm.free_host)
             assert state(self.bm, self.live) == before
         else:
             assert can and [d for d, _ in mapping] == table[:used]
@@ -257,7 +257,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert state(self.bm, self.live) == before
         else:
             assert can and [h for h, _ in mapping] == host and [d for _, d in mapping] == seq.block_table
-            assert seq.host_block_table == [] and set(host) <= set(self.bm.free_host)
+            # free, reusable from the next step on (the runner reads them after this step's swap-outs)
+            assert seq.host_block_table == [] and set(host) <= set(self.bm.host_released)
+
+    @precondition(lambda self: self.bm is not None)
+    @rule()
+    def start_step(self):
+        free = self.bm.num_free_host_blocks
+        self.bm.start_step()
+        assert not self.bm.host_released and len(self.bm.free_host) == free
 
     @invariant()
     def blocks_are_free_or_owned_once(self):

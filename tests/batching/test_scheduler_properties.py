@@ -140,6 +140,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         for a in admitted:
             for w in left_out:
                 assert urgency(a) < urgency(w), f"{a} started ahead of the more urgent {w}"
+        # the runner copies swap-outs, then swap-ins: no host block is written before it is read
+        assert not {h for h, _ in out.swap_in} & {h for _, h in out.swap_out}, "host block reused in a step"
         for v in out.preempted:
             # never preempted for nothing, nor for less urgent work
             assert any(s.priority <= v.priority for s in out.seqs), f"{v} preempted for nothing more urgent"
