@@ -8,17 +8,41 @@ tables at once, and is never written again (only full blocks are cached, and a s
 past its computed tokens). A block whose count drops to zero goes back to the free pool but keeps its
 cache entry, most recently used last; allocation takes blocks from the front of the pool, blocks that
 hold no cached KV first, then cached ones least recently used first (an eviction).
+
+The host pool is a second tier: an evicted device block's KV is copied to a free host block (one that
+no swapped-out sequence owns: their blocks are never dropped for the cache), where a later hit finds
+it and copies it back instead of recomputing it. Free host blocks are handed out (for a swap-out or
+another eviction) uncached first, then least recently used first. Copies are returned as block pairs
+for the runner, which does a step's device-to-host copies before its host-to-device ones; a host
+block written or read by this step's copies is reusable only from the next step (`start_step`).
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from batching.sequence import Sequence
 
 ROOT_HASH = bytes(16)  # the parent of a sequence's first block
+
+
+@dataclass(slots=True)
+class CachedPrefix:
+    """The cached blocks a sequence can start on: device blocks, then host blocks that continue the
+    chain (each copied to a new device block when taken)."""
+
+    device: list[int] = field(default_factory=list)
+    host: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.device) + len(self.host)
+
+    def pop(self) -> None:
+        """Drop the last block."""
+        (self.host or self.device).pop()
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -56,65 +80,104 @@ class BlockManager:
         self.num_host_blocks = num_host_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.free_device: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_device_blocks))
-        self.free_host: deque[int] = deque(range(num_host_blocks))
-        # host blocks swapped in during this step: the runner copies them to the device after this
-        # step's swap-outs, so they become reusable only at the next step (start_step)
+        self.free_host: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_host_blocks))
+        # host blocks that this step's copies read or write: free, but reusable only from the next
+        # step on (start_step), as the runner copies after scheduling
         self.host_released: list[int] = []
         self.ref_counts = [0] * num_device_blocks
         self.hash_of_block: list[bytes | None] = [None] * num_device_blocks
         self.cached: dict[bytes, int] = {}  # block hash -> device block holding that KV
+        self.hash_of_host_block: list[bytes | None] = [None] * num_host_blocks
+        self.host_cached: dict[bytes, int] = {}  # block hash -> free host block holding that KV
+        self.offloads: list[tuple[int, int]] = []  # this step's (device, host) copies of evicted blocks
+        self.loads: list[tuple[int, int]] = []  # this step's (host, device) copies of host-tier hits
         # counters
         self.num_queried_tokens = 0  # tokens of sequences that started from scratch
-        self.num_hit_tokens = 0  # of those, tokens whose KV came from the cache
-        self.num_evictions = 0  # cached blocks handed out for other KV
+        self.num_hit_tokens = 0  # of those, tokens whose KV came from the cache (either tier)
+        self.num_host_hit_tokens = 0  # of those, tokens whose KV was copied back from the host tier
+        self.num_evictions = 0  # cached device blocks handed out for other KV
+        self.num_offloaded_blocks = 0  # of those, blocks whose KV was kept in the host tier
 
     def start_step(self) -> None:
-        """A new step is being scheduled: host blocks read by the last step's swap-ins are free again."""
-        self.free_host.extend(self.host_released)
+        """A new step is being scheduled: host blocks that the last step's copies used are free again."""
+        for b in self.host_released:
+            self.free_host[b] = None
+            if self.hash_of_host_block[b] is None:
+                self.free_host.move_to_end(b, last=False)
         self.host_released.clear()
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's prefix-cache copies: (device -> host offloads, host -> device loads)."""
+        copies = self.offloads, self.loads
+        self.offloads, self.loads = [], []
+        return copies
 
     # --- prefix cache -----------------------------------------------------------------------------
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """The device blocks holding the longest cached prefix of `seq`'s tokens (no change to any pool).
+    def find_cached_prefix(self, seq: Sequence) -> CachedPrefix:
+        """The blocks holding the longest cached prefix of `seq`'s tokens: on the device, then on the
+        host (no change to any pool).
 
         Only for a sequence without KV; at least one token is always left to compute, so the step that
         finishes the prefill has logits to sample from."""
+        hit = CachedPrefix()
         if not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_table:
-            return []
-        hit = []
+            return hit
         for h in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):
-            block = self.cached.get(h)
-            if block is None:
+            block = None if hit.host else self.cached.get(h)
+            if block is not None:
+                hit.device.append(block)
+                continue
+            block = self.host_cached.get(h)
+            if block is None or block not in self.free_host:  # (in use by this step's copies)
                 break
-            hit.append(block)
+            hit.host.append(block)
         return hit
 
-    def num_taken_by(self, hit: list[int]) -> int:
-        """Free blocks that taking `hit` removes from the pool (the cached blocks nobody references)."""
-        return sum(1 for b in hit if self.ref_counts[b] == 0)
+    def num_taken_by(self, hit: CachedPrefix) -> int:
+        """Free device blocks that taking `hit` removes from the pool: the cached blocks nobody
+        references, and one for each host block."""
+        return sum(1 for b in hit.device if self.ref_counts[b] == 0) + len(hit.host)
 
-    def take_cached_prefix(self, seq: Sequence, hit: list[int]) -> None:
-        """Start `seq` on the cached blocks `hit` (from find_cached_prefix; may be empty): its KV for
-        their tokens exists. Counts the query for the hit rate."""
+    def take_cached_prefix(self, seq: Sequence, hit: CachedPrefix) -> None:
+        """Start `seq` on the cached blocks `hit` (from find_cached_prefix; may be empty; the pool must
+        have num_taken_by(hit) free blocks): its KV for their tokens exists, or is copied back from the
+        host this step (`take_copies`). Counts the query for the hit rate."""
         assert not seq.num_computed_tokens and not seq.block_table, f"{seq} already has KV"
-        for b in hit:
+        assert self.num_taken_by(hit) <= len(self.free_device), "the pool cannot take this prefix"
+        for b in hit.device:
             self._ref(b)
-        seq.block_table = list(hit)
+        seq.block_table = list(hit.device)
+        for b in hit.host:  # read by this step's loads: nobody may overwrite them before
+            del self.free_host[b]
+            self.host_released.append(b)
+        for b in hit.host:
+            h = self.hash_of_host_block[b]
+            d = self._take_free_block()
+            self.loads.append((b, d))
+            seq.block_table.append(d)
+            if h not in self.cached:  # back in the device tier
+                self.cached[h] = d
+                self.hash_of_block[d] = h
         seq.num_cache_offered_blocks = len(hit)
         seq.num_computed_tokens = len(hit) * self.block_size
         self.num_queried_tokens += seq.num_tokens
         self.num_hit_tokens += seq.num_computed_tokens
+        self.num_host_hit_tokens += len(hit.host) * self.block_size
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block nobody references, and zero the counters."""
+        """Forget every cached block nobody references (on both tiers), and zero the counters."""
         for b in list(self.free_device):
             h = self.hash_of_block[b]
             if h is not None:
                 del self.cached[h]
                 self.hash_of_block[b] = None
                 self.free_device.move_to_end(b, last=False)
-        self.num_queried_tokens = self.num_hit_tokens = self.num_evictions = 0
+        for b in list(self.free_host):
+            self._uncache_host_block(b)
+            self.free_host.move_to_end(b, last=False)
+        self.num_queried_tokens = self.num_hit_tokens = self.num_host_hit_tokens = 0
+        self.num_evictions = self.num_offloaded_blocks = 0
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Offer `seq`'s full, computed device blocks to the cache (a prefix already cached elsewhere
@@ -169,7 +232,9 @@ class BlockManager:
         """Release all of `seq`'s device blocks (its computed full ones stay cached) and host blocks."""
         self.cache_computed_blocks(seq)
         self._release(seq.block_table)
-        self.free_host.extend(seq.host_block_table)
+        for b in seq.host_block_table:
+            self.free_host[b] = None
+            self.free_host.move_to_end(b, last=False)
         seq.block_table = []
         seq.host_block_table = []
         seq.num_cache_offered_blocks = 0
@@ -181,8 +246,31 @@ class BlockManager:
             del self.cached[h]
             self.hash_of_block[block] = None
             self.num_evictions += 1
+            self._offload(block, h)
         self.ref_counts[block] = 1
         return block
+
+    def _offload(self, block: int, h: bytes) -> None:
+        """Keep an evicted device block's KV in a free host block, if the host tier has one."""
+        if h in self.host_cached or not self.free_host:
+            return
+        host = self._take_free_host_block()
+        self.host_released.append(host)  # written by this step's copies
+        self.host_cached[h] = host
+        self.hash_of_host_block[host] = h
+        self.offloads.append((block, host))
+        self.num_offloaded_blocks += 1
+
+    def _take_free_host_block(self) -> int:
+        block, _ = self.free_host.popitem(last=False)
+        self._uncache_host_block(block)
+        return block
+
+    def _uncache_host_block(self, block: int) -> None:
+        h = self.hash_of_host_block[block]
+        if h is not None:
+            del self.host_cached[h]
+            self.hash_of_host_block[block] = None
 
     def _ref(self, block: int) -> None:
         if self.ref_counts[block] == 0:
@@ -217,7 +305,7 @@ class BlockManager:
         if n > len(self.free_host):
             return None
         self.cache_computed_blocks(seq)
-        host = [self.free_host.popleft() for _ in range(n)]
+        host = [self._take_free_host_block() for _ in range(n)]
         mapping = list(zip(seq.block_table[:n], host, strict=True))
         self._release(seq.block_table)
         seq.block_table = []
@@ -255,6 +343,10 @@ class BlockManager:
         return len(self.cached)
 
     @property
+    def num_cached_host_blocks(self) -> int:
+        return len(self.host_cached)
+
+    @property
     def hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
@@ -286,6 +378,9 @@ class BlockManager:
         host_owned = [b for s in live for b in s.host_block_table]
         all_host = host_owned + list(self.free_host) + self.host_released
         assert sorted(all_host) == list(range(self.num_host_blocks)), "host block leaked or double-owned"
+        assert all(self.hash_of_host_block[b] == h for h, b in self.host_cached.items()), "host index corrupt"
+        assert sum(h is not None for h in self.hash_of_host_block) == len(self.host_cached)
+        assert not set(host_owned) & set(self.host_cached.values()), "a swapped-out block is in the cache"
         for s in live:
             assert not (s.block_table and s.host_block_table), f"{s} holds device and host blocks at once"
             table = s.host_block_table or s.block_table

@@ -292,6 +292,10 @@ class Engine:
             "num_prefix_cache_hit_tokens": bm.num_hit_tokens,
             "num_cached_device_blocks": bm.num_cached_device_blocks,
             "num_prefix_cache_evictions": bm.num_evictions,
+            # the host tier: evicted blocks kept in the host pool, and hit tokens copied back from it
+            "num_cached_host_blocks": bm.num_cached_host_blocks,
+            "num_prefix_cache_offloaded_blocks": bm.num_offloaded_blocks,
+            "num_prefix_cache_host_hit_tokens": bm.num_host_hit_tokens,
             **self._counters,
         }
 

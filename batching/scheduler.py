@@ -25,7 +25,7 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
-from batching.block_manager import BlockManager, blocks_for
+from batching.block_manager import BlockManager, CachedPrefix, blocks_for
 from batching.config import EngineConfig
 from batching.sequence import Sequence, SequenceStatus
 from batching.step_cost import StepCosts
@@ -114,6 +114,9 @@ class Scheduler:
         self._schedule_decodes(fill)
         self._schedule_prefills(fill)
         self.last_budget_used = self.max_num_batched_tokens - self._budget(fill)
+        offloads, loads = self.block_manager.take_copies()  # the prefix cache's host tier
+        fill.out.swap_out.extend(offloads)
+        fill.out.swap_in.extend(loads)
         return fill.out
 
     def set_costs(self, costs: StepCosts) -> None:
@@ -283,14 +286,15 @@ class Scheduler:
         out.add(seq, n)
         return self._chunk_cost(seq, n, budget) if self.chunked_prefill else n
 
-    def _plan_admission(self, seq: Sequence, fill: _Fill) -> tuple[list[int], int, int]:
+    def _plan_admission(self, seq: Sequence, fill: _Fill) -> tuple[CachedPrefix, int, int]:
         """What `seq` would start with now: (the cached blocks it starts on, the tokens of the first
         chunk it wants, the tokens it can have with the slots and blocks free now). A sequence that
         starts from scratch begins after the longest prefix of its tokens whose KV is cached
         (block_manager.py) and computes only the rest. Chunked, a new prefill takes what fits, leaving
         the reserve free; whole prompts and swapped-in sequences have all they want or nothing."""
         bm = self.block_manager
-        hit = self._usable_cached_prefix(seq, fill.out) if seq.status == SequenceStatus.WAITING else []
+        waiting = seq.status == SequenceStatus.WAITING
+        hit = self._usable_cached_prefix(seq, fill.out) if waiting else CachedPrefix()
         start = seq.num_computed_tokens + len(hit) * bm.block_size
         budget = self._budget(fill)
         first_prefill = all(k == 1 for k in fill.out.num_scheduled_tokens)
@@ -314,9 +318,10 @@ class Scheduler:
         _, want, can = self._plan_admission(seq, fill)
         return can < want
 
-    def _usable_cached_prefix(self, seq: Sequence, out: SchedulerOutput) -> list[int]:
+    def _usable_cached_prefix(self, seq: Sequence, out: SchedulerOutput) -> CachedPrefix:
         """The cached blocks `seq` starts on: its longest cached prefix, shortened until the pool has a
-        block left for the tokens after it (a cached block nobody references is taken from the pool)."""
+        block left for the tokens after it (a cached block nobody references, or one copied back from
+        the host, is taken from the pool)."""
         bm = self.block_manager
         hit = bm.find_cached_prefix(seq)
         room = bm.num_free_device_blocks - self._reserve(out)

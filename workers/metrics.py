@@ -61,7 +61,16 @@ PREFIX_CACHED_BLOCKS = Gauge(
     "genq_engine_prefix_cache_device_blocks", "Device KV blocks holding cached KV (in use or free)"
 )
 PREFIX_EVICTIONS = Counter(
-    "genq_engine_prefix_cache_evictions_total", "Cached KV blocks handed out for other KV"
+    "genq_engine_prefix_cache_evictions_total", "Cached device KV blocks handed out for other KV"
+)
+PREFIX_HOST_BLOCKS = Gauge(
+    "genq_engine_prefix_cache_host_blocks", "Host KV blocks holding cached KV evicted from the device"
+)
+PREFIX_OFFLOADED = Counter(
+    "genq_engine_prefix_cache_offloaded_blocks_total", "Evicted device blocks whose KV the host pool kept"
+)
+PREFIX_HOST_HITS = Counter(
+    "genq_engine_prefix_cache_host_hit_tokens_total", "Hit tokens whose KV was copied back from the host"
 )
 ABORTED = Counter("genq_engine_aborted_requests_total", "Requests aborted in the engine (cancel, lost lease)")
 
@@ -115,6 +124,7 @@ def observe_steps(stats: dict, step_times: list[float], tokens) -> None:
     STEP_SEQS.set(stats["last_step_num_seqs"])
     PREFIX_HIT_RATE.set(stats["prefix_cache_hit_rate"])
     PREFIX_CACHED_BLOCKS.set(stats["num_cached_device_blocks"])
+    PREFIX_HOST_BLOCKS.set(stats["num_cached_host_blocks"])
     for seconds in step_times:
         STEP_TIME.observe(seconds)
     for counter, key in (
@@ -129,6 +139,8 @@ def observe_steps(stats: dict, step_times: list[float], tokens) -> None:
         (PREFIX_QUERIED, "num_prefix_cache_queried_tokens"),
         (PREFIX_HITS, "num_prefix_cache_hit_tokens"),
         (PREFIX_EVICTIONS, "num_prefix_cache_evictions"),
+        (PREFIX_OFFLOADED, "num_prefix_cache_offloaded_blocks"),
+        (PREFIX_HOST_HITS, "num_prefix_cache_host_hit_tokens"),
     ):
         value = stats[key]
         if value > _seen.get(key, 0):

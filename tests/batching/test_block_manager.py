@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
-from batching.block_manager import BlockManager, blocks_for
+from batching.block_manager import BlockManager, CachedPrefix, blocks_for
 from batching.sampling_params import SamplingParams
 from batching.sequence import Sequence
 
@@ -121,9 +121,9 @@ def test_check_invariants_catches_corruption(corrupt):
         b.token_ids[0] = 6
         bm.free(b)
         b.num_computed_tokens = 0
-        bm.take_cached_prefix(b, a.block_table[:1])
+        bm.take_cached_prefix(b, CachedPrefix(device=a.block_table[:1]))
     else:
-        a.host_block_table.append(bm.free_host.popleft())
+        a.host_block_table.append(bm.free_host.popitem(last=False)[0])
     with pytest.raises(AssertionError):
         bm.check_invariants([a, b])
 
@@ -164,17 +164,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
         bm = self.bm
         hit = bm.find_cached_prefix(seq)
         assert len(hit) * bm.block_size < seq.num_tokens, "no token left to compute"
-        assert len(set(hit)) == len(hit)
+        assert len(set(hit.device)) == len(hit.device) and len(set(hit.host)) == len(hit.host)
         if not bm.enable_prefix_caching:
-            assert hit == []
+            assert len(hit) == 0
         if bm.num_taken_by(hit) > bm.num_free_device_blocks:
             return
-        refs = [bm.ref_counts[b] for b in hit]
-        hits_before = bm.num_hit_tokens
+        refs = [bm.ref_counts[b] for b in hit.device]
+        hits_before, host_hits_before = bm.num_hit_tokens, bm.num_host_hit_tokens
+        loads_before = len(bm.loads)
         bm.take_cached_prefix(seq, hit)
-        assert seq.block_table == hit and seq.num_computed_tokens == len(hit) * bm.block_size
-        assert [bm.ref_counts[b] for b in hit] == [r + 1 for r in refs]
+        assert seq.block_table[: len(hit.device)] == hit.device and len(seq.block_table) == len(hit)
+        assert seq.num_computed_tokens == len(hit) * bm.block_size
+        assert [bm.ref_counts[b] for b in hit.device] == [r + 1 for r in refs]
         assert bm.num_hit_tokens == hits_before + seq.num_computed_tokens
+        assert bm.num_host_hit_tokens == host_hits_before + len(hit.host) * bm.block_size
+        # host hits are copied back into the blocks that follow the device ones
+        assert bm.loads[loads_before:] == list(zip(hit.host, seq.block_table[len(hit.device) :], strict=True))
+        assert set(hit.host) <= set(bm.host_released), "a host block read this step is reusable"
         # that each block of the chain holds this sequence's prefix is checked by check_invariants
 
     @precondition(lambda self: self.bm is not None)
@@ -263,6 +269,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.bm is not None)
     @rule()
     def start_step(self):
+        """The runner copied this step's blocks: offloads into distinct host blocks, loads into distinct
+        device blocks, no host block both written and read."""
+        offloads, loads = self.bm.take_copies()
+        assert len({h for _, h in offloads}) == len(offloads) and len({d for _, d in loads}) == len(loads)
+        assert not {h for _, h in offloads} & {h for h, _ in loads}
         free = self.bm.num_free_host_blocks
         self.bm.start_step()
         assert not self.bm.host_released and len(self.bm.free_host) == free

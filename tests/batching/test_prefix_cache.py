@@ -79,8 +79,8 @@ def test_turned_off_nothing_is_reused(make_engine, llama_path, reference):
 
 def test_cached_blocks_are_evicted_least_recently_used_first(make_engine, llama_path, reference):
     """A pool that holds two prompts' blocks: a third evicts the older cached prompt, and the newer
-    one is still a hit."""
-    engine = make_engine(block_size=BLOCK, num_device_blocks=16, max_num_batched_tokens=64)
+    one is still a hit (no host tier here: evicted is gone)."""
+    engine = make_engine(block_size=BLOCK, num_device_blocks=16, num_host_blocks=0, max_num_batched_tokens=64)
     a, b, c = random_prompts(150, [24, 24, 24])  # 6 full blocks each (+1 block for the decodes)
     for req_id, prompt in (("a", a), ("b", b)):
         engine.add_request(req_id, prompt, greedy(2))
@@ -203,3 +203,57 @@ def test_abort_of_a_sequence_sharing_blocks_leaves_the_others_exact(make_engine,
     for i in (0, 2):
         assert outs[f"r{i}"].token_ids == reference(llama_path, tuple(prompts[i]), 8)
     assert outs["r1"].finish_reason == "abort"
+
+
+def test_evicted_blocks_come_back_from_the_host_tier(make_engine, llama_path, reference):
+    """A device pool that holds two prompts: a third evicts the first one's blocks, which the host pool
+    keeps; the first prompt again copies them back instead of recomputing them, and stays exact."""
+    engine = make_engine(
+        block_size=BLOCK, num_device_blocks=16, num_host_blocks=32, max_num_batched_tokens=64
+    )
+    a, b, c = random_prompts(190, [24, 24, 24])
+    for req_id, prompt in (("a", a), ("b", b), ("c", c)):
+        engine.add_request(req_id, prompt, greedy(4))
+        run_to_completion(engine)
+    s = engine.stats()
+    assert s["num_prefix_cache_evictions"] > 0
+    assert s["num_prefix_cache_offloaded_blocks"] == s["num_prefix_cache_evictions"]
+    assert s["num_cached_host_blocks"] == s["num_prefix_cache_offloaded_blocks"]
+    computed = s["num_prompt_tokens_computed"]
+    engine.add_request("a-again", a, greedy(4))
+    assert run_to_completion(engine)["a-again"].token_ids == reference(llama_path, tuple(a), 4)
+    s = engine.stats()
+    assert s["num_prefix_cache_host_hit_tokens"] > 0
+    # whole blocks of a came from the device or the host: only the last block's tokens were computed
+    assert s["num_prompt_tokens_computed"] - computed == 24 - 20
+
+
+def test_host_tier_under_swap_preemption_stays_exact(make_engine, llama_path, reference):
+    """Swapped-out sequences and cached blocks share the host pool: the cache never takes a swapped-out
+    sequence's blocks, and everything stays exact."""
+    from tests.batching.test_preemption import run_arrivals
+
+    system = random_prompts(191, [13])[0]
+    tails = random_prompts(192, [t for _, t, *_ in WORKLOAD])
+    prompts = [system[:k] + tail for (k, *_), tail in zip(WORKLOAD, tails, strict=True)]
+    engine = make_engine(
+        block_size=2,
+        num_device_blocks=-(-(13 + 12 + 16) // 2) + 3,
+        num_host_blocks=40,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        preemption_mode="swap",
+    )
+    requests = [
+        (f"r{i}", prompts[i], greedy(mt), prio, at) for i, (_, _, mt, prio, at) in enumerate(WORKLOAD)
+    ]
+    # twice: the second round finds the first's blocks on the device or the host
+    outputs = run_arrivals(engine, requests)
+    outputs2 = run_arrivals(engine, [(f"again-{r}", p, sp, prio, at) for r, p, sp, prio, at in requests])
+    for req_id, prompt, params, _, _ in requests:
+        expected = reference(llama_path, tuple(prompt), params.max_tokens)
+        assert outputs[req_id].token_ids == expected, req_id
+        assert outputs2[f"again-{req_id}"].token_ids == expected, req_id
+    s = engine.stats()
+    assert s["num_blocks_swapped_out"] > 0 and s["num_prefix_cache_offloaded_blocks"] > 0
+    assert s["num_prefix_cache_host_hit_tokens"] > 0

@@ -149,6 +149,9 @@ def test_prefix_cache_metrics_count_a_shared_prompt(metered):
         ("genq_engine_prefix_cache_evictions_total", "num_prefix_cache_evictions"),
         ("genq_engine_prefix_cache_hit_rate", "prefix_cache_hit_rate"),
         ("genq_engine_prefix_cache_device_blocks", "num_cached_device_blocks"),
+        ("genq_engine_prefix_cache_host_blocks", "num_cached_host_blocks"),
+        ("genq_engine_prefix_cache_offloaded_blocks_total", "num_prefix_cache_offloaded_blocks"),
+        ("genq_engine_prefix_cache_host_hit_tokens_total", "num_prefix_cache_host_hit_tokens"),
     ):
         assert value(after, name) == pytest.approx(stats[key]), name
     assert value(after, "genq_engine_prefix_cache_device_blocks") >= 4
