@@ -6,13 +6,13 @@ sequence that starts from scratch takes the longest chain of cached blocks match
 computes only the rest. Device blocks are reference-counted: a cached block may sit in many block
 tables at once, and is never written again (only full blocks are cached, and a sequence writes only
 past its computed tokens). A block whose count drops to zero goes back to the free pool but keeps its
-cache entry, most recently used last; allocation takes blocks from the front of the pool, blocks that
-hold no cached KV first, then cached ones least recently used first (an eviction).
+cache entry; allocation takes blocks that hold no cached KV first, then cached ones (an eviction):
+those of the least urgent work first, least recently used first among equals (free_pool.py).
 
 The host pool is a second tier: an evicted device block's KV is copied to a free host block (one that
 no swapped-out sequence owns: their blocks are never dropped for the cache), where a later hit finds
 it and copies it back instead of recomputing it. Free host blocks are handed out (for a swap-out or
-another eviction) uncached first, then least recently used first. Copies are returned as block pairs
+another eviction) in the same order as device blocks. Copies are returned as block pairs
 for the runner, which does a step's device-to-host copies before its host-to-device ones; a host
 block written or read by this step's copies is reusable only from the next step (`start_step`).
 """
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from batching.free_pool import FreeBlockPool
 from batching.sequence import Sequence
 
 ROOT_HASH = bytes(16)  # the parent of a sequence's first block
@@ -79,12 +79,16 @@ class BlockManager:
         self.num_device_blocks = num_device_blocks
         self.num_host_blocks = num_host_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.free_device: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_device_blocks))
-        self.free_host: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_host_blocks))
+        self.free_device = FreeBlockPool(range(num_device_blocks))
+        self.free_host = FreeBlockPool(range(num_host_blocks))
         # host blocks that this step's copies read or write: free, but reusable only from the next
         # step on (start_step), as the runner copies after scheduling
         self.host_released: list[int] = []
         self.ref_counts = [0] * num_device_blocks
+        # the most urgent priority among the sequences that used a block since it was handed out:
+        # cached KV of urgent work is evicted last
+        self.block_priority = [0] * num_device_blocks
+        self.host_block_priority = [0] * num_host_blocks
         self.hash_of_block: list[bytes | None] = [None] * num_device_blocks
         self.cached: dict[bytes, int] = {}  # block hash -> device block holding that KV
         self.hash_of_host_block: list[bytes | None] = [None] * num_host_blocks
@@ -101,9 +105,7 @@ class BlockManager:
     def start_step(self) -> None:
         """A new step is being scheduled: host blocks that the last step's copies used are free again."""
         for b in self.host_released:
-            self.free_host[b] = None
-            if self.hash_of_host_block[b] is None:
-                self.free_host.move_to_end(b, last=False)
+            self._free_host_block(b)
         self.host_released.clear()
 
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -146,14 +148,14 @@ class BlockManager:
         assert not seq.num_computed_tokens and not seq.block_table, f"{seq} already has KV"
         assert self.num_taken_by(hit) <= len(self.free_device), "the pool cannot take this prefix"
         for b in hit.device:
-            self._ref(b)
+            self._ref(b, seq.priority)
         seq.block_table = list(hit.device)
         for b in hit.host:  # read by this step's loads: nobody may overwrite them before
-            del self.free_host[b]
+            self.free_host.remove(b)
             self.host_released.append(b)
         for b in hit.host:
             h = self.hash_of_host_block[b]
-            d = self._take_free_block()
+            d = self._take_free_block(seq.priority)
             self.loads.append((b, d))
             seq.block_table.append(d)
             if h not in self.cached:  # back in the device tier
@@ -167,15 +169,18 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block nobody references (on both tiers), and zero the counters."""
-        for b in list(self.free_device):
+        for b in self.free_device:
             h = self.hash_of_block[b]
             if h is not None:
                 del self.cached[h]
                 self.hash_of_block[b] = None
-                self.free_device.move_to_end(b, last=False)
-        for b in list(self.free_host):
-            self._uncache_host_block(b)
-            self.free_host.move_to_end(b, last=False)
+                self.free_device.remove(b)
+                self.free_device.add(b, None)
+        for b in self.free_host:
+            if self.hash_of_host_block[b] is not None:
+                self._uncache_host_block(b)
+                self.free_host.remove(b)
+                self.free_host.add(b, None)
         self.num_queried_tokens = self.num_hit_tokens = self.num_host_hit_tokens = 0
         self.num_evictions = self.num_offloaded_blocks = 0
 
@@ -219,7 +224,7 @@ class BlockManager:
         n = self.num_new_blocks(seq, num_new_tokens)
         if n > len(self.free_device):
             return None
-        new = [self._take_free_block() for _ in range(n)]
+        new = [self._take_free_block(seq.priority) for _ in range(n)]
         seq.block_table.extend(new)
         return new
 
@@ -233,14 +238,14 @@ class BlockManager:
         self.cache_computed_blocks(seq)
         self._release(seq.block_table)
         for b in seq.host_block_table:
-            self.free_host[b] = None
-            self.free_host.move_to_end(b, last=False)
+            self.free_host.add(b, None)
         seq.block_table = []
         seq.host_block_table = []
         seq.num_cache_offered_blocks = 0
 
-    def _take_free_block(self) -> int:
-        block, _ = self.free_device.popitem(last=False)
+    def _take_free_block(self, priority: int) -> int:
+        """A free device block for a sequence of `priority` (evicting the KV it may cache)."""
+        block = self.free_device.pop()
         h = self.hash_of_block[block]
         if h is not None:  # cached KV nobody references: evicted for new KV
             del self.cached[h]
@@ -248,6 +253,7 @@ class BlockManager:
             self.num_evictions += 1
             self._offload(block, h)
         self.ref_counts[block] = 1
+        self.block_priority[block] = priority
         return block
 
     def _offload(self, block: int, h: bytes) -> None:
@@ -258,13 +264,18 @@ class BlockManager:
         self.host_released.append(host)  # written by this step's copies
         self.host_cached[h] = host
         self.hash_of_host_block[host] = h
+        self.host_block_priority[host] = self.block_priority[block]
         self.offloads.append((block, host))
         self.num_offloaded_blocks += 1
 
     def _take_free_host_block(self) -> int:
-        block, _ = self.free_host.popitem(last=False)
+        block = self.free_host.pop()
         self._uncache_host_block(block)
         return block
+
+    def _free_host_block(self, block: int) -> None:
+        cached = self.hash_of_host_block[block] is not None
+        self.free_host.add(block, self.host_block_priority[block] if cached else None)
 
     def _uncache_host_block(self, block: int) -> None:
         h = self.hash_of_host_block[block]
@@ -272,21 +283,22 @@ class BlockManager:
             del self.host_cached[h]
             self.hash_of_host_block[block] = None
 
-    def _ref(self, block: int) -> None:
+    def _ref(self, block: int, priority: int) -> None:
         if self.ref_counts[block] == 0:
-            del self.free_device[block]
+            self.free_device.remove(block)
+            self.block_priority[block] = priority
+        else:
+            self.block_priority[block] = min(self.block_priority[block], priority)
         self.ref_counts[block] += 1
 
     def _release(self, table: list[int]) -> None:
-        """Drop one reference to each block of `table`. Unreferenced cached blocks go to the back of the
-        pool (evicted last), the table's tail first so that a prefix outlives its extensions; blocks
-        without cached KV go to the front (handed out first)."""
+        """Drop one reference to each block of `table`; unreferenced blocks go to the free pool, the
+        table's tail first so that a prefix outlives its extensions."""
         for b in reversed(table):
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self.free_device[b] = None
-                if self.hash_of_block[b] is None:
-                    self.free_device.move_to_end(b, last=False)
+                cached = self.hash_of_block[b] is not None
+                self.free_device.add(b, self.block_priority[b] if cached else None)
 
     # --- swapping ---------------------------------------------------------------------------------
 
@@ -321,7 +333,7 @@ class BlockManager:
         n = len(seq.host_block_table)
         if n > len(self.free_device):
             return None
-        device = [self._take_free_block() for _ in range(n)]
+        device = [self._take_free_block(seq.priority) for _ in range(n)]
         mapping = list(zip(seq.host_block_table, device, strict=True))
         self.host_released.extend(seq.host_block_table)
         seq.host_block_table = []

@@ -111,9 +111,9 @@ def test_check_invariants_catches_corruption(corrupt):
     if corrupt == "double_owned":
         b.block_table.append(a.block_table[0])
     elif corrupt == "leaked":
-        bm.free_device.popitem(last=False)
+        bm.free_device.pop()
     elif corrupt == "free_and_owned":
-        bm.free_device[a.block_table[0]] = None
+        bm.free_device.add(a.block_table[0], None)
     elif corrupt == "too_few_blocks":
         a.num_computed_tokens = 5
     elif corrupt == "shared_other_prefix":  # b reads a's cached block, but b's tokens differ
@@ -123,9 +123,46 @@ def test_check_invariants_catches_corruption(corrupt):
         b.num_computed_tokens = 0
         bm.take_cached_prefix(b, CachedPrefix(device=a.block_table[:1]))
     else:
-        a.host_block_table.append(bm.free_host.popitem(last=False)[0])
+        a.host_block_table.append(bm.free_host.pop())
     with pytest.raises(AssertionError):
         bm.check_invariants([a, b])
+
+
+def finished_seq(bm: BlockManager, tokens: list[int], priority: int, name: str) -> Sequence:
+    """A sequence that computed `tokens` and finished: its full blocks stay cached, unreferenced."""
+    seq = Sequence(name, tokens, SamplingParams(), priority=priority, sample_seed=0)
+    bm.take_cached_prefix(seq, bm.find_cached_prefix(seq))
+    bm.allocate(seq, len(tokens) - seq.num_computed_tokens)
+    seq.num_computed_tokens = len(tokens)
+    bm.free(seq)
+    return seq
+
+
+def test_eviction_takes_uncached_then_bulk_then_urgent_least_recently_used_first():
+    bm = BlockManager(num_device_blocks=8, num_host_blocks=0, block_size=2)
+    urgent = finished_seq(bm, [10, 11, 12, 13], priority=0, name="urgent")  # 2 cached blocks
+    bulk_old = finished_seq(bm, [20, 21, 22, 23], priority=9, name="bulk_old")
+    bulk_new = finished_seq(bm, [30, 31, 32, 33], priority=9, name="bulk_new")
+    assert bm.num_cached_device_blocks == 6 and bm.num_free_device_blocks == 8
+    t = new_seq(16, "t")
+    order = []
+    for _ in range(8):
+        order += bm.allocate(t, 2 * len(t.block_table) + 2 - t.num_computed_tokens)
+        t.num_computed_tokens = 2 * len(t.block_table)
+        cached = {
+            name
+            for name, s in (("urgent", urgent), ("bulk_old", bulk_old), ("bulk_new", bulk_new))
+            if bm.find_cached_prefix(Sequence("q", s.token_ids + [1], SamplingParams(), 5, 0)).device
+        }
+        order.append(frozenset(cached))
+    # 2 uncached blocks first; then bulk before urgent, the older bulk prompt first, a prefix's tail
+    # before its head (a chain broken at its head is worth nothing anyway)
+    still_cached = [c for c in order if isinstance(c, frozenset)]
+    assert still_cached[1] == {"urgent", "bulk_old", "bulk_new"}
+    assert still_cached[3] == {"urgent", "bulk_new"}
+    assert still_cached[5] == {"urgent"}
+    assert still_cached[7] == set()
+    assert bm.num_evictions == 6
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -297,7 +334,9 @@ TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
-@pytest.mark.parametrize("module", ["block_manager", "scheduler", "sequence", "sampling_params", "config"])
+@pytest.mark.parametrize(
+    "module", ["block_manager", "free_pool", "scheduler", "sequence", "sampling_params", "config"]
+)
 def test_scheduling_modules_do_not_import_torch(module):
     """The scheduler side moves ids and counts only (STYLE.md): cheap to test, no tensors."""
     tree = ast.parse((ROOT / "batching" / f"{module}.py").read_text())
