@@ -169,13 +169,12 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block nobody references (on both tiers), and zero the counters."""
-        for b in self.free_device:
-            h = self.hash_of_block[b]
-            if h is not None:
-                del self.cached[h]
-                self.hash_of_block[b] = None
-                self.free_device.remove(b)
-                self.free_device.add(b, None)
+        forgotten = [b for b in self.free_device if self.hash_of_block[b] is not None]
+        for b in reversed(forgotten):  # to the front, in the order they had
+            del self.cached[self.hash_of_block[b]]
+            self.hash_of_block[b] = None
+            self.free_device.remove(b)
+            self.free_device.add(b, None)
         for b in self.free_host:
             if self.hash_of_host_block[b] is not None:
                 self._uncache_host_block(b)
