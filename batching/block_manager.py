@@ -1,28 +1,212 @@
-"""Device and host KV block pools. Moves block ids, never tensors (no torch here)."""
+"""Device and host KV block pools, with automatic prefix caching. Moves block ids, never tensors (no torch).
+
+Prefix caching: a full device block whose KV is computed is offered to the cache under a chained hash
+of (its parent block's hash, its tokens), so a hash names the whole prefix up to the block's end. A
+sequence that starts from scratch takes the longest chain of cached blocks matching its tokens and
+computes only the rest. Device blocks are reference-counted: a cached block may sit in many block
+tables at once, and is never written again (only full blocks are cached, and a sequence writes only
+past its computed tokens). A block whose count drops to zero goes back to the free pool but keeps its
+cache entry; allocation takes blocks that hold no cached KV first, then cached ones (an eviction):
+those of the least urgent work first, least recently used first among equals (free_pool.py).
+
+The host pool is a second tier: an evicted device block's KV is copied to a free host block (one that
+no swapped-out sequence owns: their blocks are never dropped for the cache), where a later hit finds
+it and copies it back instead of recomputing it. Free host blocks are handed out (for a swap-out or
+another eviction) in the same order as device blocks. Copies are returned as block pairs
+for the runner, which does a step's device-to-host copies before its host-to-device ones; a host
+block written or read by this step's copies is reusable only from the next step (`start_step`).
+"""
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from dataclasses import dataclass, field
 
+from batching.free_pool import FreeBlockPool
 from batching.sequence import Sequence
+
+ROOT_HASH = bytes(16)  # the parent of a sequence's first block
+
+
+@dataclass(slots=True)
+class CachedPrefix:
+    """The cached blocks a sequence can start on: device blocks, then host blocks that continue the
+    chain (each copied to a new device block when taken)."""
+
+    device: list[int] = field(default_factory=list)
+    host: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.device) + len(self.host)
+
+    def pop(self) -> None:
+        """Drop the last block."""
+        (self.host or self.device).pop()
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def block_hash(parent: bytes, tokens: list[int], extra: bytes = b"") -> bytes:
+    """Names a full block's KV: the hash of everything before it, its tokens, and `extra`: anything else
+    that changes its KV (genq feeds token ids only, so nothing yet; extra model inputs would go here).
+    A cryptographic hash: token ids come from users, and a collision would hand one request another's KV.
+    """
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(array("q", tokens).tobytes())
+    h.update(extra)
+    return h.digest()
+
+
 class BlockManager:
-    """Owns the free lists. A sequence's blocks live in `seq.block_table` / `seq.host_block_table`.
+    """Owns the pools. A sequence's blocks live in `seq.block_table` / `seq.host_block_table`.
 
     Every `can_*` check has an act that either happens whole or returns None (never half-happens).
+    `free_device` holds every device block that no sequence references, cached or not: all of them can
+    be handed out, so "free" counts include cached blocks (they are evicted on demand).
     """
 
-    def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int):
+    def __init__(
+        self,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+    ):
         self.block_size = block_size
         self.num_device_blocks = num_device_blocks
         self.num_host_blocks = num_host_blocks
-        self.free_device: deque[int] = deque(range(num_device_blocks))
-        self.free_host: deque[int] = deque(range(num_host_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.free_device = FreeBlockPool(range(num_device_blocks))
+        self.free_host = FreeBlockPool(range(num_host_blocks))
+        # host blocks that this step's copies read or write: free, but reusable only from the next
+        # step on (start_step), as the runner copies after scheduling
+        self.host_released: list[int] = []
+        self.ref_counts = [0] * num_device_blocks
+        # the most urgent priority among the sequences that used a block since it was handed out:
+        # cached KV of urgent work is evicted last
+        self.block_priority = [0] * num_device_blocks
+        self.host_block_priority = [0] * num_host_blocks
+        self.hash_of_block: list[bytes | None] = [None] * num_device_blocks
+        self.cached: dict[bytes, int] = {}  # block hash -> device block holding that KV
+        self.hash_of_host_block: list[bytes | None] = [None] * num_host_blocks
+        self.host_cached: dict[bytes, int] = {}  # block hash -> free host block holding that KV
+        self.offloads: list[tuple[int, int]] = []  # this step's (device, host) copies of evicted blocks
+        self.loads: list[tuple[int, int]] = []  # this step's (host, device) copies of host-tier hits
+        # counters
+        self.num_queried_tokens = 0  # tokens of sequences that started from scratch
+        self.num_hit_tokens = 0  # of those, tokens whose KV came from the cache (either tier)
+        self.num_host_hit_tokens = 0  # of those, tokens whose KV was copied back from the host tier
+        self.num_evictions = 0  # cached device blocks handed out for other KV
+        self.num_offloaded_blocks = 0  # of those, blocks whose KV was kept in the host tier
+
+    def start_step(self) -> None:
+        """A new step is being scheduled: host blocks that the last step's copies used are free again."""
+        for b in self.host_released:
+            self._free_host_block(b)
+        self.host_released.clear()
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's prefix-cache copies: (device -> host offloads, host -> device loads)."""
+        copies = self.offloads, self.loads
+        self.offloads, self.loads = [], []
+        return copies
+
+    # --- prefix cache -----------------------------------------------------------------------------
+
+    def find_cached_prefix(self, seq: Sequence) -> CachedPrefix:
+        """The blocks holding the longest cached prefix of `seq`'s tokens: on the device, then on the
+        host (no change to any pool).
+
+        Only for a sequence without KV; at least one token is always left to compute, so the step that
+        finishes the prefill has logits to sample from."""
+        hit = CachedPrefix()
+        if not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_table:
+            return hit
+        for h in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):
+            block = None if hit.host else self.cached.get(h)
+            if block is not None:
+                hit.device.append(block)
+                continue
+            block = self.host_cached.get(h)
+            if block is None or block not in self.free_host:  # (in use by this step's copies)
+                break
+            hit.host.append(block)
+        return hit
+
+    def num_taken_by(self, hit: CachedPrefix) -> int:
+        """Free device blocks that taking `hit` removes from the pool: the cached blocks nobody
+        references, and one for each host block."""
+        return sum(1 for b in hit.device if self.ref_counts[b] == 0) + len(hit.host)
+
+    def take_cached_prefix(self, seq: Sequence, hit: CachedPrefix) -> None:
+        """Start `seq` on the cached blocks `hit` (from find_cached_prefix; may be empty; the pool must
+        have num_taken_by(hit) free blocks): its KV for their tokens exists, or is copied back from the
+        host this step (`take_copies`). Counts the query for the hit rate."""
+        assert not seq.num_computed_tokens and not seq.block_table, f"{seq} already has KV"
+        assert self.num_taken_by(hit) <= len(self.free_device), "the pool cannot take this prefix"
+        for b in hit.device:
+            self._ref(b, seq.priority)
+        seq.block_table = list(hit.device)
+        for b in hit.host:  # read by this step's loads: nobody may overwrite them before
+            self.free_host.remove(b)
+            self.host_released.append(b)
+        for b in hit.host:
+            h = self.hash_of_host_block[b]
+            d = self._take_free_block(seq.priority)
+            self.loads.append((b, d))
+            seq.block_table.append(d)
+            if h not in self.cached:  # back in the device tier
+                self.cached[h] = d
+                self.hash_of_block[d] = h
+        seq.num_cache_offered_blocks = len(hit)
+        seq.num_computed_tokens = len(hit) * self.block_size
+        self.num_queried_tokens += seq.num_tokens
+        self.num_hit_tokens += seq.num_computed_tokens
+        self.num_host_hit_tokens += len(hit.host) * self.block_size
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block nobody references (on both tiers), and zero the counters."""
+        forgotten = [b for b in self.free_device if self.hash_of_block[b] is not None]
+        for b in reversed(forgotten):  # to the front, in the order they had
+            del self.cached[self.hash_of_block[b]]
+            self.hash_of_block[b] = None
+            self.free_device.remove(b)
+            self.free_device.add(b, None)
+        for b in self.free_host:
+            if self.hash_of_host_block[b] is not None:
+                self._uncache_host_block(b)
+                self.free_host.remove(b)
+                self.free_host.add(b, None)
+        self.num_queried_tokens = self.num_hit_tokens = self.num_host_hit_tokens = 0
+        self.num_evictions = self.num_offloaded_blocks = 0
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Offer `seq`'s full, computed device blocks to the cache (a prefix already cached elsewhere
+        keeps its first block; this copy stays private and goes when freed)."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if full <= seq.num_cache_offered_blocks:
+            return
+        hashes = self._hashes(seq, full)
+        for i in range(seq.num_cache_offered_blocks, full):
+            b, h = seq.block_table[i], hashes[i]
+            if self.hash_of_block[b] is None and h not in self.cached:
+                self.cached[h] = b
+                self.hash_of_block[b] = h
+        seq.num_cache_offered_blocks = full
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """`seq.block_hashes`, extended to its first `num_blocks` full blocks."""
+        hashes, bs = seq.block_hashes, self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[i - 1] if i else ROOT_HASH
+            hashes.append(block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+        return hashes
 
     # --- device blocks for new tokens -------------------------------------------------------------
 
@@ -39,7 +223,7 @@ class BlockManager:
         n = self.num_new_blocks(seq, num_new_tokens)
         if n > len(self.free_device):
             return None
-        new = [self.free_device.popleft() for _ in range(n)]
+        new = [self._take_free_block(seq.priority) for _ in range(n)]
         seq.block_table.extend(new)
         return new
 
@@ -49,11 +233,71 @@ class BlockManager:
         return max(0, capacity - seq.num_computed_tokens)
 
     def free(self, seq: Sequence) -> None:
-        """Return all of `seq`'s device and host blocks."""
-        self.free_device.extend(seq.block_table)
-        self.free_host.extend(seq.host_block_table)
+        """Release all of `seq`'s device blocks (its computed full ones stay cached) and host blocks."""
+        self.cache_computed_blocks(seq)
+        self._release(seq.block_table)
+        for b in seq.host_block_table:
+            self.free_host.add(b, None)
         seq.block_table = []
         seq.host_block_table = []
+        seq.num_cache_offered_blocks = 0
+
+    def _take_free_block(self, priority: int) -> int:
+        """A free device block for a sequence of `priority` (evicting the KV it may cache)."""
+        block = self.free_device.pop()
+        h = self.hash_of_block[block]
+        if h is not None:  # cached KV nobody references: evicted for new KV
+            del self.cached[h]
+            self.hash_of_block[block] = None
+            self.num_evictions += 1
+            self._offload(block, h)
+        self.ref_counts[block] = 1
+        self.block_priority[block] = priority
+        return block
+
+    def _offload(self, block: int, h: bytes) -> None:
+        """Keep an evicted device block's KV in a free host block, if the host tier has one."""
+        if h in self.host_cached or not self.free_host:
+            return
+        host = self._take_free_host_block()
+        self.host_released.append(host)  # written by this step's copies
+        self.host_cached[h] = host
+        self.hash_of_host_block[host] = h
+        self.host_block_priority[host] = self.block_priority[block]
+        self.offloads.append((block, host))
+        self.num_offloaded_blocks += 1
+
+    def _take_free_host_block(self) -> int:
+        block = self.free_host.pop()
+        self._uncache_host_block(block)
+        return block
+
+    def _free_host_block(self, block: int) -> None:
+        cached = self.hash_of_host_block[block] is not None
+        self.free_host.add(block, self.host_block_priority[block] if cached else None)
+
+    def _uncache_host_block(self, block: int) -> None:
+        h = self.hash_of_host_block[block]
+        if h is not None:
+            del self.host_cached[h]
+            self.hash_of_host_block[block] = None
+
+    def _ref(self, block: int, priority: int) -> None:
+        if self.ref_counts[block] == 0:
+            self.free_device.remove(block)
+            self.block_priority[block] = priority
+        else:
+            self.block_priority[block] = min(self.block_priority[block], priority)
+        self.ref_counts[block] += 1
+
+    def _release(self, table: list[int]) -> None:
+        """Drop one reference to each block of `table`; unreferenced blocks go to the free pool, the
+        table's tail first so that a prefix outlives its extensions."""
+        for b in reversed(table):
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                cached = self.hash_of_block[b] is not None
+                self.free_device.add(b, self.block_priority[b] if cached else None)
 
     # --- swapping ---------------------------------------------------------------------------------
 
@@ -65,14 +309,18 @@ class BlockManager:
         return self.num_used_blocks(seq) <= len(self.free_host)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]] | None:
-        """Move `seq`'s computed blocks to host blocks; returns (device, host) pairs to copy, or None."""
+        """Copy `seq`'s computed blocks to host blocks of its own and release its device blocks (shared
+        ones stay with their other owners, cached ones stay cached); returns (device, host) pairs to
+        copy, or None."""
         n = self.num_used_blocks(seq)
         if n > len(self.free_host):
             return None
-        host = [self.free_host.popleft() for _ in range(n)]
+        self.cache_computed_blocks(seq)
+        host = [self._take_free_host_block() for _ in range(n)]
         mapping = list(zip(seq.block_table[:n], host, strict=True))
-        self.free_device.extend(seq.block_table)
+        self._release(seq.block_table)
         seq.block_table = []
+        seq.num_cache_offered_blocks = 0
         seq.host_block_table = host
         return mapping
 
@@ -84,9 +332,9 @@ class BlockManager:
         n = len(seq.host_block_table)
         if n > len(self.free_device):
             return None
-        device = [self.free_device.popleft() for _ in range(n)]
+        device = [self._take_free_block(seq.priority) for _ in range(n)]
         mapping = list(zip(seq.host_block_table, device, strict=True))
-        self.free_host.extend(seq.host_block_table)
+        self.host_released.extend(seq.host_block_table)
         seq.host_block_table = []
         seq.block_table = device
         return mapping
@@ -99,25 +347,58 @@ class BlockManager:
 
     @property
     def num_free_host_blocks(self) -> int:
-        return len(self.free_host)
+        return len(self.free_host) + len(self.host_released)
+
+    @property
+    def num_cached_device_blocks(self) -> int:
+        return len(self.cached)
+
+    @property
+    def num_cached_host_blocks(self) -> int:
+        return len(self.host_cached)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
     def device_usage(self) -> float:
         return 1.0 - len(self.free_device) / self.num_device_blocks
 
     def host_usage(self) -> float:
-        return 1.0 - len(self.free_host) / self.num_host_blocks if self.num_host_blocks else 0.0
+        return 1.0 - self.num_free_host_blocks / self.num_host_blocks if self.num_host_blocks else 0.0
 
     def check_invariants(self, live: list[Sequence]) -> None:
-        """Every block is free or owned by exactly one live sequence; tables cover the computed tokens."""
-        device_owned = [b for s in live for b in s.block_table]
-        host_owned = [b for s in live for b in s.host_block_table]
-        all_device = device_owned + list(self.free_device)
-        all_host = host_owned + list(self.free_host)
-        assert sorted(all_device) == list(range(self.num_device_blocks)), (
-            "device block leaked or double-owned"
+        """Each device block is free (cached or not) or referenced, never both, and its count is the
+        number of tables holding it; only full, cached blocks are shared, and a cached block holds the
+        KV its table expects; each host block is free or owned once; tables cover the computed tokens."""
+        refs = [0] * self.num_device_blocks
+        for s in live:
+            assert len(set(s.block_table)) == len(s.block_table), f"{s} holds a block twice"
+            for b in s.block_table:
+                refs[b] += 1
+        assert refs == self.ref_counts, "a reference count differs from the tables holding the block"
+        free = list(self.free_device)
+        assert len(set(free)) == len(free), "a device block is free twice"
+        assert sorted(free) == [b for b in range(self.num_device_blocks) if refs[b] == 0], (
+            "device block leaked, or both free and owned"
         )
+        assert all(self.hash_of_block[b] == h for h, b in self.cached.items()), "cache index corrupt"
+        assert sum(h is not None for h in self.hash_of_block) == len(self.cached), "cache index corrupt"
+        for b in range(self.num_device_blocks):
+            assert refs[b] <= 1 or self.hash_of_block[b] is not None, f"block {b} shared but not cached"
+        host_owned = [b for s in live for b in s.host_block_table]
+        all_host = host_owned + list(self.free_host) + self.host_released
         assert sorted(all_host) == list(range(self.num_host_blocks)), "host block leaked or double-owned"
+        assert all(self.hash_of_host_block[b] == h for h, b in self.host_cached.items()), "host index corrupt"
+        assert sum(h is not None for h in self.hash_of_host_block) == len(self.host_cached)
+        assert not set(host_owned) & set(self.host_cached.values()), "a swapped-out block is in the cache"
         for s in live:
             assert not (s.block_table and s.host_block_table), f"{s} holds device and host blocks at once"
             table = s.host_block_table or s.block_table
             assert len(table) * self.block_size >= s.num_computed_tokens, f"{s} lacks blocks for its KV"
+            full = min(s.num_computed_tokens // self.block_size, len(s.block_table))
+            parent, bs = ROOT_HASH, self.block_size
+            for i, b in enumerate(s.block_table[:full]):  # hashed afresh from the tokens, not the memo
+                parent = block_hash(parent, s.token_ids[i * bs : (i + 1) * bs])
+                h = self.hash_of_block[b]
+                assert h is None or h == parent, f"{s} block {i} holds another prefix's KV"

@@ -22,6 +22,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     preemption_mode: str = "swap"
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks of a prefix seen before
     attention_aware_chunks: bool = (
         True  # a chunk deep in a long prompt counts its attention against the budget
     )
@@ -56,6 +57,10 @@ class EngineConfig:
         if not isinstance(self.enable_chunked_prefill, bool):
             raise ValueError(
                 f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}"
+            )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}"
             )
         if not isinstance(self.attention_aware_chunks, bool):
             raise ValueError(

@@ -68,7 +68,9 @@ class Engine:
             self.dtype,
             self.device,
         )
-        self.block_manager = BlockManager(num_device_blocks, num_host_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            num_device_blocks, num_host_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             config, self.block_manager, attention_context_per_token(self.model, geometry.query_width)
         )
@@ -290,6 +292,17 @@ class Engine:
             "num_blocks_swapped_out": sch.num_blocks_swapped_out,
             "num_blocks_swapped_in": sch.num_blocks_swapped_in,
             "num_recomputed_tokens": sch.num_recomputed_tokens,
+            # prefix caching: of the tokens of sequences that started from scratch, those whose KV was
+            # reused; device blocks holding cached KV (referenced or free); cached blocks evicted
+            "prefix_cache_hit_rate": bm.hit_rate,
+            "num_prefix_cache_queried_tokens": bm.num_queried_tokens,
+            "num_prefix_cache_hit_tokens": bm.num_hit_tokens,
+            "num_cached_device_blocks": bm.num_cached_device_blocks,
+            "num_prefix_cache_evictions": bm.num_evictions,
+            # the host tier: evicted blocks kept in the host pool, and hit tokens copied back from it
+            "num_cached_host_blocks": bm.num_cached_host_blocks,
+            "num_prefix_cache_offloaded_blocks": bm.num_offloaded_blocks,
+            "num_prefix_cache_host_hit_tokens": bm.num_host_hit_tokens,
             **self._counters,
         }
 
@@ -340,6 +353,7 @@ class Engine:
         model_probe.verify(self)
         for key in self._counters:
             self._counters[key] = 0 if isinstance(self._counters[key], int) else 0.0
+        self.block_manager.reset_prefix_cache()  # the warm-up's KV is nobody's prefix
 
 
 def _eos_ids(model_config, tokenizer) -> set[int]:

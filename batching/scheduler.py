@@ -5,10 +5,14 @@ then, priority class by priority class (0 first), the next chunks of that class'
 progress, then its sequences that are not running (swapped out or waiting) by arrival. A step carries
 the prefill chunks of one class only, the most urgent that can run: an urgent request's prefill runs
 in a short step (decodes + its chunk), not one padded with less urgent prompts, so its first token
-comes sooner; the budget left over waits one step. Before
-filling, `_make_room_for_urgent` preempts running sequences that are strictly less urgent than one
-that cannot otherwise start (swapped, waiting) or take its next prefill chunk. Admissions never skip
-ahead: none starts behind a more urgent sequence that cannot, or behind one preempted in this step.
+comes sooner; the budget left over waits one step. Admissions never skip ahead: none starts behind
+a more urgent sequence that cannot, or behind one preempted in this step.
+
+Preemption is decided in that one pass, where a sequence fails to get blocks or a slot (as in vLLM
+and nano-vllm): a decode that finds the pool empty preempts the least urgent running sequence not
+yet scheduled (maybe itself); a prefill chunk or an admission that lacks room preempts running
+sequences strictly less urgent than itself, least urgent first, a decode already in this step
+included (it leaves the step and gives its budget back).
 
 The budget is priced, not counted (with `attention_aware_chunks`): a chunk pays for its attention and
 its context, a decode for its row work and its context, at `StepCosts` prices that the engine fits on
@@ -21,7 +25,7 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
-from batching.block_manager import BlockManager, blocks_for
+from batching.block_manager import BlockManager, CachedPrefix, blocks_for
 from batching.config import EngineConfig
 from batching.sequence import Sequence, SequenceStatus
 from batching.step_cost import StepCosts
@@ -40,6 +44,10 @@ class SchedulerOutput:
     def add(self, seq: Sequence, num_tokens: int) -> None:
         self.seqs.append(seq)
         self.num_scheduled_tokens.append(num_tokens)
+
+    def remove(self, seq: Sequence) -> None:
+        i = self.seqs.index(seq)
+        del self.seqs[i], self.num_scheduled_tokens[i]
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -99,11 +107,17 @@ class Scheduler:
     # --- one step ---------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        self._make_room_for_urgent(out)
-        budget = self._schedule_decodes(out)
-        self.last_budget_used = self.max_num_batched_tokens - self._schedule_prefills(out, budget)
-        return out
+        fill = _Fill(SchedulerOutput())
+        self.block_manager.start_step()
+        for seq in self.running:  # the last step computed their KV: full blocks join the prefix cache
+            self.block_manager.cache_computed_blocks(seq)
+        self._schedule_decodes(fill)
+        self._schedule_prefills(fill)
+        self.last_budget_used = self.max_num_batched_tokens - self._budget(fill)
+        offloads, loads = self.block_manager.take_copies()  # the prefix cache's host tier
+        fill.out.swap_out.extend(offloads)
+        fill.out.swap_in.extend(loads)
+        return fill.out
 
     def set_costs(self, costs: StepCosts) -> None:
         """Prices fitted on the engine's steps (step_cost.StepCostModel); ignored with cost-aware
@@ -120,33 +134,33 @@ class Scheduler:
         c = self.costs.decode_context_per_token
         return self.costs.decode_tokens + (seq.num_computed_tokens / c if c else 0.0)
 
-    def _prefill_budget(self, num_decodes: int, decode_cost: float) -> int:
-        """What the decodes leave of the budget for prefill chunks. Priced decodes take at most half
-        the budget (beyond that, many long contexts): prefills keep the other half, so admissions,
-        urgent ones first, never wait for decodes to finish."""
-        charge = max(num_decodes, min(round(decode_cost), self.max_num_batched_tokens // 2))
-        return self.max_num_batched_tokens - charge
+    def _budget(self, fill: _Fill) -> int:
+        """What is left of the step's budget for prefill chunks: what the decodes leave, less the chunks
+        taken. Priced decodes take at most half the budget (beyond that, many long contexts): prefills
+        keep the other half, so admissions, urgent ones first, never wait for decodes to finish."""
+        decode_cost = sum(fill.decodes.values())
+        charge = max(len(fill.decodes), min(round(decode_cost), self.max_num_batched_tokens // 2))
+        return self.max_num_batched_tokens - charge - fill.taken
 
-    def _schedule_decodes(self, out: SchedulerOutput) -> int:
-        """A token for every running decode (up to the budget in tokens); returns the prefill budget."""
+    def _schedule_decodes(self, fill: _Fill) -> None:
+        """A token for every running decode (up to the budget in tokens), most urgent first; a decode
+        that finds the pool empty preempts the least urgent running sequence not yet scheduled (itself,
+        if that is it)."""
         bm = self.block_manager
-        tokens, cost = 0, 0.0
         for seq in sorted((s for s in self.running if s.is_decoding), key=_urgency):
-            if tokens == self.max_num_batched_tokens:
+            if len(fill.decodes) == self.max_num_batched_tokens:
                 break
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             while not bm.can_allocate(seq, 1):
-                victim = self._least_urgent_running(exclude=out.seqs)
-                self._preempt(victim, out)
+                victim = self._least_urgent_running(exclude=fill.out.seqs)
+                self._preempt(victim, fill)
                 if victim is seq:
                     break
             if seq.status == SequenceStatus.RUNNING:
                 bm.allocate(seq, 1)
-                out.add(seq, 1)
-                tokens += 1
-                cost += self._decode_cost(seq)
-        return self._prefill_budget(tokens, cost)
+                fill.out.add(seq, 1)
+                fill.decodes[seq] = self._decode_cost(seq)
 
     def _prefill_order(self) -> list[Sequence]:
         """Who gets the budget left after decodes: by priority; within a priority, prefills in progress
@@ -155,55 +169,60 @@ class Scheduler:
         prefilling = [s for s in self.running if not s.is_decoding]
         return sorted(prefilling + self.swapped + self.waiting, key=_prefill_key)
 
-    def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> int:
-        """Chunks of one priority class within `budget`; returns the budget left."""
+    def _schedule_prefills(self, fill: _Fill) -> None:
+        """Chunks of one priority class within the budget, in `_prefill_order`. Each sequence that
+        cannot take its chunk or start for want of blocks or a slot preempts, there and then, running
+        sequences strictly less urgent than itself (see `_make_room`)."""
         admitting = True
         prefill_priority = None  # the class whose chunks this step carries: one class a step
         for seq in self._prefill_order():
-            if budget <= 0:
-                return budget
-            if seq in out.preempted:  # no ping-pong within one step
+            if self._budget(fill) <= 0:
+                return
+            if seq in fill.out.preempted:  # no ping-pong within one step
                 continue
             if prefill_priority is not None and seq.priority > prefill_priority:
-                return budget  # an urgent prefill runs in a short step: no less urgent chunk rides along
+                return  # an urgent prefill runs in a short step: no less urgent chunk rides along
             if seq.status == SequenceStatus.RUNNING:
-                taken = self._schedule_chunk(seq, out, budget)
-                budget -= taken
-                if taken:
-                    prefill_priority = seq.priority
-            elif admitting:
-                if any(_urgency(v) < _urgency(seq) for v in out.preempted):
-                    # a sequence preempted in this step keeps its place: nobody behind it starts
-                    # in the room it left
-                    admitting = False
-                    continue
-                n = self._admit(seq, out, budget)
+                taken = self._schedule_chunk(seq, fill)
+            elif not admitting:
+                continue
+            elif any(_urgency(v) < _urgency(seq) for v in fill.out.preempted):
+                # a sequence preempted in this step keeps its place: nobody behind it starts in the
+                # room it left
+                admitting = False
+                continue
+            else:
+                taken = self._admit(seq, fill)
                 # strict order: nobody starts ahead of the most urgent sequence that cannot start
-                admitting = n > 0
-                budget -= n
-                if n:
-                    prefill_priority = seq.priority
-        return budget
+                admitting = taken > 0
+            if taken:
+                fill.taken += taken
+                prefill_priority = seq.priority
 
-    def _schedule_chunk(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_chunk(self, seq: Sequence, fill: _Fill) -> int:
         """The next chunk of a prefill in progress; returns the budget it took."""
         bm = self.block_manager
-        n = min(self._chunk(seq, budget), bm.max_tokens_allocatable(seq))
+        self._make_room(
+            seq, fill, lambda: bm.max_tokens_allocatable(seq) < self._chunk(seq, self._budget(fill))
+        )
+        n = min(self._chunk(seq, self._budget(fill)), bm.max_tokens_allocatable(seq))
         if n == 0:
-            # pool exhausted: a prefill that cannot move while others hold all blocks would
-            # deadlock, so the least urgent unscheduled running sequence (maybe this one) yields
-            victim = self._least_urgent_running(exclude=out.seqs)
-            self._preempt(victim, out)
+            # pool exhausted, and nothing less urgent to preempt: a prefill that cannot move while
+            # others hold all blocks would deadlock, so the least urgent running sequence not yet
+            # scheduled (maybe this one) yields
+            victim = self._least_urgent_running(exclude=fill.out.seqs)
+            self._preempt(victim, fill)
             if victim is seq:
                 return 0
-            n = min(self._chunk(seq, budget), bm.max_tokens_allocatable(seq))
+            n = min(self._chunk(seq, self._budget(fill)), bm.max_tokens_allocatable(seq))
             if n == 0:
                 return 0
+        budget = self._budget(fill)
         bm.allocate(seq, n)
-        out.add(seq, n)
+        fill.out.add(seq, n)
         return self._chunk_cost(seq, n, budget)
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
+    def _chunk(self, seq: Sequence, budget: int, start: int | None = None) -> int:
         """Tokens of `seq`'s next prefill chunk within `budget` (the budget they take: `_chunk_cost`).
 
         A prefill token costs its share of the linear layers plus attention over everything before
@@ -212,12 +231,14 @@ class Scheduler:
         decode in the batch). With `context_per_token` = C, a chunk of n tokens starting at position s
         costs n * (1 + (s + n/2) / C) token-equivalents, plus s / C_ctx for gathering its context once
         the engine has fitted that price (`StepCosts`): the budget buys steps of even duration.
-        At least one token always fits, so a prefill never stalls."""
-        n = min(seq.num_uncomputed_tokens, budget)
+        At least one token always fits, so a prefill never stalls. `start`: where the chunk begins if
+        not at the computed tokens (a sequence about to start on a cached prefix)."""
+        start = seq.num_computed_tokens if start is None else start
+        n = min(seq.num_tokens - start, budget)
         if not self.cost_aware or n <= 1:
             return n
-        c, start = self.context_per_token, seq.num_computed_tokens
-        room = budget - self._context_cost(seq) + 0.5  # as _chunk_cost rounds
+        c = self.context_per_token
+        room = budget - self._context_cost(start) + 0.5  # as _chunk_cost rounds
         if c is None:
             fits = int(room)
         else:
@@ -226,10 +247,11 @@ class Scheduler:
             fits = int((math.sqrt(b * b + 2 * max(0.0, room) / c) - b) * c)
         return max(1, min(n, fits))
 
-    def _context_cost(self, seq: Sequence) -> float:
-        """What a chunk pays for the context it attends over, whatever its own length (gathering it)."""
+    def _context_cost(self, start: int) -> float:
+        """What a chunk starting at `start` pays for the context it attends over, whatever its own
+        length (gathering it)."""
         c = self.costs.chunk_context_per_token
-        return seq.num_computed_tokens / c if c else 0.0
+        return start / c if c else 0.0
 
     def _chunk_cost(self, seq: Sequence, n: int, budget: int) -> int:
         """The budget taken by `n` prefill tokens of `seq` starting at its computed position (see `_chunk`)."""
@@ -237,124 +259,104 @@ class Scheduler:
             return n
         start, c = seq.num_computed_tokens, self.context_per_token  # advanced only after the step runs
         attention = n * (start + n / 2) / c if c else 0.0
-        return min(budget, max(n, round(n + attention + self._context_cost(seq))))
+        return min(budget, max(n, round(n + attention + self._context_cost(start))))
 
-    def _admit(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int:
-        """Swap in or start a not-running sequence with its first chunk; returns the budget it took (0: cannot)."""
+    # --- admission --------------------------------------------------------------------------------
+
+    def _admit(self, seq: Sequence, fill: _Fill) -> int:
+        """Swap in or start a not-running sequence with its first chunk, preempting for it if it lacks
+        blocks or a slot; returns the budget it took (0: it cannot start)."""
         bm = self.block_manager
-        if len(self.running) >= self.max_num_seqs:
-            return 0
-        n = self._first_chunk(seq, budget, first_prefill=all(k == 1 for k in out.num_scheduled_tokens))
+        self._make_room(seq, fill, lambda: self._lacks_room(seq, fill))
+        hit, _, n = self._plan_admission(seq, fill)
         if n == 0:
             return 0
-        if self.chunked_prefill:
-            n = min(n, self._chunk(seq, budget))
+        budget, out = self._budget(fill), fill.out
         if seq.status == SequenceStatus.SWAPPED:
-            extra = blocks_for(seq.num_computed_tokens + n, bm.block_size) - len(seq.host_block_table)
-            if not bm.can_swap_in(seq, extra):
-                return 0
             mapping = bm.swap_in(seq)
             assert mapping is not None  # can_swap_in said it fits
             out.swap_in.extend(mapping)
             self.num_blocks_swapped_in += len(mapping)
             self.swapped.remove(seq)
         else:
-            if self.chunked_prefill:
-                n = min(n, bm.max_tokens_allocatable(seq) - self._reserve(out) * bm.block_size)
-                if n <= 0:
-                    return 0
-            elif not bm.can_allocate(seq, n):
-                return 0
             self.waiting.remove(seq)
+            bm.take_cached_prefix(seq, hit)
         bm.allocate(seq, n)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         out.add(seq, n)
         return self._chunk_cost(seq, n, budget) if self.chunked_prefill else n
 
+    def _plan_admission(self, seq: Sequence, fill: _Fill) -> tuple[CachedPrefix, int, int]:
+        """What `seq` would start with now: (the cached blocks it starts on, the tokens of the first
+        chunk it wants, the tokens it can have with the slots and blocks free now). A sequence that
+        starts from scratch begins after the longest prefix of its tokens whose KV is cached
+        (block_manager.py) and computes only the rest. Chunked, a new prefill takes what fits, leaving
+        the reserve free; whole prompts and swapped-in sequences have all they want or nothing."""
+        bm = self.block_manager
+        waiting = seq.status == SequenceStatus.WAITING
+        hit = self._usable_cached_prefix(seq, fill.out) if waiting else CachedPrefix()
+        start = seq.num_computed_tokens + len(hit) * bm.block_size
+        budget = self._budget(fill)
+        first_prefill = all(k == 1 for k in fill.out.num_scheduled_tokens)
+        want = self._first_chunk(seq.num_tokens - start, budget, first_prefill)
+        if want and self.chunked_prefill:
+            want = min(want, self._chunk(seq, budget, start))
+        if want == 0 or len(self.running) >= self.max_num_seqs:
+            return hit, want, 0
+        if seq.status == SequenceStatus.SWAPPED:
+            extra = blocks_for(seq.num_computed_tokens + want, bm.block_size) - len(seq.host_block_table)
+            return hit, want, want if bm.can_swap_in(seq, extra) else 0
+        free = bm.num_free_device_blocks - bm.num_taken_by(hit)
+        if self.chunked_prefill:
+            capacity = (len(hit) + free - self._reserve(fill.out)) * bm.block_size - start
+            return hit, want, max(0, min(want, capacity))
+        fits = blocks_for(start + want, bm.block_size) - len(hit) <= free
+        return hit, want, want if fits else 0
+
+    def _lacks_room(self, seq: Sequence, fill: _Fill) -> bool:
+        """Whether `seq` cannot have the first chunk it wants for want of slots or blocks."""
+        _, want, can = self._plan_admission(seq, fill)
+        return can < want
+
+    def _usable_cached_prefix(self, seq: Sequence, out: SchedulerOutput) -> CachedPrefix:
+        """The cached blocks `seq` starts on: its longest cached prefix, shortened until the pool has a
+        block left for the tokens after it (a cached block nobody references, or one copied back from
+        the host, is taken from the pool)."""
+        bm = self.block_manager
+        hit = bm.find_cached_prefix(seq)
+        room = bm.num_free_device_blocks - self._reserve(out)
+        while hit and bm.num_taken_by(hit) >= room:
+            hit.pop()
+        return hit
+
     def _reserve(self, out: SchedulerOutput) -> int:
         """Blocks a new prefill leaves free for growing decodes, unless this step's admissions were
         paid for by preemption or nothing else runs."""
         return self.watermark_blocks if self.running and not out.preempted else 0
 
-    def _first_chunk(self, seq: Sequence, budget: int, first_prefill: bool) -> int:
-        """Tokens to run for a sequence that starts (or resumes) this step."""
+    def _first_chunk(self, uncomputed: int, budget: int, first_prefill: bool) -> int:
+        """Tokens to run for a sequence that starts (or resumes) this step with `uncomputed` tokens left."""
         if self.chunked_prefill:
-            return min(seq.num_uncomputed_tokens, budget)
-        if seq.num_uncomputed_tokens <= budget:
-            return seq.num_uncomputed_tokens
+            return min(uncomputed, budget)
+        if uncomputed <= budget:
+            return uncomputed
         # without chunking a prompt runs whole: one longer than what is left of the budget runs
         # as the step's first prefill (overrunning the budget, stalling decodes) so it cannot starve
-        return seq.num_uncomputed_tokens if first_prefill else 0
+        return uncomputed if first_prefill else 0
 
     # --- preemption -------------------------------------------------------------------------------
 
-    def _make_room_for_urgent(self, out: SchedulerOutput) -> None:
-        """Preempt running sequences strictly less urgent than one that cannot otherwise start (waiting,
-        swapped) or take its next chunk (a prefill in progress when the decodes took the last blocks).
-
-        Walks the fill's own order (decodes, then `_prefill_order`) with what each would take, so it
-        preempts only for a sequence that the fill then runs in this step.
-        """
-        bm = self.block_manager
-        decodes = [s for s in self.running if s.is_decoding]
-        # blocks that running decodes will take this step stay reserved for them
-        free = bm.num_free_device_blocks - sum(1 for s in decodes if bm.num_new_blocks(s, 1))
-        slots = self.max_num_seqs - len(self.running)
-        decode_cost = sum(self._decode_cost(s) for s in decodes)
-        num_decodes, taken = len(decodes), 0  # taken: budget of the chunks counted so far
-        budget = self._prefill_budget(num_decodes, decode_cost)
-        first_prefill = True
-        prefill_priority = None  # as in the fill: one class of prefills a step
-        for cand in self._prefill_order():
-            if budget <= 0:
+    def _make_room(self, seq: Sequence, fill: _Fill, lacks_room) -> None:
+        """While `lacks_room()`, preempt the least urgent running sequence strictly less urgent than
+        `seq`. The fill's order (by priority) makes every prefill chunk already in this step at least as
+        urgent as `seq`, so victims are decodes of this step (which give back their token and budget)
+        and sequences not reached yet."""
+        while lacks_room():
+            victim = self._least_urgent_running(exclude=[], less_urgent_than=seq)
+            if victim is None:
                 return
-            if cand in out.preempted:
-                continue
-            if prefill_priority is not None and cand.priority > prefill_priority:
-                return
-            running = cand.status == SequenceStatus.RUNNING
-            if self.chunked_prefill or running:
-                n = self._chunk(cand, budget)
-            else:
-                n = cand.num_uncomputed_tokens
-                if n > budget and not first_prefill:
-                    return  # the fill will not start it this step either (see _first_chunk)
-            first_prefill = first_prefill and n == 1
-            reserve = 0
-            if cand.status == SequenceStatus.SWAPPED:
-                need = blocks_for(cand.num_computed_tokens + n, bm.block_size)
-            else:
-                need = bm.num_new_blocks(cand, n)
-                reserve = self._reserve(out) if self.chunked_prefill and not running else 0
-            while (slots < 1 and not running) or free < need + reserve:
-                victim = self._least_urgent_running(exclude=out.seqs, less_urgent_than=cand)
-                if victim is None:
-                    break
-                if victim in decodes:  # its decode's budget and its reserved block come back too
-                    num_decodes, decode_cost = num_decodes - 1, decode_cost - self._decode_cost(victim)
-                    budget = self._prefill_budget(num_decodes, decode_cost) - taken
-                    free += 1 if bm.num_new_blocks(victim, 1) else 0
-                free += len(victim.block_table)
-                slots += 1
-                reserve = 0  # an admission paid for by preemption keeps no reserve (see _reserve)
-                self._preempt(victim, out)
-            if running:  # a prefill in progress takes what it can
-                capacity = (len(cand.block_table) + max(free, 0)) * bm.block_size - cand.num_computed_tokens
-                n = min(n, capacity)
-                free -= bm.num_new_blocks(cand, n)
-                cost = self._chunk_cost(cand, n, budget)
-                budget, taken = budget - cost, taken + cost
-                if n > 0:
-                    prefill_priority = cand.priority
-                continue
-            if slots < 1 or free < need + reserve:
-                return  # strict priority: nobody behind `cand` may preempt for it
-            free -= need
-            slots -= 1
-            cost = self._chunk_cost(cand, n, budget) if self.chunked_prefill else n
-            budget, taken = budget - cost, taken + cost
-            prefill_priority = cand.priority
+            self._preempt(victim, fill)
 
     def _least_urgent_running(self, exclude: list[Sequence], less_urgent_than: Sequence | None = None):
         """The victim rule: highest priority number, latest arrival among equals."""
@@ -368,8 +370,12 @@ class Scheduler:
                 victim = seq
         return victim
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Checkpoint `seq`'s KV to host memory when possible, else drop it for recomputation."""
+    def _preempt(self, seq: Sequence, fill: _Fill) -> None:
+        """Checkpoint `seq`'s KV to host memory when possible, else drop it for recomputation. A decode
+        already scheduled in this step leaves the step."""
+        out = fill.out
+        if fill.decodes.pop(seq, None) is not None:
+            out.remove(seq)
         self.running.remove(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -388,6 +394,16 @@ class Scheduler:
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
             bisect.insort(self.waiting, seq, key=_urgency)
+
+
+@dataclass(slots=True)
+class _Fill:
+    """One step's fill in progress: the output so far, its decodes with their budget charge, and the
+    budget its prefill chunks took."""
+
+    out: SchedulerOutput
+    decodes: dict[Sequence, float] = field(default_factory=dict)
+    taken: int = 0
 
 
 def _urgency(seq: Sequence) -> tuple[int, float]:

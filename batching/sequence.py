@@ -42,6 +42,8 @@ class Sequence:
         "num_computed_tokens",
         "block_table",
         "host_block_table",
+        "block_hashes",
+        "num_cache_offered_blocks",
         "status",
         "num_preemptions",
         "first_token_time",
@@ -71,6 +73,10 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []  # device blocks, in order
         self.host_block_table: list[int] = []  # host blocks while swapped out
+        # prefix caching (block_manager.py): chained hashes of the full blocks of token_ids, computed as
+        # needed, and how many leading blocks of block_table were offered to the cache already
+        self.block_hashes: list[bytes] = []
+        self.num_cache_offered_blocks = 0
         self.status = SequenceStatus.WAITING
         self.num_preemptions = 0
         self.first_token_time: float | None = None

@@ -45,6 +45,31 @@ SWAPPED_IN = Counter("genq_engine_swapped_in_blocks_total", "KV blocks copied ho
 RECOMPUTED = Counter(
     "genq_engine_recomputed_tokens_total", "Tokens recomputed after a preemption without swap"
 )
+PREFIX_QUERIED = Counter(
+    "genq_engine_prefix_cache_queried_tokens_total",
+    "Tokens of sequences that started from scratch (looked up in the prefix cache)",
+)
+PREFIX_HITS = Counter(
+    "genq_engine_prefix_cache_hit_tokens_total", "Of those, tokens whose KV came from the prefix cache"
+)
+PREFIX_HIT_RATE = Gauge(
+    "genq_engine_prefix_cache_hit_rate", "Prefix cache hit tokens / queried tokens since the engine started"
+)
+PREFIX_CACHED_BLOCKS = Gauge(
+    "genq_engine_prefix_cache_device_blocks", "Device KV blocks holding cached KV (in use or free)"
+)
+PREFIX_EVICTIONS = Counter(
+    "genq_engine_prefix_cache_evictions_total", "Cached device KV blocks handed out for other KV"
+)
+PREFIX_HOST_BLOCKS = Gauge(
+    "genq_engine_prefix_cache_host_blocks", "Host KV blocks holding cached KV evicted from the device"
+)
+PREFIX_OFFLOADED = Counter(
+    "genq_engine_prefix_cache_offloaded_blocks_total", "Evicted device blocks whose KV the host pool kept"
+)
+PREFIX_HOST_HITS = Counter(
+    "genq_engine_prefix_cache_host_hit_tokens_total", "Hit tokens whose KV was copied back from the host"
+)
 ABORTED = Counter("genq_engine_aborted_requests_total", "Requests aborted in the engine (cancel, lost lease)")
 
 TTFT = Histogram("genq_job_ttft_seconds", "Job submission to its first token", ["priority"], buckets=_LATENCY)
@@ -95,6 +120,9 @@ def observe_steps(stats: dict, step_times: list[float], tokens) -> None:
     HOST_KV.set(stats["host_kv_usage"])
     STEP_TOKENS.set(stats["last_step_num_tokens"])
     STEP_SEQS.set(stats["last_step_num_seqs"])
+    PREFIX_HIT_RATE.set(stats["prefix_cache_hit_rate"])
+    PREFIX_CACHED_BLOCKS.set(stats["num_cached_device_blocks"])
+    PREFIX_HOST_BLOCKS.set(stats["num_cached_host_blocks"])
     for seconds in step_times:
         STEP_TIME.observe(seconds)
     for counter, key in (
@@ -106,6 +134,11 @@ def observe_steps(stats: dict, step_times: list[float], tokens) -> None:
         (SWAPPED_IN, "num_blocks_swapped_in"),
         (RECOMPUTED, "num_recomputed_tokens"),
         (ABORTED, "num_aborted"),
+        (PREFIX_QUERIED, "num_prefix_cache_queried_tokens"),
+        (PREFIX_HITS, "num_prefix_cache_hit_tokens"),
+        (PREFIX_EVICTIONS, "num_prefix_cache_evictions"),
+        (PREFIX_OFFLOADED, "num_prefix_cache_offloaded_blocks"),
+        (PREFIX_HOST_HITS, "num_prefix_cache_host_hit_tokens"),
     ):
         value = stats[key]
         if value > _seen.get(key, 0):

@@ -11,15 +11,26 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
-from batching.block_manager import BlockManager, blocks_for
+from batching.block_manager import BlockManager, CachedPrefix, blocks_for
 from batching.sampling_params import SamplingParams
 from batching.sequence import Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def new_seq(num_prompt_tokens: int, name: str = "s") -> Sequence:
-    return Sequence(name, [5] * num_prompt_tokens, SamplingParams(), priority=5, sample_seed=0)
+def new_seq(num_prompt_tokens: int, name: str = "s", tokens: list[int] | None = None) -> Sequence:
+    tokens = tokens if tokens is not None else [5] * num_prompt_tokens
+    return Sequence(name, tokens, SamplingParams(), priority=5, sample_seed=0)
+
+
+# prompts of the machine below: prefixes of one text, a text of one repeated token, and texts that
+# share the first one's beginning and then differ, so that prefixes are shared at every length
+TEXT = [(7 * i) % 11 + 3 for i in range(30)]
+PROMPT_KINDS = [
+    lambda n: TEXT[:n],
+    lambda n: [5] * n,
+    lambda n: TEXT[: n // 2] + [99] * (n - n // 2),
+]
 
 
 def state(bm: BlockManager, seqs) -> tuple:
@@ -87,7 +98,8 @@ def test_swap_in_none_changes_nothing():
 
 
 @pytest.mark.parametrize(
-    "corrupt", ["double_owned", "leaked", "free_and_owned", "too_few_blocks", "both_pools"]
+    "corrupt",
+    ["double_owned", "leaked", "free_and_owned", "too_few_blocks", "both_pools", "shared_other_prefix"],
 )
 def test_check_invariants_catches_corruption(corrupt):
     bm = BlockManager(num_device_blocks=4, num_host_blocks=2, block_size=2)
@@ -99,15 +111,58 @@ def test_check_invariants_catches_corruption(corrupt):
     if corrupt == "double_owned":
         b.block_table.append(a.block_table[0])
     elif corrupt == "leaked":
-        bm.free_device.popleft()
+        bm.free_device.pop()
     elif corrupt == "free_and_owned":
-        bm.free_device.append(a.block_table[0])
+        bm.free_device.add(a.block_table[0], None)
     elif corrupt == "too_few_blocks":
         a.num_computed_tokens = 5
+    elif corrupt == "shared_other_prefix":  # b reads a's cached block, but b's tokens differ
+        bm.cache_computed_blocks(a)
+        b.token_ids[0] = 6
+        bm.free(b)
+        b.num_computed_tokens = 0
+        bm.take_cached_prefix(b, CachedPrefix(device=a.block_table[:1]))
     else:
-        a.host_block_table.append(bm.free_host.popleft())
+        a.host_block_table.append(bm.free_host.pop())
     with pytest.raises(AssertionError):
         bm.check_invariants([a, b])
+
+
+def finished_seq(bm: BlockManager, tokens: list[int], priority: int, name: str) -> Sequence:
+    """A sequence that computed `tokens` and finished: its full blocks stay cached, unreferenced."""
+    seq = Sequence(name, tokens, SamplingParams(), priority=priority, sample_seed=0)
+    bm.take_cached_prefix(seq, bm.find_cached_prefix(seq))
+    bm.allocate(seq, len(tokens) - seq.num_computed_tokens)
+    seq.num_computed_tokens = len(tokens)
+    bm.free(seq)
+    return seq
+
+
+def test_eviction_takes_uncached_then_bulk_then_urgent_least_recently_used_first():
+    bm = BlockManager(num_device_blocks=8, num_host_blocks=0, block_size=2)
+    urgent = finished_seq(bm, [10, 11, 12, 13], priority=0, name="urgent")  # 2 cached blocks
+    bulk_old = finished_seq(bm, [20, 21, 22, 23], priority=9, name="bulk_old")
+    bulk_new = finished_seq(bm, [30, 31, 32, 33], priority=9, name="bulk_new")
+    assert bm.num_cached_device_blocks == 6 and bm.num_free_device_blocks == 8
+    t = new_seq(16, "t")
+    order = []
+    for _ in range(8):
+        order += bm.allocate(t, 2 * len(t.block_table) + 2 - t.num_computed_tokens)
+        t.num_computed_tokens = 2 * len(t.block_table)
+        cached = {
+            name
+            for name, s in (("urgent", urgent), ("bulk_old", bulk_old), ("bulk_new", bulk_new))
+            if bm.find_cached_prefix(Sequence("q", s.token_ids + [1], SamplingParams(), 5, 0)).device
+        }
+        order.append(frozenset(cached))
+    # 2 uncached blocks first; then bulk before urgent, the older bulk prompt first, a prefix's tail
+    # before its head (a chain broken at its head is worth nothing anyway)
+    still_cached = [c for c in order if isinstance(c, frozenset)]
+    assert still_cached[1] == {"urgent", "bulk_old", "bulk_new"}
+    assert still_cached[3] == {"urgent", "bulk_new"}
+    assert still_cached[5] == {"urgent"}
+    assert still_cached[7] == set()
+    assert bm.num_evictions == 6
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -121,16 +176,55 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.live: list[Sequence] = []
 
     @precondition(lambda self: self.bm is None)
-    @rule(device=st.integers(1, 12), host=st.integers(0, 8), block_size=st.integers(1, 4))
-    def make_pool(self, device, host, block_size):
-        self.bm = BlockManager(device, host, block_size)
+    @rule(
+        device=st.integers(1, 12),
+        host=st.integers(0, 8),
+        block_size=st.integers(1, 4),
+        caching=st.booleans(),
+    )
+    def make_pool(self, device, host, block_size, caching):
+        self.bm = BlockManager(device, host, block_size, enable_prefix_caching=caching)
 
     @precondition(lambda self: self.bm is not None)
-    @rule(target=seqs, prompt=st.integers(1, 30))
-    def add(self, prompt):
-        seq = new_seq(prompt, f"s{len(self.live)}")
+    @rule(target=seqs, prompt=st.integers(1, 30), kind=st.integers(0, len(PROMPT_KINDS) - 1))
+    def add(self, prompt, kind):
+        seq = new_seq(prompt, f"s{len(self.live)}", PROMPT_KINDS[kind](prompt))
         self.live.append(seq)
         return seq
+
+    @precondition(lambda self: self.bm is not None)
+    @rule(seq=seqs)
+    def start_on_cached_prefix(self, seq):
+        """A sequence without KV takes the longest cached chain matching its tokens, if the pool allows."""
+        if seq not in self.live or seq.block_table or seq.host_block_table or seq.num_computed_tokens:
+            return
+        bm = self.bm
+        hit = bm.find_cached_prefix(seq)
+        assert len(hit) * bm.block_size < seq.num_tokens, "no token left to compute"
+        assert len(set(hit.device)) == len(hit.device) and len(set(hit.host)) == len(hit.host)
+        if not bm.enable_prefix_caching:
+            assert len(hit) == 0
+        if bm.num_taken_by(hit) > bm.num_free_device_blocks:
+            return
+        refs = [bm.ref_counts[b] for b in hit.device]
+        hits_before, host_hits_before = bm.num_hit_tokens, bm.num_host_hit_tokens
+        loads_before = len(bm.loads)
+        bm.take_cached_prefix(seq, hit)
+        assert seq.block_table[: len(hit.device)] == hit.device and len(seq.block_table) == len(hit)
+        assert seq.num_computed_tokens == len(hit) * bm.block_size
+        assert [bm.ref_counts[b] for b in hit.device] == [r + 1 for r in refs]
+        assert bm.num_hit_tokens == hits_before + seq.num_computed_tokens
+        assert bm.num_host_hit_tokens == host_hits_before + len(hit.host) * bm.block_size
+        # host hits are copied back into the blocks that follow the device ones
+        assert bm.loads[loads_before:] == list(zip(hit.host, seq.block_table[len(hit.device) :], strict=True))
+        assert set(hit.host) <= set(bm.host_released), "a host block read this step is reusable"
+        # that each block of the chain holds this sequence's prefix is checked by check_invariants
+
+    @precondition(lambda self: self.bm is not None)
+    @rule(seq=seqs)
+    def cache_computed(self, seq):
+        if seq in self.live and not seq.host_block_table:
+            self.bm.cache_computed_blocks(seq)
 
     @precondition(lambda self: self.bm is not None)
     @rule(seq=seqs, n=st.integers(0, 12))
@@ -161,7 +255,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def free(self, seq):
         if seq not in self.live:
             return
-        owned = len(seq.block_table), len(seq.host_block_table)
+        # blocks shared with other sequences stay theirs
+        owned = sum(self.bm.ref_counts[b] == 1 for b in seq.block_table), len(seq.host_block_table)
         free = self.bm.num_free_device_blocks, self.bm.num_free_host_blocks
         self.bm.free(seq)
         self.live.remove(seq)
@@ -178,16 +273,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         before = state(self.bm, self.live)
         table = list(seq.block_table)
+        private = [b for b in table if self.bm.ref_counts[b] == 1]
         used = blocks_for(seq.num_computed_tokens, self.bm.block_size)
         can = self.bm.can_swap_out(seq)
         mapping = self.bm.swap_out(seq)
         if mapping is None:
-            assert not can and used > self.bm.num_free_host_blocks
+            assert not can and used > len(self.bm.free_host)
             assert state(self.bm, self.live) == before
         else:
             assert can and [d for d, _ in mapping] == table[:used]
             assert [h for _, h in mapping] == seq.host_block_table and seq.block_table == []
-            assert set(table) <= set(self.bm.free_device)
+            assert set(private) <= set(self.bm.free_device)
+            assert all(self.bm.ref_counts[b] > 0 for b in set(table) - set(private))
 
     @precondition(lambda self: self.bm is not None)
     @rule(seq=seqs)
@@ -203,7 +300,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert state(self.bm, self.live) == before
         else:
             assert can and [h for h, _ in mapping] == host and [d for _, d in mapping] == seq.block_table
-            assert seq.host_block_table == [] and set(host) <= set(self.bm.free_host)
+            # free, reusable from the next step on (the runner reads them after this step's swap-outs)
+            assert seq.host_block_table == [] and set(host) <= set(self.bm.host_released)
+
+    @precondition(lambda self: self.bm is not None)
+    @rule()
+    def start_step(self):
+        """The runner copied this step's blocks: offloads into distinct host blocks, loads into distinct
+        device blocks, no host block both written and read."""
+        offloads, loads = self.bm.take_copies()
+        assert len({h for _, h in offloads}) == len(offloads) and len({d for _, d in loads}) == len(loads)
+        assert not {h for _, h in offloads} & {h for h, _ in loads}
+        free = self.bm.num_free_host_blocks
+        self.bm.start_step()
+        assert not self.bm.host_released and len(self.bm.free_host) == free
 
     @invariant()
     def blocks_are_free_or_owned_once(self):
@@ -224,7 +334,9 @@ TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
-@pytest.mark.parametrize("module", ["block_manager", "scheduler", "sequence", "sampling_params", "config"])
+@pytest.mark.parametrize(
+    "module", ["block_manager", "free_pool", "scheduler", "sequence", "sampling_params", "config"]
+)
 def test_scheduling_modules_do_not_import_torch(module):
     """The scheduling modules move block ids and counts only, never tensors: cheap to test, no torch."""
     tree = ast.parse((ROOT / "batching" / f"{module}.py").read_text())

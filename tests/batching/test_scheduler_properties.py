@@ -6,7 +6,8 @@
 2. The real Engine over a tiny float64 checkpoint (small pools, block sizes 1-4, both preemption modes,
    chunked prefill on and off):
    random add / abort / step never leak or double-own a block, every request finishes exactly once,
-   and greedy output stays token-identical to transformers' generate().
+   and greedy output stays token-identical to transformers' generate(), with prompts that share
+   prefixes (prefix caching on and off).
 """
 
 from __future__ import annotations
@@ -64,15 +65,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(device, host, block_size)
         self.sched = Scheduler(self.config, self.bm)
 
-    @rule(priority=st.integers(0, 9), prompt=st.integers(1, 20), max_tokens=st.integers(1, 8))
-    def add(self, priority, prompt, max_tokens):
+    @rule(
+        priority=st.integers(0, 9),
+        prompt=st.integers(1, 20),
+        max_tokens=st.integers(1, 8),
+        shared=st.integers(0, 20),
+    )
+    def add(self, priority, prompt, max_tokens, shared):
+        """`shared`: how many leading tokens the prompt has in common with every other (prefix hits)."""
         if blocks_for(prompt + max_tokens - 1, self.bm.block_size) > self.bm.num_device_blocks:
             return  # the engine refuses what the pool can never hold
         req_id = f"r{len(self.requests)}"
         self.clock += 1.0
         seq = Sequence(
             req_id,
-            [5] * prompt,
+            [5] * min(shared, prompt) + [6 + len(self.requests)] * max(0, prompt - shared),
             SamplingParams(max_tokens=max_tokens, temperature=0),
             priority,
             sample_seed=0,
@@ -110,8 +117,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                 out.total_num_scheduled_tokens - max([n for n in scheduled.values() if n > 1], default=0)
                 <= budget
             )
-            for req_id, n in scheduled.items():
-                assert n == uncomputed[req_id], "a prompt was chunked with chunked prefill off"
+            for seq, n in zip(out.seqs, out.num_scheduled_tokens, strict=True):
+                # all of what the prefix cache did not give
+                assert n == seq.num_uncomputed_tokens, "a prompt was chunked with chunked prefill off"
+        for seq in not_running:
+            if seq.req_id in scheduled and uncomputed[seq.req_id] == seq.num_tokens:
+                # started from scratch: on a cached prefix of whole blocks, at least one token to compute
+                assert seq.num_computed_tokens % bm.block_size == 0
+                assert seq.num_computed_tokens < seq.num_tokens
         for seq, n in zip(out.seqs, out.num_scheduled_tokens, strict=True):
             assert seq.status == SequenceStatus.RUNNING and seq in sched.running and seq not in out.preempted
             assert 0 < n <= seq.num_uncomputed_tokens
@@ -127,6 +140,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         for a in admitted:
             for w in left_out:
                 assert urgency(a) < urgency(w), f"{a} started ahead of the more urgent {w}"
+        # the runner copies swap-outs, then swap-ins: no host block is written before it is read
+        assert not {h for h, _ in out.swap_in} & {h for _, h in out.swap_out}, "host block reused in a step"
         for v in out.preempted:
             # never preempted for nothing, nor for less urgent work
             assert any(s.priority <= v.priority for s in out.seqs), f"{v} preempted for nothing more urgent"
@@ -225,11 +240,12 @@ class EngineMachine(RuleBasedStateMachine):
         mode=st.sampled_from(["swap", "recompute"]),
         host=st.sampled_from([0, 4, 64]),
         chunked=st.booleans(),
+        caching=st.booleans(),
         load=st.lists(st.tuples(st.integers(3, 5), st.integers(5, 9)), min_size=2, max_size=3),
     )
-    def configure(self, block_size, mode, host, chunked, load):
+    def configure(self, block_size, mode, host, chunked, caching, load):
         host = host if mode == "swap" else 0
-        key = (block_size, mode, host, chunked)
+        key = (block_size, mode, host, chunked, caching)
         if key not in self.engines:
             # the biggest request (26 + 8 tokens) just fits; two long ones already fill it
             self.engines[key] = self.make_engine(
@@ -240,12 +256,15 @@ class EngineMachine(RuleBasedStateMachine):
                 max_num_seqs=3,
                 max_num_batched_tokens=8,
                 enable_chunked_prefill=chunked,
+                enable_prefix_caching=caching,
             )
         self.engine = self.engines[key]
         for req_id in list(self.engine.requests):  # left over by an example that failed
             self.engine.abort(req_id)
         while self.engine.has_unfinished_requests():
             self.engine.step()
+        # an example replays the same way: no cached KV left by the one before
+        self.engine.block_manager.reset_prefix_cache()
         for prompt, priority in load:  # start with long, mostly low-priority work
             self.add(prompt, priority, MAX_TOKENS, None)
 
@@ -313,8 +332,16 @@ class EngineMachine(RuleBasedStateMachine):
         assert bm.num_free_host_blocks == bm.num_host_blocks
 
 
+def shared_prefix_prompts() -> list[list[int]]:
+    """PROMPT_LENGTHS prompts, most of them sharing the beginning of the longest (prefix cache hits on
+    blocks that running, swapped and finished sequences hold), at lengths inside and across blocks."""
+    own = random_prompts(100, PROMPT_LENGTHS)
+    longest = own[-1]
+    return [own[0], longest[:3], own[2], longest[:8] + own[3][8:], longest[:17], longest]
+
+
 def test_engine_state_machine(make_engine, llama_path, reference):
-    prompts = random_prompts(100, PROMPT_LENGTHS)
+    prompts = shared_prefix_prompts()
     EngineMachine.make_engine = staticmethod(make_engine)
     EngineMachine.prompts = prompts
     EngineMachine.expected = [reference(llama_path, tuple(p), MAX_TOKENS) for p in prompts]
@@ -343,15 +370,18 @@ def test_no_preemption_for_a_whole_prompt_that_cannot_run_this_step():
     )
     sched = Scheduler(config, BlockManager(64, 64, 2))
     low = [
-        Sequence(f"low{i}", [5] * 4, SamplingParams(max_tokens=20, temperature=0), 9, 0, arrival_time=1.0 + i)
+        Sequence(
+            f"low{i}", [8 + i] * 4, SamplingParams(max_tokens=20, temperature=0), 9, 0, arrival_time=1.0 + i
+        )
         for i in range(2)
     ]
     for seq in low:
         sched.add(seq)
     run_fake_step(sched)
     run_fake_step(sched)
-    first = Sequence("first", [5] * 4, SamplingParams(max_tokens=2, temperature=0), 0, 0, arrival_time=3.0)
-    second = Sequence("second", [5] * 14, SamplingParams(max_tokens=2, temperature=0), 0, 0, arrival_time=4.0)
+    # prompts of their own: no prefix cache hits
+    first = Sequence("first", [6] * 4, SamplingParams(max_tokens=2, temperature=0), 0, 0, arrival_time=3.0)
+    second = Sequence("second", [7] * 14, SamplingParams(max_tokens=2, temperature=0), 0, 0, arrival_time=4.0)
     sched.add(first)
     sched.add(second)
     out = run_fake_step(sched)
@@ -373,7 +403,8 @@ def test_urgent_prefill_in_progress_is_not_starved_by_a_less_urgent_decode():
     )
     sched = Scheduler(config, BlockManager(16, 0, 1))
     low = Sequence("low", [5] * 10, SamplingParams(max_tokens=3, temperature=0), 1, 0, arrival_time=1.0)
-    urgent = Sequence("urgent", [5] * 5, SamplingParams(max_tokens=1, temperature=0), 0, 0, arrival_time=2.0)
+    # a prompt of its own (no prefix shared with "low": all of it is computed)
+    urgent = Sequence("urgent", [6] * 5, SamplingParams(max_tokens=1, temperature=0), 0, 0, arrival_time=2.0)
     sched.add(low)
     run_fake_step(sched)
     run_fake_step(sched)

@@ -62,7 +62,8 @@ def test_a_term_fitted_below_zero_is_dropped():
 
 
 def decode_and_prefill(costs: StepCosts | None, aware: bool = True):
-    """One step: 4 sequences decoding at context 300 and a waiting prompt of 200 tokens; budget 64."""
+    """One step: 4 sequences decoding at context 300 and a waiting prompt of 200 tokens; budget 64.
+    Prompts of their own: nothing comes from the prefix cache."""
     config = EngineConfig(
         block_size=4,
         num_device_blocks=400,
@@ -73,11 +74,13 @@ def decode_and_prefill(costs: StepCosts | None, aware: bool = True):
     sched = Scheduler(config, BlockManager(400, 0, 4), 1e9)
     for i in range(4):
         sched.add(
-            Sequence(f"d{i}", [5] * 300, SamplingParams(max_tokens=50, temperature=0), 5, 0, arrival_time=i)
+            Sequence(
+                f"d{i}", [10 + i] * 300, SamplingParams(max_tokens=50, temperature=0), 5, 0, arrival_time=i
+            )
         )
     while any(s.num_computed_tokens < 300 for s in sched.running + sched.waiting):
         run_fake_step(sched)
-    sched.add(Sequence("p", [5] * 200, SamplingParams(max_tokens=1, temperature=0), 5, 0, arrival_time=9.0))
+    sched.add(Sequence("p", [9] * 200, SamplingParams(max_tokens=1, temperature=0), 5, 0, arrival_time=9.0))
     if costs is not None:
         sched.set_costs(costs)
     out = run_fake_step(sched)

@@ -21,8 +21,10 @@ def kv_of(cache: torch.Tensor, block_table: list[int], num_tokens: int) -> torch
 
 
 def scribble_on_free_blocks(engine) -> None:
-    """Free device blocks hold garbage; make that explicit so a missing copy cannot pass by luck."""
-    free = torch.tensor(list(engine.block_manager.free_device), dtype=torch.long)
+    """Free device blocks hold garbage; make that explicit so a missing copy cannot pass by luck (free
+    blocks that hold cached KV keep it: they are a prefix cache)."""
+    bm = engine.block_manager
+    free = torch.tensor([b for b in bm.free_device if bm.hash_of_block[b] is None], dtype=torch.long)
     if len(free):
         engine.kv_cache.device_cache.index_fill_(BLOCK_DIM, free, 1234.5)
 

@@ -116,6 +116,39 @@ def test_worker_metrics_count_jobs_tokens_and_a_preemption(metered):
     assert value(after_w, "genq_engine_device_kv_usage") == 0
 
 
+def test_prefix_cache_metrics_count_a_shared_prompt(metered):
+    """The second job with the same 64-token prompt reuses the KV of its first 3 blocks of 16."""
+    before = scrape_worker(metered)
+    prompt = [(13 * i) % 200 + 3 for i in range(64)]
+    for _ in range(2):
+        job = metered.wait(metered.submit(input_ids=prompt, max_tokens=4, priority=3, temperature=0.0))
+        assert job["status"] == "succeeded"
+    after = scrape_worker(metered)
+    stats = metered.engine_stats()
+    assert (
+        value(after, "genq_engine_prefix_cache_hit_tokens_total")
+        - value(before, "genq_engine_prefix_cache_hit_tokens_total")
+        == 48
+    )
+    assert (
+        value(after, "genq_engine_prefix_cache_queried_tokens_total")
+        - value(before, "genq_engine_prefix_cache_queried_tokens_total")
+        == 128
+    )
+    for name, key in (
+        ("genq_engine_prefix_cache_hit_tokens_total", "num_prefix_cache_hit_tokens"),
+        ("genq_engine_prefix_cache_queried_tokens_total", "num_prefix_cache_queried_tokens"),
+        ("genq_engine_prefix_cache_evictions_total", "num_prefix_cache_evictions"),
+        ("genq_engine_prefix_cache_hit_rate", "prefix_cache_hit_rate"),
+        ("genq_engine_prefix_cache_device_blocks", "num_cached_device_blocks"),
+        ("genq_engine_prefix_cache_host_blocks", "num_cached_host_blocks"),
+        ("genq_engine_prefix_cache_offloaded_blocks_total", "num_prefix_cache_offloaded_blocks"),
+        ("genq_engine_prefix_cache_host_hit_tokens_total", "num_prefix_cache_host_hit_tokens"),
+    ):
+        assert value(after, name) == pytest.approx(stats[key]), name
+    assert value(after, "genq_engine_prefix_cache_device_blocks") >= 4
+
+
 def test_cancelling_a_running_job_counts_as_stopped(metered):
     before = scrape_worker(metered)
     job_id = metered.submit(prompt="cancel me", max_tokens=240, priority=4, temperature=0.0)
