@@ -155,6 +155,7 @@ class BlockManager:
             self.host_released.append(b)
         for b in hit.host:
             h = self.hash_of_host_block[b]
+            assert h is not None, "a host-tier hit is a cached host block"
             d = self._take_free_block(seq.priority)
             self.loads.append((b, d))
             seq.block_table.append(d)
@@ -169,9 +170,9 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block nobody references (on both tiers), and zero the counters."""
-        forgotten = [b for b in self.free_device if self.hash_of_block[b] is not None]
-        for b in reversed(forgotten):  # to the front, in the order they had
-            del self.cached[self.hash_of_block[b]]
+        forgotten = [(b, h) for b in self.free_device if (h := self.hash_of_block[b]) is not None]
+        for b, h in reversed(forgotten):  # to the front, in the order they had
+            del self.cached[h]
             self.hash_of_block[b] = None
             self.free_device.remove(b)
             self.free_device.add(b, None)

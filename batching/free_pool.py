@@ -16,7 +16,7 @@ class FreeBlockPool:
 
     def __init__(self, blocks: Iterable[int]):
         self._uncached: OrderedDict[int, None] = OrderedDict.fromkeys(blocks)
-        self._cached = [OrderedDict() for _ in range(NUM_PRIORITIES)]
+        self._cached: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(NUM_PRIORITIES)]
         self._where: dict[int, OrderedDict] = {b: self._uncached for b in self._uncached}
 
     def __len__(self) -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -83,7 +84,7 @@ class AttentionCall:
 class MaskProbe:
     """What the probe's mask hook returns instead of a dense mask: the model's mask as a function."""
 
-    mask_function: object
+    mask_function: Callable[..., torch.Tensor]
 
     def __getitem__(self, item):  # modules that slice the mask to the key length
         return self
@@ -148,7 +149,7 @@ def _probe_attention(module, query, key, value, attention_mask, *args, genq_attn
     if isinstance(genq_attn, _ShapeRun):
         out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
         return out, None
-    return paged_attention(module, query, key, value, None, *args, genq_attn=genq_attn, **kwargs)
+    return paged_attention(module, query, key, value, None, *args, genq_attn=genq_attn, **kwargs)  # type: ignore[misc]
 
 
 def _probe_mask(*args, mask_function=None, **kwargs):
@@ -275,9 +276,11 @@ def mask_patterns(
     """Single-sequence forward: what each layer's mask allows, as a function of positions up to
     max_len, must be causal, within the window its call passes or one the mask alone expresses
     (returned, so that genq applies it), or chunked. Layers that need nothing extra are left out."""
-    patterns = {}
+    patterns: dict[int, MaskPattern] = {}
     cache_windows = _cache_windows(config)
     for c in calls:
+        if c.layer_idx is None:
+            raise refusal(model_type, f"{type(c.module).__name__} does not say which layer it is (layer_idx)")
         if c.mask is None:
             raise refusal(model_type, f"layer {c.layer_idx} gets no attention mask from transformers")
         positions = _probe_positions(max_len, config, c.sliding_window)
@@ -327,6 +330,7 @@ def _read_mask(model_type: str, call: AttentionCall, positions: list[int], max_l
     for q in positions:
         kv = torch.arange(min(q + 2, max_len), device=device)
         try:
+            assert isinstance(call.mask, MaskProbe)  # the probe's mask hook made it
             allowed = call.mask.allows(q, kv)
         except Exception as exc:  # noqa: BLE001 - a mask function genq cannot evaluate
             raise refusal(model_type, f"layer {call.layer_idx}'s mask cannot be read: {_brief(exc)}") from exc

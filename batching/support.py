@@ -25,6 +25,7 @@ import sys
 import tempfile
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -128,7 +129,7 @@ def tiny_config(model_type: str, **overrides):
 
 
 def _shrink(defaults: dict) -> dict:
-    sizes = {k: v for k, v in TINY.items() if k in defaults}
+    sizes: dict[str, Any] = {k: v for k, v in TINY.items() if k in defaults}
     if "kv_lora_rank" in defaults:  # latent attention expands K and V to every query head
         sizes["num_key_value_heads"] = sizes.get("num_attention_heads", 4)
     layer_types = defaults.get("layer_types")
