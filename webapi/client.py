@@ -18,11 +18,14 @@ ids are in the state file), and the same command collects them later.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -162,13 +165,34 @@ def run_batch(
 ) -> list[dict]:
     """Submit what the state lacks, poll until every job is final; the result rows in input order."""
     todo = [item for item in items if item["custom_id"] not in state.entries]
-    with ThreadPoolExecutor(concurrency) as pool:
+    with ThreadPoolExecutor(concurrency) as pool, _ctrl_c_sets(client.stopping):
         try:
             return _submit_and_poll(items, todo, client, state, pool, poll_interval, progress)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, BatchError) as exc:
+            if isinstance(exc, BatchError) and not client.stopping.is_set():
+                raise
             client.stopping.set()  # requests in flight finish; queued ones are dropped
             pool.shutdown(wait=True, cancel_futures=True)
-            raise
+            raise KeyboardInterrupt from None
+
+
+@contextlib.contextmanager
+def _ctrl_c_sets(stopping: threading.Event) -> Iterator[None]:
+    """Ctrl-C sets `stopping`, and the loops stop at their next safe point. (A KeyboardInterrupt raised
+    anywhere could land between a lock's acquire and its release in the thread pool and hang the exit.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: stopping.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _stop_if_interrupted(client: Client) -> None:
+    if client.stopping.is_set():
+        raise KeyboardInterrupt
 
 
 def _submit_and_poll(
@@ -190,6 +214,7 @@ def _submit_and_poll(
         for entry in pool.map(lambda item: submit_one(client, item), todo):
             state.record(entry)
             bar.update()
+            _stop_if_interrupted(client)
     jobs: dict[str, dict] = {}
     pending = [e["job_id"] for e in state.entries.values() if e.get("job_id")]
     with tqdm(total=len(pending), desc="finished", unit="job", disable=not progress) as bar:
@@ -197,11 +222,13 @@ def _submit_and_poll(
             started = time.monotonic()
             for job in pool.map(lambda job_id: poll_one(client, job_id), pending):
                 jobs[job["id"]] = job
+            _stop_if_interrupted(client)
             done = [job_id for job_id in pending if jobs[job_id]["status"] in FINAL]
             bar.update(len(done))
             pending = [job_id for job_id in pending if jobs[job_id]["status"] not in FINAL]
             if pending:
-                time.sleep(max(0.0, poll_interval - (time.monotonic() - started)))
+                client.stopping.wait(max(0.0, poll_interval - (time.monotonic() - started)))
+                _stop_if_interrupted(client)
     return [result_row(item["custom_id"], state.entries[item["custom_id"]], jobs) for item in items]
 
 
