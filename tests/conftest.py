@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -51,13 +51,24 @@ def settings_env(settings: Settings) -> dict[str, str]:
 
 
 @contextmanager
-def serve_api(settings: Settings, workers: int = 2) -> Iterator[str]:
-    """`gunicorn "webapi:create_app()"` for `settings` on a free port, as in the Procfile; yields its URL."""
+def serve_api(
+    settings: Settings, workers: int = 2, args: Sequence[str] = (), env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """`gunicorn "webapi:create_app()"` for `settings` on a free port, as in the Procfile; yields its URL.
+    `args` are more gunicorn options, `env` more environment."""
     port = free_port()
     proc = subprocess.Popen(
-        [BIN / "gunicorn", "--bind", f"127.0.0.1:{port}", "--workers", str(workers), "webapi:create_app()"],
+        [
+            BIN / "gunicorn",
+            "--bind",
+            f"127.0.0.1:{port}",
+            "--workers",
+            str(workers),
+            *args,
+            "webapi:create_app()",
+        ],
         cwd=ROOT,
-        env={**settings_env(settings), "API_ACCESS_LOG": ""},
+        env={**settings_env(settings), "API_ACCESS_LOG": "", **(env or {})},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )

@@ -13,7 +13,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import BIN, ROOT, free_port, settings_env
+from tests.conftest import BIN, ROOT, serve_api, settings_env
 
 
 def create_key(settings, tenant: str) -> str:
@@ -59,7 +59,6 @@ def test_submit_poll_cancel_over_http(server, settings):
 def three_process_server(settings, database, tmp_path):
     """gunicorn with 3 sync worker processes, logging the pid of the process that answered each request.
     Its metrics directory holds counts of an earlier run, which gunicorn must drop when it starts."""
-    port = free_port()
     access_log = tmp_path / "access.log"
     metrics_dir = tmp_path / "metrics"
     metrics_dir.mkdir()
@@ -71,38 +70,13 @@ def three_process_server(settings, database, tmp_path):
         check=True,
     )
     assert list(metrics_dir.glob("counter_*.db"))
-    proc = subprocess.Popen(
-        [
-            BIN / "gunicorn",
-            "--bind",
-            f"127.0.0.1:{port}",
-            "--workers",
-            "3",
-            "--access-logfile",
-            str(access_log),
-            "--access-logformat",
-            "%(p)s %(U)s",
-            "webapi:create_app()",
-        ],
-        cwd=ROOT,
-        env={**settings_env(settings), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(100):
-            try:
-                if requests.get(f"{url}/healthz", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                time.sleep(0.1)
-        else:
-            pytest.fail("gunicorn did not answer")
+    with serve_api(
+        settings,
+        workers=3,
+        args=["--access-logfile", str(access_log), "--access-logformat", "%(p)s %(U)s"],
+        env={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)},
+    ) as url:
         yield url, access_log
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=10)
 
 
 def answered_by(access_log, path: str) -> collections.Counter:
