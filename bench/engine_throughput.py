@@ -502,12 +502,16 @@ def _own_seconds():
     return t.user + t.system
 
 
-def run_passes(systems: dict, repeat: int, useful: int, on_first=None, quiet_wait: float = 0.0) -> dict:
+def run_passes(
+    systems: dict, repeat: int, useful: int, on_first=None, quiet_wait: float = 0.0, order=None
+) -> dict:
     """Round-robin passes (genq, static, cb, forward; again...): each system meets the same spells of
-    background load. Returns {key: {"times": [...], "others": [...], "tokens": first pass tokens}}."""
+    background load. `order(k)`, if given, lists the keys of round k (default: as `systems` has them).
+    Returns {key: {"times": [...], "others": [...], "tokens": first pass tokens}}."""
     results = {key: dict(times=[], others=[], tokens=None) for key in systems}
     for k in range(repeat):
-        for key, system in systems.items():
+        for key in order(k) if order is not None else list(systems):
+            system = systems[key]
             if on_first is not None:
                 on_first(key, system)
             if quiet_wait:

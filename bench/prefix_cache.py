@@ -46,20 +46,18 @@ from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 
-from tqdm import tqdm  # noqa: E402
 
 from bench.engine_throughput import (  # noqa: E402
     BUDGET,
     MAX_NUM_SEQS,
     ContinuousBatchingSystem,
-    Interference,
     build_model_dir,
     code_version,
     genq_run,
     load_hf_model,
     prefix_match,
     reference_tokens,
-    wait_for_quiet,
+    run_passes,
 )
 
 VOCAB = 8192
@@ -126,27 +124,17 @@ class GenqSystem:
 
 
 def run_rounds(systems: dict, repeat: int, useful: int, quiet_wait: float) -> dict:
-    """`repeat` rounds: transformers (if there), then the genq systems, their order alternating.
-    Returns {key: {"times": [...], "others": [...], "tokens": first pass tokens}}."""
-    results = {key: dict(times=[], others=[], tokens=None) for key in systems}
+    """`repeat` rounds: transformers (if there), then the genq systems, their order alternating (whichever
+    genq pass follows transformers' runs slower). Returns engine_throughput.run_passes's results."""
     genq_keys = [k for k in systems if k.startswith("genq")]
-    for k in range(repeat):
-        order = [key for key in systems if key not in genq_keys]
-        order += genq_keys if k % 2 == 0 else genq_keys[::-1]
-        for key in order:
-            system = systems[key]
-            if quiet_wait:
-                wait_for_quiet(quiet_wait)
-            with (
-                tqdm(total=useful, desc=f"{LABELS[key]} {k + 1}/{repeat}", unit="tok") as pbar,
-                Interference() as load,
-            ):
-                elapsed, tokens = system.run(pbar)
-            results[key]["times"].append(elapsed)
-            results[key]["others"].append(load.share)
-            if results[key]["tokens"] is None:
-                results[key]["tokens"] = tokens
-    return results
+    others = [k for k in systems if k not in genq_keys]
+    return run_passes(
+        systems,
+        repeat,
+        useful,
+        quiet_wait=quiet_wait,
+        order=lambda k: others + (genq_keys if k % 2 == 0 else genq_keys[::-1]),
+    )
 
 
 def main(argv=None):
