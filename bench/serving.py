@@ -19,7 +19,9 @@ blocks, enough for every swapped sequence):
 - fcfs:          every request at priority 5 (no priority preemption), swap mode;
 - prio_recompute: real priorities, `preemption_mode="recompute"`, no host pool;
 - prio_swap:     real priorities, `preemption_mode="swap"`;
-- prio_swap_nochunk: as prio_swap with `enable_chunked_prefill=False`.
+- prio_swap_nochunk: as prio_swap with `enable_chunked_prefill=False`;
+- prio_swap_nocache: as prio_swap with `enable_prefix_caching=False` (only when named in `--configs`:
+  the trace's prompts share nothing, so it shows what caching costs when it cannot help).
 
 Per request we record its arrival (trace time), the time of the step output that carried each of
 its tokens, its priority and `num_preemptions`, plus the RequestOutput timing fields. TTFT = first
@@ -107,7 +109,9 @@ CONFIGS = {
     "prio_recompute": dict(preemption_mode="recompute", num_host_blocks=0),
     "prio_swap": dict(preemption_mode="swap"),
     "prio_swap_nochunk": dict(preemption_mode="swap", enable_chunked_prefill=False),
+    "prio_swap_nocache": dict(preemption_mode="swap", enable_prefix_caching=False),  # not in the default set
 }
+DEFAULT_CONFIGS = ("fcfs", "prio_recompute", "prio_swap", "prio_swap_nochunk")
 CLASSES = ("urgent", "bulk", "long")  # priority 0 short, priority 9 short, priority 9 long prompt
 
 
@@ -515,7 +519,7 @@ def plot(res: dict, targets: dict, idle: list[float], path: Path) -> None:
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     axes = axes.ravel()
-    colors = dict(zip(CONFIGS, ("tab:gray", "tab:orange", "tab:blue", "tab:red"), strict=True))
+    colors = dict(zip(CONFIGS, ("tab:gray", "tab:orange", "tab:blue", "tab:red", "tab:green"), strict=True))
 
     def cdf(ax, xs, **kw):
         if xs:
@@ -583,7 +587,9 @@ def main(argv=None):
         "p99s are over the same prompts)",
     )
     ap.add_argument(
-        "--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS)
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help="comma-separated subset of " + ",".join(CONFIGS),
     )
     ap.add_argument(
         "--wait-quiet",
