@@ -180,7 +180,10 @@ def run_batch(
 def _ctrl_c_sets(stopping: threading.Event) -> Iterator[None]:
     """Ctrl-C sets `stopping`, and the loops stop at their next safe point. (A KeyboardInterrupt raised
     anywhere could land between a lock's acquire and its release in the thread pool and hang the exit.)"""
-    if threading.current_thread() is not threading.main_thread():
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # started in the background: keep ignoring it
+    ):
         yield
         return
     previous = signal.signal(signal.SIGINT, lambda signum, frame: stopping.set())

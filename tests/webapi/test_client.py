@@ -145,7 +145,12 @@ def test_ctrl_c_stops_cleanly_and_says_what_happened_to_the_jobs(app, new_key, t
     try:
         with (tmp_path / "client.log").open("w") as log:
             client = subprocess.Popen(
-                client_command(f"http://127.0.0.1:{server.server_port}", key, tmp_path), cwd=ROOT, stderr=log
+                client_command(f"http://127.0.0.1:{server.server_port}", key, tmp_path),
+                cwd=ROOT,
+                stderr=log,
+                # as a shell starts a foreground command: an ignored SIGINT would be inherited (a background
+                # job keeps ignoring it), and this test process may have been left ignoring it
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
             )
         deadline = time.monotonic() + 60
         while not state.exists() or len(state.read_text().splitlines()) < len(items):
