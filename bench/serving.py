@@ -295,6 +295,7 @@ def idle_ttft(engine: Engine, prompts: list[list[int]], rounds: int = 3) -> list
     for r in range(rounds):
         for k, prompt in enumerate(prompts):
             rid = f"idle-{r}-{k}"
+            engine.block_manager.reset_prefix_cache()  # a try after the first must not reuse its KV
             t = time.perf_counter()
             engine.add_request(rid, prompt, greedy(2), priority=0)
             while engine.has_unfinished_requests():
@@ -640,6 +641,7 @@ def main(argv=None):
                 with Interference() as idle_load:
                     idle = idle_ttft(engine, urgent)
                     idle_full = idle_full_steps(engine, 8192)
+                engine.block_manager.reset_prefix_cache()  # the trace must not find its urgent prompts cached
             if args.wait_quiet:
                 wait_for_quiet(args.wait_quiet)
             with Interference() as load:
