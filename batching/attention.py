@@ -2,7 +2,9 @@
 
 The model's own attention modules compute q/k/v (and RoPE) and call `paged_attention`. It writes the
 step's new K/V into cache slots, then attends each sequence's queries over its cached context.
-Per-step metadata arrives explicitly through the forward's kwargs (`genq_attn=`), never as a global.
+Per-step metadata arrives explicitly through the forward's kwargs (`genq_attn=`), never as a global;
+models that do not pass those kwargs down (falcon, gptj, gpt_neo: attention_classes.py) read it from
+`step_context`, a context variable the runner sets around each forward.
 Decode tokens (one query per sequence) are attended in a few batched calls, grouped by context
 length so little padding is gathered, or on the CPU by a kernel that reads the paged blocks in place
 (batching/cpu_attention.py); prefill chunks one by one.
@@ -10,6 +12,8 @@ length so little padding is gathered, or on the CPU by a kernel that reads the p
 
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +69,23 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     decode_kernel: PagedDecodeKernel | None = None  # attends decodes in place (CPU); None: gather + matmul
     mask_patterns: dict = field(default_factory=dict)  # layer -> MaskPattern: windows/chunks of the mask only
+
+
+_step: ContextVar[object | None] = ContextVar("genq_step", default=None)
+
+
+@contextlib.contextmanager
+def step_context(meta):
+    """The step's metadata for attention layers that receive no forward kwargs, during one forward."""
+    token = _step.set(meta)
+    try:
+        yield
+    finally:
+        _step.reset(token)
+
+
+def current_step():
+    return _step.get()
 
 
 def paged_attention(

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batching.attention import ATTENTION_NAME, paged_attention
+from batching.attention import ATTENTION_NAME, paged_attention, step_context
+from batching.attention_classes import set_attention
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +170,7 @@ def probing(model):
     global _recorder
     register()
     try:
-        model.set_attn_implementation(PROBE_NAME)
+        set_attention(model, PROBE_NAME)
     except Exception as exc:  # noqa: BLE001 - custom code that takes no registered implementation
         raise refusal(
             model.config.model_type, f"it does not take a registered attention implementation ({_brief(exc)})"
@@ -179,7 +180,7 @@ def probing(model):
         yield _recorder
     finally:
         _recorder = None
-        model.set_attn_implementation(ATTENTION_NAME)
+        set_attention(model, ATTENTION_NAME)
 
 
 class Refusal(ValueError):
@@ -195,13 +196,14 @@ def kv_geometry(model, device: torch.device, max_len: int) -> KVGeometry:
     records the attention calls."""
     model_type = model.config.model_type
     num_tokens = 3
-    with probing(model) as rec, torch.inference_mode():
+    shape_run = _ShapeRun()
+    with probing(model) as rec, torch.inference_mode(), step_context(shape_run):
         try:
             model(
                 input_ids=torch.full((1, num_tokens), 3, device=device),
                 position_ids=torch.arange(num_tokens, device=device)[None],
                 use_cache=False,
-                genq_attn=_ShapeRun(),
+                genq_attn=shape_run,
             )
         except Refusal:
             raise
@@ -465,7 +467,7 @@ def _check_logits(engine, model_type: str, prompts: dict[str, list[int]], rows) 
     tolerance = LOGIT_TOLERANCE.get(engine.dtype, HALF_TOLERANCE)
     most = engine.dtype not in LOGIT_TOLERANCE
     try:
-        model.set_attn_implementation("eager")
+        set_attention(model, "eager")
     except (ValueError, AttributeError, NotImplementedError) as exc:
         log.warning("%s: no eager attention to check genq's logits against (%s)", model_type, exc)
         return
@@ -487,7 +489,7 @@ def _check_logits(engine, model_type: str, prompts: dict[str, list[int]], rows) 
                     err = ((got.float() - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item()
                     errors.append((err, num_tokens, len(prompts[req_id])))
     finally:
-        model.set_attn_implementation(ATTENTION_NAME)
+        set_attention(model, ATTENTION_NAME)
     bad = [e for e in errors if not e[0] <= tolerance]
     if bad and (not most or 2 * len(bad) > len(errors)):
         err, num_tokens, prompt_len = max(bad)

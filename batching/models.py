@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from batching import attention_classes
 from batching.attention import ATTENTION_NAME, paged_attention
 from batching.config import EngineConfig
 from batching.tokenizer import BOS_ID, BUILTIN_MODEL, EOS_ID, load_tokenizer
@@ -142,6 +143,7 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, m
     from transformers import AttentionInterface, AutoModelForCausalLM
 
     AttentionInterface.register(ATTENTION_NAME, paged_attention)
+    attention_classes.install(model_config)  # falcon, gptj, gpt_neo: genq's class in their own table
     # No AttentionMaskInterface entry on purpose: transformers then builds no dense mask at all.
     model_config._attn_implementation = ATTENTION_NAME
     if config.model == BUILTIN_MODEL:
@@ -163,16 +165,7 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, m
                 f"model: genq cannot run {model_config.model_type}: transformers cannot load "
                 f"{config.model!r} as a causal LM: {exc}"
             ) from exc
-        except KeyError as exc:
-            if exc.args != (ATTENTION_NAME,):
-                raise
-            # falcon, gptj, gpt_neo: one attention class per implementation, each computing attention itself
-            raise ValueError(
-                f"model: genq cannot run {model_config.model_type}: it picks its attention class from its "
-                "own table (eager / sdpa / flash_attention_2), each computing attention itself; "
-                "transformers offers no AttentionInterface hook for it"
-            ) from exc
-    model.set_attn_implementation(ATTENTION_NAME)
+    attention_classes.set_attention(model, ATTENTION_NAME)
     if dtype == torch.float64:
         use_eager_experts(model)
     model = model.to(device=device, dtype=dtype).eval()

@@ -90,3 +90,57 @@ def test_kv_shared_across_layers_runs_identically(tmp_path):
             num_kv_shared_layers=1,
         )
     assert result.status == "identical", result.reason
+
+
+@pytest.mark.parametrize(
+    "overrides,kv_heads",
+    [
+        (dict(new_decoder_architecture=True, num_kv_heads=2), 2),  # Falcon-40B/180B: grouped K/V
+        (dict(multi_query=False, num_kv_heads=4, parallel_attn=False), 4),  # Falcon-RW: one K/V per head
+    ],
+    ids=["grouped_kv", "multi_head_sequential"],
+)
+def test_falcon_variants_run_identically(overrides, kv_heads, tmp_path):
+    """The walk builds Falcon's default (multi-query, parallel attention); its other layouts run too,
+    and grouped K/V, which Falcon broadcasts to every query head, are cached once per group."""
+    from batching import Engine, EngineConfig
+
+    with support.quiet():
+        result = support.check_model_type("falcon", str(tmp_path), **overrides)
+        assert result.status == "identical", result.reason
+        engine = Engine(EngineConfig(model=str(tmp_path), dtype="float64", device="cpu", max_model_len=64))
+    assert engine.kv_cache.num_kv_heads == kv_heads
+
+
+def test_falcon_with_alibi_is_refused_with_the_reason(tmp_path):
+    with support.quiet():
+        result = support.check_model_type("falcon", str(tmp_path), alibi=True)
+    assert result.status == "refused"
+    assert "genq cannot run falcon" in result.reason and "alibi" in result.reason.lower()
+
+
+def test_gpt_neo_local_window_changes_the_reference():
+    """GPT-Neo keeps its local layers' window in a buffer of its own, not in the mask transformers
+    builds: the walk's tiny GPT-Neo has one local layer whose window the prompts pass."""
+    assert _reference("gpt_neo") != _reference("gpt_neo", attention_types=[[["global"], 2]])
+
+
+def test_the_probe_checks_the_attention_of_class_table_models(monkeypatch, tmp_path):
+    """genq's GPT-J class is what the load-time probe checks: were it to attend wrongly (here, without
+    GPT-J's 1/sqrt(head size)), the engine would refuse the model at load, not serve wrong tokens."""
+    from batching import Engine, EngineConfig, attention_classes
+
+    cls = attention_classes.genq_class("gptj")
+
+    def unscaled(self, query, key, value, attention_mask=None):
+        if not self.routed:
+            return super(cls, self)._attn(query, key, value, attention_mask)
+        return self.interface_attention(query, key, value, attention_mask, scaling=1.0).transpose(1, 2), None
+
+    monkeypatch.setattr(cls, "_attn", unscaled)
+    with support.quiet():
+        support.build_tiny_model(support.tiny_config("gptj")).save_pretrained(tmp_path)
+        with pytest.raises(
+            ValueError, match="genq cannot run gptj: its logits on genq's paged attention differ"
+        ):
+            Engine(EngineConfig(model=str(tmp_path), dtype="float64", device="cpu", max_model_len=64))
