@@ -10,8 +10,8 @@ records every attention call, and whose mask hook returns the model's mask as a 
 positions (`MaskProbe`) instead of a tensor:
 
 1. `kv_geometry`: one single-sequence forward whose attention only records gives each layer's KV
-   heads and K/V head sizes, so that the cache follows the model (MLA's K and V of different sizes,
-   gemma4's per-layer sizes), and each layer's mask, read at positions up to max_model_len: it must
+   heads and K/V head sizes, so that the cache stores each layer at its own size (MLA's K and V of
+   different sizes, gemma4's per-layer sizes), and each layer's mask, read at positions up to max_model_len: it must
    be causal, within the window the call passes; a window or chunks that only the mask expresses
    are returned (`MaskPattern`) and genq's attention applies them.
 2. `verify`: requests of different lengths run through the engine's real step (scheduler, packed
@@ -35,6 +35,7 @@ import torch
 
 from batching.attention import ATTENTION_NAME, paged_attention, step_context
 from batching.attention_classes import set_attention
+from batching.kv_cache import LayerGeometry
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +99,7 @@ class MaskProbe:
 
 @dataclass(slots=True)
 class KVGeometry:
-    num_layers: int
-    num_kv_heads: int  # the largest of any layer
-    head_dim: int  # the largest K or V head size of any layer (smaller ones are zero-padded)
+    layers: list[LayerGeometry | None]  # by layer index: what it caches (None: no attention call)
     query_width: float  # query heads x head size, averaged over the layers (for step costs)
     mask_patterns: dict[int, MaskPattern]  # by layer: windows and chunks only the mask expresses
 
@@ -218,10 +217,11 @@ def kv_geometry(model, device: torch.device, max_len: int) -> KVGeometry:
             raise refusal(model_type, "keys and values have different numbers of heads")
         if c.q_shape[-1] != c.k_shape[-1]:
             raise refusal(model_type, "queries and keys have different head sizes")
+    by_layer: list[LayerGeometry | None] = [None] * (max(layers) + 1)
+    for c in rec.calls:
+        by_layer[c.layer_idx] = LayerGeometry(c.k_shape[1], c.k_shape[-1], c.v_shape[-1])
     return KVGeometry(
-        num_layers=max(layers) + 1,
-        num_kv_heads=max(c.k_shape[1] for c in rec.calls),
-        head_dim=max(max(c.k_shape[-1], c.v_shape[-1]) for c in rec.calls),
+        layers=by_layer,
         query_width=sum(c.q_shape[1] * c.q_shape[-1] for c in rec.calls) / len(rec.calls),
         mask_patterns=mask_patterns(model_type, rec.calls, max_len, model.config, device),
     )
