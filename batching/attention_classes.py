@@ -58,17 +58,11 @@ class TableAttention:
 
 
 def install(model_config) -> None:
-    """Put genq's class in the table of `model_config`'s model type, if it has one; refuse the
-    variants genq's attention cannot run."""
+    """Put genq's class in the table of `model_config`'s model type, if it has one (Falcon with
+    ALiBi is refused before, by models.py)."""
     model_type = model_config.model_type
     if model_type not in TABLES:
         return
-    if model_type == "falcon" and getattr(model_config, "alibi", False):
-        raise ValueError(
-            "model: genq cannot run falcon: alibi=True, an ALiBi bias that its attention adds to the "
-            "scores from the padded batch's positions; genq's paged attention takes no ALiBi "
-            "(rotary Falcon, alibi=False, runs)"
-        )
     module_name, table_name, _ = TABLES[model_type]
     table = getattr(importlib.import_module(module_name), table_name)
     table[ATTENTION_NAME] = genq_class(model_type)
@@ -150,7 +144,7 @@ def _falcon_class(parent: type, apply_rotary_pos_emb) -> type:
             position_embeddings=None,
             **kwargs,
         ):
-            """Falcon's own forward with its core attention replaced; rotary only (alibi is refused)."""
+            """Falcon's own forward with its core attention replaced; rotary only (ALiBi is refused at load)."""
             if not self.routed:
                 return super().forward(
                     hidden_states,

@@ -129,6 +129,13 @@ def _check_supported(model_config) -> None:
             f"model: genq cannot run {model_config.model_type}: it is an encoder-decoder; genq runs "
             "decoder-only models"
         )
+    if uses_alibi(model_config):
+        rotary = " (rotary Falcon, alibi=False, runs)" if model_config.model_type == "falcon" else ""
+        raise ValueError(
+            f"model: genq cannot run {model_config.model_type}: it adds ALiBi position biases to the "
+            "attention scores inside its own attention code, which no transformers hook (AttentionInterface "
+            f"or an attention-class table) lets genq replace; genq's paged attention takes no ALiBi{rotary}"
+        )
     layer_types = set(getattr(model_config, "layer_types", None) or ())
     unsupported = layer_types - SUPPORTED_LAYER_TYPES
     if unsupported:
@@ -136,6 +143,14 @@ def _check_supported(model_config) -> None:
             f"model: genq cannot run {model_config.model_type}: its layer types {sorted(unsupported)} "
             f"have no paged attention in genq (only {sorted(SUPPORTED_LAYER_TYPES)})"
         )
+
+
+def uses_alibi(model_config) -> bool:
+    """The ALiBi models of transformers: bloom always, falcon and mpt when their config says so."""
+    if model_config.model_type == "bloom":
+        return True
+    attn_config = getattr(model_config, "attn_config", None)  # mpt
+    return bool(getattr(model_config, "alibi", False) or getattr(attn_config, "alibi", False))
 
 
 def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, model_config):
