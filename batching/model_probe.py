@@ -21,7 +21,8 @@ positions (`MaskProbe`) instead of a tensor:
 
 Anything else raises ValueError naming the model type and what genq lacks. The probe's recorder is
 a module global set only while the probe runs (steps in service pass their metadata through the
-forward's kwargs, as always).
+forward's kwargs, as always, or the runner's step context for the attention classes of falcon, gptj
+and gpt_neo, attention_classes.py, which route their core attention through the same interface).
 """
 
 from __future__ import annotations
