@@ -102,7 +102,7 @@ def paged_attention(
     genq_attn: AttentionMetadata | None = None,
     **kwargs,
 ):
-    """query: [1, H, T, D]; key, value: [1, Hkv, T, D]. Returns ([1, T, H, D], None)."""
+    """query: [1, H, T, Dk]; key: [1, Hkv, T, Dk]; value: [1, Hkv, T, Dv]. Returns ([1, T, H, Dv], None)."""
     meta = genq_attn
     if meta is None:
         raise RuntimeError(

@@ -180,6 +180,14 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, m
                 f"model: genq cannot run {model_config.model_type}: transformers cannot load "
                 f"{config.model!r} as a causal LM: {exc}"
             ) from exc
+        except KeyError as exc:
+            if exc.args != (ATTENTION_NAME,):
+                raise
+            raise ValueError(
+                f"model: genq cannot run {model_config.model_type}: it picks its attention class from its "
+                "own table, which has no genq class (genq has them for "
+                f"{', '.join(sorted(attention_classes.TABLES))}: attention_classes.py)"
+            ) from exc
     attention_classes.set_attention(model, ATTENTION_NAME)
     if dtype == torch.float64:
         use_eager_experts(model)

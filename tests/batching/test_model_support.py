@@ -148,3 +148,21 @@ def test_the_probe_checks_the_attention_of_class_table_models(monkeypatch, tmp_p
             ValueError, match="genq cannot run gptj: its logits on genq's paged attention differ"
         ):
             Engine(EngineConfig(model=str(tmp_path), dtype="float64", device="cpu", max_model_len=64))
+
+
+def test_a_class_table_without_a_genq_class_is_refused_with_the_reason(monkeypatch, tmp_path):
+    """A model type with its own attention-class table that genq has no class for (as falcon, gptj and
+    gpt_neo were) is refused by name, not with transformers' KeyError."""
+    from transformers.models.gptj import modeling_gptj
+
+    from batching import Engine, EngineConfig, attention_classes
+    from batching.attention import ATTENTION_NAME
+
+    monkeypatch.delitem(attention_classes.TABLES, "gptj")
+    monkeypatch.delitem(modeling_gptj.GPTJ_ATTENTION_CLASSES, ATTENTION_NAME, raising=False)
+    with support.quiet():
+        support.build_tiny_model(support.tiny_config("gptj")).save_pretrained(tmp_path)
+        with pytest.raises(
+            ValueError, match="genq cannot run gptj: it picks its attention class from its own table"
+        ):
+            Engine(EngineConfig(model=str(tmp_path), dtype="float64", device="cpu", max_model_len=64))
