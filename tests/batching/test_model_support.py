@@ -166,3 +166,38 @@ def test_a_class_table_without_a_genq_class_is_refused_with_the_reason(monkeypat
             ValueError, match="genq cannot run gptj: it picks its attention class from its own table"
         ):
             Engine(EngineConfig(model=str(tmp_path), dtype="float64", device="cpu", max_model_len=64))
+
+
+def test_two_engines_stepping_at_once_each_see_their_own_step(tmp_path):
+    """GPT-J's attention reads the step's metadata from the runner's context variable, not from a
+    global: two engines stepping at the same time in two threads (as two engine hosts in one process
+    would) each attend over their own cache, and both match generate()."""
+    import threading
+
+    from batching import Engine, EngineConfig, SamplingParams
+
+    with support.quiet():
+        model = support.build_tiny_model(support.tiny_config("gptj"))
+        model.save_pretrained(tmp_path)
+        expected = support.reference_tokens(model, support.prompts())
+        engines = [
+            Engine(EngineConfig(model=str(tmp_path), dtype="float64", device="cpu", max_model_len=128, **s))
+            for s in support.SCHEDULES
+        ]
+    params = SamplingParams(max_tokens=support.MAX_NEW, temperature=0, ignore_eos=True)
+    start = threading.Barrier(len(engines))
+    results: dict[int, object] = {}
+
+    def run(i: int, engine) -> None:
+        start.wait()
+        try:
+            results[i] = [o.token_ids for o in engine.generate(support.prompts(), params)]
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i, e)) for i, e in enumerate(engines)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {i: expected for i in range(len(engines))}
