@@ -2,7 +2,9 @@
 
 The model's own attention modules compute q/k/v (and RoPE) and call `paged_attention`. It writes the
 step's new K/V into cache slots, then attends each sequence's queries over its cached context.
-Per-step metadata arrives explicitly through the forward's kwargs (`genq_attn=`), never as a global.
+Per-step metadata arrives explicitly through the forward's kwargs (`genq_attn=`), never as a global;
+models that do not pass those kwargs down (falcon, gptj, gpt_neo: attention_classes.py) read it from
+`step_context`, a context variable the runner sets around each forward.
 Decode tokens (one query per sequence) are attended in a few batched calls, grouped by context
 length so little padding is gathered, or on the CPU by a kernel that reads the paged blocks in place
 (batching/cpu_attention.py); prefill chunks one by one.
@@ -10,6 +12,8 @@ length so little padding is gathered, or on the CPU by a kernel that reads the p
 
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +71,23 @@ class AttentionMetadata:
     mask_patterns: dict = field(default_factory=dict)  # layer -> MaskPattern: windows/chunks of the mask only
 
 
+_step: ContextVar[object | None] = ContextVar("genq_step", default=None)
+
+
+@contextlib.contextmanager
+def step_context(meta):
+    """The step's metadata for attention layers that receive no forward kwargs, during one forward."""
+    token = _step.set(meta)
+    try:
+        yield
+    finally:
+        _step.reset(token)
+
+
+def current_step():
+    return _step.get()
+
+
 def paged_attention(
     module,
     query,
@@ -81,7 +102,7 @@ def paged_attention(
     genq_attn: AttentionMetadata | None = None,
     **kwargs,
 ):
-    """query: [1, H, T, D]; key, value: [1, Hkv, T, D]. Returns ([1, T, H, D], None)."""
+    """query: [1, H, T, Dk]; key: [1, Hkv, T, Dk]; value: [1, Hkv, T, Dv]. Returns ([1, T, H, Dv], None)."""
     meta = genq_attn
     if meta is None:
         raise RuntimeError(
@@ -90,35 +111,26 @@ def paged_attention(
         )
     layer, cache = module.layer_idx, meta.kv_cache
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    # layers with fewer KV heads or smaller heads than the cache (per-layer sizes; MLA's K and V of
-    # different sizes) use its first heads, zero-padded: zeros add nothing to q·k, and padded value
-    # columns are cut from the output
-    heads, value_dim = key.shape[1], value.shape[-1]
-    query, key, value = (
-        _pad_head_dim(query, cache.head_dim),
-        _pad_head_dim(key, cache.head_dim),
-        _pad_head_dim(value, cache.head_dim),
-    )
-    narrow = heads != cache.num_kv_heads
-    k_cache, v_cache = cache.k[layer], cache.v[layer]  # [Hkv, S, D]
-    if narrow:
-        k_cache, v_cache = k_cache[:heads], v_cache[:heads]
+    # the cache holds each layer at its own geometry (kv_cache.py): its KV heads, K and V head sizes
+    k_cache, v_cache = cache.k[layer], cache.v[layer]  # [Hkv, S, Dk], [Hkv, S, Dv]
     k_cache.index_copy_(1, meta.slot_mapping, key[0])
     v_cache.index_copy_(1, meta.slot_mapping, value[0])
+    # the CPU kernel takes one head size for K and V (latent attention's differ: the torch path)
+    kernel = meta.decode_kernel if key.shape[-1] == value.shape[-1] else None
 
     chunk = None
     if (pattern := meta.mask_patterns.get(layer)) is not None:  # what the model says only in its mask
         sliding_window = pattern.window if pattern.window is not None else sliding_window
         chunk = pattern.chunk
 
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    out = torch.empty_like(q)
+    q = query[0].transpose(0, 1)  # [T, H, Dk]
+    out = q.new_empty(q.shape[0], q.shape[1], value.shape[-1])  # [T, H, Dv]
     for group in meta.decodes:
-        if meta.decode_kernel is not None and chunk is None:
-            meta.decode_kernel.decode(
+        if kernel is not None and chunk is None:
+            kernel.decode(
                 q[group.start : group.end],
-                cache.k_blocks[layer][:heads] if narrow else cache.k_blocks[layer],
-                cache.v_blocks[layer][:heads] if narrow else cache.v_blocks[layer],
+                cache.k_blocks[layer],
+                cache.v_blocks[layer],
                 group.block_ids,
                 group.width,
                 group.context_lens,
@@ -130,34 +142,24 @@ def paged_attention(
             )
             continue
         n = group.end - group.start
-        kd, vd = cache.gather(layer, group.block_ids)  # [Hkv, n * L, D]
-        if narrow:
-            kd, vd = kd[:heads], vd[:heads]
+        kd, vd = cache.gather(layer, group.block_ids)  # [Hkv, n * L, Dk], [Hkv, n * L, Dv]
         kd, vd = kd.view(kd.shape[0], n, -1, kd.shape[-1]), vd.view(vd.shape[0], n, -1, vd.shape[-1])
         mask = group.mask(sliding_window, cache.block_size, chunk)
         out[group.start : group.end] = _decode_attention(
             q[group.start : group.end], kd, vd, mask, scale, softcap, s_aux
         )
     for prefill in meta.prefills:
-        qp = query[:, :, prefill.start : prefill.end]  # [1, H, q, D]
+        qp = query[:, :, prefill.start : prefill.end]  # [1, H, q, Dk]
         if prefill.block_ids is None:
             kp, vp = key[:, :, prefill.start : prefill.end], value[:, :, prefill.start : prefill.end]
         else:
             kp, vp = cache.gather(layer, prefill.block_ids)  # [Hkv, >= L, D]
-            if narrow:
-                kp, vp = kp[:heads], vp[:heads]
             kp, vp = kp[None, :, : prefill.context_len], vp[None, :, : prefill.context_len]  # [1, Hkv, L, D]
         mask = _causal_mask(prefill.end - prefill.start, prefill.context_len, sliding_window, q.device, chunk)
         out[prefill.start : prefill.end] = _prefill_attention(qp, kp, vp, mask, scale, softcap, s_aux)[
             0
         ].transpose(0, 1)
-    if value_dim != out.shape[-1]:
-        out = out[..., :value_dim].contiguous()
     return out.unsqueeze(0), None
-
-
-def _pad_head_dim(x: torch.Tensor, head_dim: int) -> torch.Tensor:
-    return x if x.shape[-1] == head_dim else F.pad(x, (0, head_dim - x.shape[-1]))
 
 
 def _causal_mask(
@@ -175,7 +177,7 @@ def _causal_mask(
 
 
 def _decode_attention(q, k, v, mask, scale, softcap, sinks):
-    """One query per sequence. q: [Nd, H, D]; k, v: [Hkv, Nd, L, D]; mask: [1, Nd, 1, L]. → [Nd, H, D].
+    """One query per sequence. q: [Nd, H, Dk]; k: [Hkv, Nd, L, Dk]; v: [.., Dv]; mask: [1, Nd, 1, L]. → [Nd, H, Dv].
 
     Queries are grouped by their KV head ([Hkv, Nd, rep, D]) so K/V are never repeated per head.
     """
@@ -185,11 +187,11 @@ def _decode_attention(q, k, v, mask, scale, softcap, sinks):
     qg = q.view(nd, num_kv_heads, rep, head_dim).transpose(0, 1)  # [Hkv, Nd, rep, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [Hkv, Nd, rep, L]
     probs = _softmax(scores, mask, softcap, None if sinks is None else sinks.view(num_kv_heads, 1, rep, 1))
-    return torch.matmul(probs, v).transpose(0, 1).reshape(nd, num_heads, head_dim)
+    return torch.matmul(probs, v).transpose(0, 1).reshape(nd, num_heads, v.shape[-1])
 
 
 def _prefill_attention(q, k, v, mask, scale, softcap, sinks):
-    """q: [1, H, q, D]; k, v: [1, Hkv, L, D]; mask: [q, L] bool. → [1, H, q, D]."""
+    """q: [1, H, q, Dk]; k: [1, Hkv, L, Dk]; v: [1, Hkv, L, Dv]; mask: [q, L] bool. → [1, H, q, Dv]."""
     k, v = _repeat_kv(k, q), _repeat_kv(v, q)
     if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

@@ -53,20 +53,10 @@ class Engine:
 
         # the cache follows what the attention layers pass, not what the config names (model_probe.py)
         geometry = model_probe.kv_geometry(self.model, self.device, self.max_model_len)
-        num_layers, num_kv_heads, head_dim = geometry.num_layers, geometry.num_kv_heads, geometry.head_dim
-        block_bytes = KVCache.bytes_per_block(
-            num_layers, num_kv_heads, head_dim, config.block_size, self.dtype
-        )
+        block_bytes = KVCache.bytes_per_block(geometry.layers, config.block_size, self.dtype)
         num_device_blocks, num_host_blocks = size_pools(config, self.device, block_bytes, self.max_model_len)
         self.kv_cache = KVCache(
-            num_layers,
-            num_kv_heads,
-            head_dim,
-            config.block_size,
-            num_device_blocks,
-            num_host_blocks,
-            self.dtype,
-            self.device,
+            geometry.layers, config.block_size, num_device_blocks, num_host_blocks, self.dtype, self.device
         )
         self.block_manager = BlockManager(
             num_device_blocks, num_host_blocks, config.block_size, config.enable_prefix_caching

@@ -10,8 +10,8 @@ records every attention call, and whose mask hook returns the model's mask as a 
 positions (`MaskProbe`) instead of a tensor:
 
 1. `kv_geometry`: one single-sequence forward whose attention only records gives each layer's KV
-   heads and K/V head sizes, so that the cache follows the model (MLA's K and V of different sizes,
-   gemma4's per-layer sizes), and each layer's mask, read at positions up to max_model_len: it must
+   heads and K/V head sizes, so that the cache stores each layer at its own size (MLA's K and V of
+   different sizes, gemma4's per-layer sizes), and each layer's mask, read at positions up to max_model_len: it must
    be causal, within the window the call passes; a window or chunks that only the mask expresses
    are returned (`MaskPattern`) and genq's attention applies them.
 2. `verify`: requests of different lengths run through the engine's real step (scheduler, packed
@@ -21,7 +21,8 @@ positions (`MaskProbe`) instead of a tensor:
 
 Anything else raises ValueError naming the model type and what genq lacks. The probe's recorder is
 a module global set only while the probe runs (steps in service pass their metadata through the
-forward's kwargs, as always).
+forward's kwargs, as always, or the runner's step context for the attention classes of falcon, gptj
+and gpt_neo, attention_classes.py, which route their core attention through the same interface).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batching.attention import ATTENTION_NAME, paged_attention
+from batching.attention import ATTENTION_NAME, paged_attention, step_context
+from batching.attention_classes import set_attention
+from batching.kv_cache import LayerGeometry
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +100,7 @@ class MaskProbe:
 
 @dataclass(slots=True)
 class KVGeometry:
-    num_layers: int
-    num_kv_heads: int  # the largest of any layer
-    head_dim: int  # the largest K or V head size of any layer (smaller ones are zero-padded)
+    layers: list[LayerGeometry | None]  # by layer index: what it caches (None: no attention call)
     query_width: float  # query heads x head size, averaged over the layers (for step costs)
     mask_patterns: dict[int, MaskPattern]  # by layer: windows and chunks only the mask expresses
 
@@ -169,7 +170,7 @@ def probing(model):
     global _recorder
     register()
     try:
-        model.set_attn_implementation(PROBE_NAME)
+        set_attention(model, PROBE_NAME)
     except Exception as exc:  # noqa: BLE001 - custom code that takes no registered implementation
         raise refusal(
             model.config.model_type, f"it does not take a registered attention implementation ({_brief(exc)})"
@@ -179,7 +180,7 @@ def probing(model):
         yield _recorder
     finally:
         _recorder = None
-        model.set_attn_implementation(ATTENTION_NAME)
+        set_attention(model, ATTENTION_NAME)
 
 
 class Refusal(ValueError):
@@ -195,13 +196,14 @@ def kv_geometry(model, device: torch.device, max_len: int) -> KVGeometry:
     records the attention calls."""
     model_type = model.config.model_type
     num_tokens = 3
-    with probing(model) as rec, torch.inference_mode():
+    shape_run = _ShapeRun()
+    with probing(model) as rec, torch.inference_mode(), step_context(shape_run):
         try:
             model(
                 input_ids=torch.full((1, num_tokens), 3, device=device),
                 position_ids=torch.arange(num_tokens, device=device)[None],
                 use_cache=False,
-                genq_attn=_ShapeRun(),
+                genq_attn=shape_run,
             )
         except Refusal:
             raise
@@ -216,10 +218,11 @@ def kv_geometry(model, device: torch.device, max_len: int) -> KVGeometry:
             raise refusal(model_type, "keys and values have different numbers of heads")
         if c.q_shape[-1] != c.k_shape[-1]:
             raise refusal(model_type, "queries and keys have different head sizes")
+    by_layer: list[LayerGeometry | None] = [None] * (max(layers) + 1)
+    for c in rec.calls:
+        by_layer[c.layer_idx] = LayerGeometry(c.k_shape[1], c.k_shape[-1], c.v_shape[-1])
     return KVGeometry(
-        num_layers=max(layers) + 1,
-        num_kv_heads=max(c.k_shape[1] for c in rec.calls),
-        head_dim=max(max(c.k_shape[-1], c.v_shape[-1]) for c in rec.calls),
+        layers=by_layer,
         query_width=sum(c.q_shape[1] * c.q_shape[-1] for c in rec.calls) / len(rec.calls),
         mask_patterns=mask_patterns(model_type, rec.calls, max_len, model.config, device),
     )
@@ -465,7 +468,7 @@ def _check_logits(engine, model_type: str, prompts: dict[str, list[int]], rows) 
     tolerance = LOGIT_TOLERANCE.get(engine.dtype, HALF_TOLERANCE)
     most = engine.dtype not in LOGIT_TOLERANCE
     try:
-        model.set_attn_implementation("eager")
+        set_attention(model, "eager")
     except (ValueError, AttributeError, NotImplementedError) as exc:
         log.warning("%s: no eager attention to check genq's logits against (%s)", model_type, exc)
         return
@@ -487,7 +490,7 @@ def _check_logits(engine, model_type: str, prompts: dict[str, list[int]], rows) 
                     err = ((got.float() - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item()
                     errors.append((err, num_tokens, len(prompts[req_id])))
     finally:
-        model.set_attn_implementation(ATTENTION_NAME)
+        set_attention(model, ATTENTION_NAME)
     bad = [e for e in errors if not e[0] <= tolerance]
     if bad and (not most or 2 * len(bad) > len(errors)):
         err, num_tokens, prompt_len = max(bad)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batching.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from batching.attention import AttentionMetadata, DecodeGroup, PrefillChunk, step_context
 from batching.cpu_attention import PagedDecodeKernel
 from batching.kv_cache import KVCache
 from batching.scheduler import SchedulerOutput
@@ -49,13 +49,14 @@ class ModelRunner:
             return None, []
         batch = self.prepare(sched)
         self.kv_cache.wait_for_copies()
-        out = self.model(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
-            logits_to_keep=batch.logits_indices,
-            use_cache=False,
-            genq_attn=batch.attn,
-        )
+        with step_context(batch.attn):  # for models that do not pass genq_attn on (attention_classes.py)
+            out = self.model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids,
+                logits_to_keep=batch.logits_indices,
+                use_cache=False,
+                genq_attn=batch.attn,
+            )
         return out.logits[0], batch.sample_seqs  # [N, V]
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:

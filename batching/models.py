@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from batching import attention_classes
 from batching.attention import ATTENTION_NAME, paged_attention
 from batching.config import EngineConfig
 from batching.tokenizer import BOS_ID, BUILTIN_MODEL, EOS_ID, load_tokenizer
@@ -128,6 +129,13 @@ def _check_supported(model_config) -> None:
             f"model: genq cannot run {model_config.model_type}: it is an encoder-decoder; genq runs "
             "decoder-only models"
         )
+    if uses_alibi(model_config):
+        rotary = " (rotary Falcon, alibi=False, runs)" if model_config.model_type == "falcon" else ""
+        raise ValueError(
+            f"model: genq cannot run {model_config.model_type}: it adds ALiBi position biases to the "
+            "attention scores inside its own attention code, which no transformers hook (AttentionInterface "
+            f"or an attention-class table) lets genq replace; genq's paged attention takes no ALiBi{rotary}"
+        )
     layer_types = set(getattr(model_config, "layer_types", None) or ())
     unsupported = layer_types - SUPPORTED_LAYER_TYPES
     if unsupported:
@@ -137,11 +145,20 @@ def _check_supported(model_config) -> None:
         )
 
 
+def uses_alibi(model_config) -> bool:
+    """The ALiBi models of transformers: bloom always, falcon and mpt when their config says so."""
+    if model_config.model_type == "bloom":
+        return True
+    attn_config = getattr(model_config, "attn_config", None)  # mpt
+    return bool(getattr(model_config, "alibi", False) or getattr(attn_config, "alibi", False))
+
+
 def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, model_config):
     """The causal LM on `device` in `dtype`, in eval mode, with genq's paged attention plugged in."""
     from transformers import AttentionInterface, AutoModelForCausalLM
 
     AttentionInterface.register(ATTENTION_NAME, paged_attention)
+    attention_classes.install(model_config)  # falcon, gptj, gpt_neo: genq's class in their own table
     # No AttentionMaskInterface entry on purpose: transformers then builds no dense mask at all.
     model_config._attn_implementation = ATTENTION_NAME
     if config.model == BUILTIN_MODEL:
@@ -166,13 +183,12 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, m
         except KeyError as exc:
             if exc.args != (ATTENTION_NAME,):
                 raise
-            # falcon, gptj, gpt_neo: one attention class per implementation, each computing attention itself
             raise ValueError(
                 f"model: genq cannot run {model_config.model_type}: it picks its attention class from its "
-                "own table (eager / sdpa / flash_attention_2), each computing attention itself; "
-                "transformers offers no AttentionInterface hook for it"
+                "own table, which has no genq class (genq has them for "
+                f"{', '.join(sorted(attention_classes.TABLES))}: attention_classes.py)"
             ) from exc
-    model.set_attn_implementation(ATTENTION_NAME)
+    attention_classes.set_attention(model, ATTENTION_NAME)
     if dtype == torch.float64:
         use_eager_experts(model)
     model = model.to(device=device, dtype=dtype).eval()

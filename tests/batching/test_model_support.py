@@ -90,3 +90,114 @@ def test_kv_shared_across_layers_runs_identically(tmp_path):
             num_kv_shared_layers=1,
         )
     assert result.status == "identical", result.reason
+
+
+@pytest.mark.parametrize(
+    "overrides,kv_heads",
+    [
+        (dict(new_decoder_architecture=True, num_kv_heads=2), 2),  # Falcon-40B/180B: grouped K/V
+        (dict(multi_query=False, num_kv_heads=4, parallel_attn=False), 4),  # Falcon-RW: one K/V per head
+    ],
+    ids=["grouped_kv", "multi_head_sequential"],
+)
+def test_falcon_variants_run_identically(overrides, kv_heads, tmp_path):
+    """The walk builds Falcon's default (multi-query, parallel attention); its other layouts run too,
+    and grouped K/V, which Falcon broadcasts to every query head, are cached once per group."""
+    from batching import Engine, EngineConfig
+
+    with support.quiet():
+        result = support.check_model_type("falcon", str(tmp_path), **overrides)
+        assert result.status == "identical", result.reason
+        engine = Engine(EngineConfig(model=str(tmp_path), dtype="float64", device="cpu", max_model_len=64))
+    assert {g.num_kv_heads for g in engine.kv_cache.layers} == {kv_heads}
+
+
+@pytest.mark.parametrize(
+    "model_type,overrides", [("falcon", dict(alibi=True)), ("bloom", {}), ("mpt", {})], ids=str
+)
+def test_alibi_models_are_refused_with_the_reason(model_type, overrides, tmp_path):
+    """ALiBi is added inside these models' own attention code, where no transformers hook reaches."""
+    with support.quiet():
+        result = support.check_model_type(model_type, str(tmp_path), **overrides)
+    assert result.status == "refused"
+    assert f"genq cannot run {model_type}: it adds ALiBi position biases" in result.reason
+
+
+def test_gpt_neo_local_window_changes_the_reference():
+    """GPT-Neo keeps its local layers' window in a buffer of its own, not in the mask transformers
+    builds: the walk's tiny GPT-Neo has one local layer whose window the prompts pass."""
+    assert _reference("gpt_neo") != _reference("gpt_neo", attention_types=[[["global"], 2]])
+
+
+def test_the_probe_checks_the_attention_of_class_table_models(monkeypatch, tmp_path):
+    """genq's GPT-J class is what the load-time probe checks: were it to attend wrongly (here, without
+    GPT-J's 1/sqrt(head size)), the engine would refuse the model at load, not serve wrong tokens."""
+    from batching import Engine, EngineConfig, attention_classes
+
+    cls = attention_classes.genq_class("gptj")
+
+    def unscaled(self, query, key, value, attention_mask=None):
+        if not self.routed:
+            return super(cls, self)._attn(query, key, value, attention_mask)
+        return self.interface_attention(query, key, value, attention_mask, scaling=1.0).transpose(1, 2), None
+
+    monkeypatch.setattr(cls, "_attn", unscaled)
+    with support.quiet():
+        support.build_tiny_model(support.tiny_config("gptj")).save_pretrained(tmp_path)
+        with pytest.raises(
+            ValueError, match="genq cannot run gptj: its logits on genq's paged attention differ"
+        ):
+            Engine(EngineConfig(model=str(tmp_path), dtype="float64", device="cpu", max_model_len=64))
+
+
+def test_a_class_table_without_a_genq_class_is_refused_with_the_reason(monkeypatch, tmp_path):
+    """A model type with its own attention-class table that genq has no class for (as falcon, gptj and
+    gpt_neo were) is refused by name, not with transformers' KeyError."""
+    from transformers.models.gptj import modeling_gptj
+
+    from batching import Engine, EngineConfig, attention_classes
+    from batching.attention import ATTENTION_NAME
+
+    monkeypatch.delitem(attention_classes.TABLES, "gptj")
+    monkeypatch.delitem(modeling_gptj.GPTJ_ATTENTION_CLASSES, ATTENTION_NAME, raising=False)
+    with support.quiet():
+        support.build_tiny_model(support.tiny_config("gptj")).save_pretrained(tmp_path)
+        with pytest.raises(
+            ValueError, match="genq cannot run gptj: it picks its attention class from its own table"
+        ):
+            Engine(EngineConfig(model=str(tmp_path), dtype="float64", device="cpu", max_model_len=64))
+
+
+def test_two_engines_stepping_at_once_each_see_their_own_step(tmp_path):
+    """GPT-J's attention reads the step's metadata from the runner's context variable, not from a
+    global: two engines stepping at the same time in two threads (as two engine hosts in one process
+    would) each attend over their own cache, and both match generate()."""
+    import threading
+
+    from batching import Engine, EngineConfig, SamplingParams
+
+    with support.quiet():
+        model = support.build_tiny_model(support.tiny_config("gptj"))
+        model.save_pretrained(tmp_path)
+        expected = support.reference_tokens(model, support.prompts())
+        engines = [
+            Engine(EngineConfig(model=str(tmp_path), dtype="float64", device="cpu", max_model_len=128, **s))
+            for s in support.SCHEDULES
+        ]
+    params = SamplingParams(max_tokens=support.MAX_NEW, temperature=0, ignore_eos=True)
+    start = threading.Barrier(len(engines))
+    results: dict[int, object] = {}
+
+    def run(i: int, engine) -> None:
+        start.wait()
+        try:
+            results[i] = [o.token_ids for o in engine.generate(support.prompts(), params)]
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i, e)) for i, e in enumerate(engines)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {i: expected for i in range(len(engines))}

@@ -13,11 +13,19 @@ from tests.batching.conftest import greedy, random_prompts, run_to_completion
 BLOCK_DIM = getattr(kv_cache_module, "BLOCK_DIM", 2)  # the pools' block axis; the next one is the slot
 
 
-def kv_of(cache: torch.Tensor, block_table: list[int], num_tokens: int) -> torch.Tensor:
-    """The K and V of every layer for positions 0..num_tokens-1 of a sequence with this block table."""
-    blocks = cache.index_select(BLOCK_DIM, torch.tensor(block_table, dtype=torch.long))
-    slots = blocks.flatten(BLOCK_DIM, BLOCK_DIM + 1)  # blocks and slots → positions
-    return slots.narrow(BLOCK_DIM, 0, num_tokens).clone()
+def kv_of(pools: list[torch.Tensor], block_table: list[int], num_tokens: int) -> list[torch.Tensor]:
+    """The K and V of every layer (in every pool) for positions 0..num_tokens-1 of a sequence with this
+    block table."""
+    out = []
+    for pool in pools:
+        blocks = pool.index_select(BLOCK_DIM, torch.tensor(block_table, dtype=torch.long))
+        slots = blocks.flatten(BLOCK_DIM, BLOCK_DIM + 1)  # blocks and slots → positions
+        out.append(slots.narrow(BLOCK_DIM, 0, num_tokens).clone())
+    return out
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def scribble_on_free_blocks(engine) -> None:
@@ -26,7 +34,8 @@ def scribble_on_free_blocks(engine) -> None:
     bm = engine.block_manager
     free = torch.tensor([b for b in bm.free_device if bm.hash_of_block[b] is None], dtype=torch.long)
     if len(free):
-        engine.kv_cache.device_cache.index_fill_(BLOCK_DIM, free, 1234.5)
+        for pool in engine.kv_cache.device_pools:
+            pool.index_fill_(BLOCK_DIM, free, 1234.5)
 
 
 def test_swapped_out_then_in_kv_is_bit_identical(make_engine, llama_path, reference):
@@ -45,7 +54,7 @@ def test_swapped_out_then_in_kv_is_bit_identical(make_engine, llama_path, refere
         step()
     seq = engine.requests["low"]
     before_table, before_len = list(seq.block_table), seq.num_computed_tokens
-    before = kv_of(engine.kv_cache.device_cache, before_table, before_len)
+    before = kv_of(engine.kv_cache.device_pools, before_table, before_len)
     stats = engine.stats()
 
     engine.add_request("urgent", urgent, greedy(12), priority=0)
@@ -53,7 +62,7 @@ def test_swapped_out_then_in_kv_is_bit_identical(make_engine, llama_path, refere
     assert seq.status == SequenceStatus.SWAPPED and not seq.block_table
     assert seq.num_computed_tokens == before_len
     assert len(seq.host_block_table) == -(-before_len // 3)
-    assert torch.equal(kv_of(engine.kv_cache.host_cache, seq.host_block_table, before_len), before)
+    assert same(kv_of(engine.kv_cache.host_pools, seq.host_block_table, before_len), before)
     after_out = engine.stats()
     assert after_out["num_swapped"] == 1
     assert after_out["num_blocks_swapped_out"] - stats["num_blocks_swapped_out"] == len(seq.host_block_table)
@@ -68,7 +77,7 @@ def test_swapped_out_then_in_kv_is_bit_identical(make_engine, llama_path, refere
     # the step that swapped it in also decoded one token: nothing was recomputed
     assert seq.status == SequenceStatus.RUNNING
     assert seq.num_computed_tokens == before_len + 1
-    assert torch.equal(kv_of(engine.kv_cache.device_cache, seq.block_table, before_len), before)
+    assert same(kv_of(engine.kv_cache.device_pools, seq.block_table, before_len), before)
     stats = engine.stats()
     assert stats["num_recomputed_tokens"] == 0
     assert stats["num_blocks_swapped_in"] == stats["num_blocks_swapped_out"] > 0
