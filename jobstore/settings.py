@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from typing_extensions import Self
 
@@ -124,6 +124,9 @@ class ApiSettings(StoreSettings):
     )
     max_batch_requests: int = 50000  # lines (requests) a batch input file may hold; OpenAI's limit
     max_file_bytes: int = 209715200  # bytes a batch input file may hold (200 MiB); OpenAI's limit
+    # seconds a batch has to complete: its completion_window, "24h" (the one window OpenAI and genq accept),
+    # means this long; a batch not done by then is ended `expired` (tests shorten it)
+    batch_window_seconds: float = Field(24 * 3600.0, gt=0)
     log_level: str = "INFO"
 
 

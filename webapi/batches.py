@@ -2,12 +2,15 @@
 when every line is valid, inserts one job per line (COPY) and sends them to Redis in pipelines; a file
 with an invalid line makes a `failed` batch with per-line errors, and nothing of it is queued. A batch's
 jobs run at BATCH_PRIORITY (8) unless `metadata.priority` ("0" … "9") says otherwise. The output file
-is written once every job has ended (jobstore/batches.py: by the reconciler, or here when polled)."""
+is written once every job has ended (jobstore/batches.py: by the reconciler, or here when polled). A batch
+not done by its expires_at (its completion_window, "24h": BATCH_WINDOW_SECONDS) is ended `expired` by the
+reconciler: its unfinished requests go to the error file with code `batch_expired`."""
 
 from __future__ import annotations
 
 import itertools
 import logging
+from datetime import timedelta
 
 from flask import Blueprint
 from kombu.exceptions import KombuError
@@ -81,7 +84,7 @@ def create_batch(body: BatchCreate):
                 func.now(),
                 builder.requests,
             )
-            batch.expires_at = func.now() + batches.COMPLETION_WINDOW
+            batch.expires_at = func.now() + timedelta(seconds=settings.batch_window_seconds)
         session.flush()
         session.refresh(batch)  # the timestamps Postgres set
     if batch.status == BatchStatus.IN_PROGRESS:

@@ -185,7 +185,10 @@ class BatchCreate(BaseModel):
 
     input_file_id: str = Field(max_length=64)
     endpoint: Endpoint
-    completion_window: Literal["24h"]
+    completion_window: Literal["24h"] = Field(
+        description="OpenAI's one window: a batch not done 24 hours after it was created (BATCH_WINDOW_SECONDS) "
+        "ends `expired`; its unfinished requests go to the error file with code `batch_expired`."
+    )
     metadata: (
         dict[
             Annotated[str, StringConstraints(min_length=1, max_length=64)],
@@ -280,7 +283,7 @@ class BatchObject(BaseModel):
     finalizing_at: int | None
     completed_at: int | None
     failed_at: int | None
-    expired_at: int | None = None
+    expired_at: int | None
     cancelling_at: int | None
     cancelled_at: int | None
     request_counts: RequestCounts
@@ -309,6 +312,7 @@ class BatchObject(BaseModel):
                     "finalizing_at",
                     "completed_at",
                     "failed_at",
+                    "expired_at",
                     "cancelling_at",
                     "cancelled_at",
                 )

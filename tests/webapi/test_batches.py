@@ -294,3 +294,64 @@ def test_redis_down_at_submission_leaves_the_batch_for_the_reconciler(settings, 
         assert [(r.status, r.enqueued_at) for r in rows] == [("queued", None)] * 3
     finally:
         app.extensions["genq"].close()
+
+
+def test_a_batch_past_its_window_expires_keeping_what_finished(
+    settings, database, redis_client, new_key, sessions
+):
+    import time
+
+    from webapi import create_app
+    from workers.reconciler import expire_batches
+
+    app = create_app(settings.replace(batch_window_seconds=3.0))
+    try:
+        client, headers = app.test_client(), {"Authorization": f"Bearer {new_key()}"}
+        file_id = upload(client, headers, jsonl(chat_line(i) for i in range(4))).json["id"]
+        r = create(client, headers, file_id, completion_window="1h")
+        assert r.status_code == 400 and r.json["error"]["param"] == "completion_window", r.json
+        batch = create(client, headers, file_id).json
+        assert batch["expires_at"] - batch["created_at"] in (3, 4) and batch["expired_at"] is None
+        rows = batch_jobs(sessions, batch["id"])
+        with sessions.begin() as s:  # as a worker would: one request done, one running, two still queued
+            s.execute(
+                text(
+                    "UPDATE jobs SET status = 'succeeded', output_token_ids = '{72}', output_text = :t, "
+                    "finish_reason = 'length', finished_at = now() WHERE id = :id"
+                ),
+                {"t": b"H", "id": rows[0].id},
+            )
+            s.execute(
+                text(
+                    "UPDATE jobs SET status = 'running', worker_id = 'w', output_token_ids = '{72}', "
+                    "lease_expires_at = now() + interval '1 minute' WHERE id = :id"
+                ),
+                {"id": rows[1].id},
+            )
+        assert expire_batches(sessions, settings) == 0  # not due yet: nothing happens
+        assert client.get(f"/v1/batches/{batch['id']}", headers=headers).json["status"] == "in_progress"
+        time.sleep(max(0.0, batch["expires_at"] + 1 - time.time()) + 0.1)  # Unix seconds, rounded down
+        assert expire_batches(sessions, settings) == 1
+        assert expire_batches(sessions, settings) == 0  # expired once
+        done = client.get(f"/v1/batches/{batch['id']}", headers=headers).json
+        assert done["status"] == "expired" and done["expired_at"] >= done["expires_at"] - 1
+        assert done["completed_at"] is None and done["cancelled_at"] is None
+        assert done["request_counts"] == {"total": 4, "completed": 1, "failed": 3}
+        assert [(r.status, r.error_code) for r in batch_jobs(sessions, batch["id"])] == [
+            ("succeeded", None),
+            *[("cancelled", "batch_expired")] * 3,
+        ]
+        output = client.get(f"/v1/files/{done['output_file_id']}/content", headers=headers).data.decode()
+        [line] = [json.loads(x) for x in output.splitlines()]
+        assert (
+            line["custom_id"] == "req-0"
+            and line["response"]["body"]["choices"][0]["message"]["content"] == "H"
+        )
+        errors = client.get(f"/v1/files/{done['error_file_id']}/content", headers=headers).data.decode()
+        lines = [json.loads(x) for x in errors.splitlines()]
+        assert [x["custom_id"] for x in lines] == ["req-1", "req-2", "req-3"]
+        assert {x["error"]["code"] for x in lines} == {"batch_expired"}
+        r = client.post(f"/v1/batches/{batch['id']}/cancel", headers=headers)
+        assert r.status_code == 409 and "expired" in r.json["error"]["message"]
+    finally:
+        app.extensions["genq"].close()
