@@ -240,6 +240,29 @@ class FileObject(BaseModel):
         )
 
 
+class FileListQuery(BaseModel):
+    """Query string of GET /v1/files (OpenAI's parameters)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    purpose: str | None = Field(
+        None, max_length=32, description="Only files of this purpose (`batch`, `batch_output`)."
+    )
+    limit: int = Field(10000, ge=1, le=10000, description="Files per page.")
+    order: Literal["asc", "desc"] = Field("desc", description="By creation time; newest first by default.")
+    after: str | None = Field(None, max_length=64, description="The last file id of the previous page.")
+
+
+class FilePage(BaseModel):
+    """A page of files; pass `last_id` as `after` for the next."""
+
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class FileDeleted(BaseModel):
     id: str
     object: Literal["file"] = "file"

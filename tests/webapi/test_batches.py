@@ -355,3 +355,46 @@ def test_a_batch_past_its_window_expires_keeping_what_finished(
         assert r.status_code == 409 and "expired" in r.json["error"]["message"]
     finally:
         app.extensions["genq"].close()
+
+
+def test_list_files_pages_filters_and_orders_as_openai_does(client, auth):
+    headers, other = auth(), auth()
+    ids = [upload(client, headers, jsonl([chat_line(i)]), name=f"f{i}.jsonl").json["id"] for i in range(5)]
+    upload(client, other, jsonl([chat_line(9)]))  # another tenant's: never listed
+    page = client.get("/v1/files", query_string={"limit": 2}, headers=headers).json
+    assert page["object"] == "list" and [f["id"] for f in page["data"]] == ids[:2:-1][:2]
+    assert page["has_more"] and (page["first_id"], page["last_id"]) == (ids[4], ids[3])
+    rest = client.get("/v1/files", query_string={"after": page["last_id"]}, headers=headers).json
+    assert [f["id"] for f in rest["data"]] == ids[2::-1] and not rest["has_more"]
+    oldest = client.get("/v1/files", query_string={"order": "asc", "limit": 3}, headers=headers).json
+    assert [f["id"] for f in oldest["data"]] == ids[:3] and oldest["has_more"]
+    after = client.get("/v1/files", query_string={"order": "asc", "after": ids[3]}, headers=headers).json
+    assert [f["id"] for f in after["data"]] == ids[4:] and not after["has_more"]
+    assert client.get("/v1/files", query_string={"purpose": "batch_output"}, headers=headers).json == {
+        "object": "list",
+        "data": [],
+        "first_id": None,
+        "last_id": None,
+        "has_more": False,
+    }
+    for query, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "x y"}, "after")):
+        r = client.get("/v1/files", query_string=query, headers=headers)
+        assert r.status_code == 400 and r.json["error"]["param"] == param, r.json
+
+
+def test_the_openai_client_lists_files_and_sees_only_its_own(server, new_key):
+    import openai
+
+    alice, bob = (
+        openai.OpenAI(base_url=f"{server}/v1", api_key=new_key(), max_retries=0, timeout=30) for _ in range(2)
+    )
+    mine = [
+        alice.files.create(file=(f"a{i}.jsonl", jsonl([chat_line(i)])), purpose="batch") for i in range(3)
+    ]
+    theirs = bob.files.create(file=("b.jsonl", jsonl([chat_line(0)])), purpose="batch")
+    listed = alice.files.list()
+    assert [f.id for f in listed.data] == [f.id for f in reversed(mine)]
+    assert listed.data[0].filename == "a2.jsonl" and listed.data[0].purpose == "batch"
+    # the client pages by itself: `after` the last id of each page, while has_more
+    assert [f.id for f in alice.files.list(limit=1, order="asc")] == [f.id for f in mine]
+    assert [f.id for f in bob.files.list(purpose="batch")] == [theirs.id]
