@@ -25,6 +25,7 @@ from webapi.batch_lines import BatchBuilder
 from webapi.errors import APIError
 from webapi.extensions import db, services
 from webapi.files import OBJECT_ID, owned_file
+from webapi.gc_pause import gc_paused
 from webapi.metrics import JOBS_CANCELLED, JOBS_SUBMITTED
 from webapi.openai_schemas import BatchCreate, BatchListQuery, BatchObject, BatchPage, RequestCounts
 from webapi.prompts import NoChatTemplate, tokenizer_for
@@ -38,6 +39,7 @@ LINES_PER_GROUP = 1000  # lines validated, rendered and COPYed at once
 
 @bp.post("")
 @endpoint(body=BatchCreate, responses={200: BatchObject})
+@gc_paused()  # a 10,000-line batch builds ~10^6 objects: webapi/gc_pause.py
 def create_batch(body: BatchCreate):
     """Create a batch from an uploaded file; it is validated whole, then its requests are queued."""
     settings = services().settings
@@ -114,12 +116,13 @@ def validate_and_insert(session, batch: Batch, file_id: str) -> BatchBuilder:
         tokenizer,
     )
     savepoint = session.begin_nested()
-    lines = iter_lines(iter_chunks(session, file_id))
-    try:
-        while group := list(itertools.islice(lines, LINES_PER_GROUP)):
-            rows = builder.add(group)
-            if not builder.error_count:
-                batches.copy_jobs(session, rows)
+    try:  # the file is read on a connection of its own: the session's carries the COPY
+        with services().sessions() as reader, batches.copy_jobs(session) as write:
+            lines = iter_lines(iter_chunks(reader, file_id))
+            while group := list(itertools.islice(lines, LINES_PER_GROUP)):
+                rows = builder.add(group)
+                if not builder.error_count:  # after an invalid line, the rest is only validated
+                    write(rows)
     except NoChatTemplate as exc:
         savepoint.rollback()
         raise APIError(400, "invalid_request", f"endpoint: {exc}") from None

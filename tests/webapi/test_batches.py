@@ -398,3 +398,23 @@ def test_the_openai_client_lists_files_and_sees_only_its_own(server, new_key):
     # the client pages by itself: `after` the last id of each page, while has_more
     assert [f.id for f in alice.files.list(limit=1, order="asc")] == [f.id for f in mine]
     assert [f.id for f in bob.files.list(purpose="batch")] == [theirs.id]
+
+
+def test_an_invalid_line_after_the_first_group_still_queues_nothing(
+    client, auth, sessions, redis_client, settings
+):
+    """The first 1,000 lines are COPYed before line 1,201 is read: the savepoint undoes them."""
+    headers = auth()
+    lines = [chat_line(i) for i in range(1300)]
+    lines[1200] = chat_line(1200, temperature=7)
+    file_id = upload(client, headers, jsonl(lines)).json["id"]
+    queued_before = sum(redis_client.llen(f"{settings.redis_key_prefix}{QUEUE}:{p}") for p in range(1, 10))
+    batch = create(client, headers, file_id).json
+    assert batch["status"] == "failed" and [(e["line"], e["param"]) for e in batch["errors"]["data"]] == [
+        (1201, "body.temperature")
+    ]
+    assert batch_jobs(sessions, batch["id"]) == []
+    queued_after = sum(redis_client.llen(f"{settings.redis_key_prefix}{QUEUE}:{p}") for p in range(1, 10))
+    assert queued_after == queued_before
+    ok = create(client, headers, upload(client, headers, jsonl(lines[:1200])).json["id"]).json
+    assert ok["status"] == "in_progress" and len(batch_jobs(sessions, ok["id"])) == 1200
