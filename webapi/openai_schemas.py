@@ -145,6 +145,81 @@ class CompletionRequest(_Sampling):
         return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default for completions
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = Field(None, description="A last chunk with the usage (and no choices).")
+
+
+class _Synchronous(BaseModel):
+    """What a synchronous call (POST /v1/chat/completions, /v1/completions) adds to a batch line's body: it
+    may stream, and `priority` (genq's own field: `extra_body={"priority": 3}` in OpenAI's client)."""
+
+    stream: bool | None = Field(None, description="Answer as server-sent events as the tokens come.")
+    stream_options: StreamOptions | None = None
+    priority: int = Field(0, ge=0, le=9, description="genq's priority: 0 (the default) most urgent … 9.")
+
+    @field_validator("stream")
+    @classmethod
+    def no_stream(cls, value):  # replaces the batch lines' refusal: a synchronous call may stream
+        return value
+
+
+class ChatCompletionCreate(_Synchronous, ChatCompletionRequest):
+    """Body of POST /v1/chat/completions: a chat to answer now (it waits for its job, or streams it)."""
+
+
+class CompletionCreate(_Synchronous, CompletionRequest):
+    """Body of POST /v1/completions: a prompt to continue now (it waits for its job, or streams it)."""
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ReplyMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ReplyMessage
+    logprobs: None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletion(BaseModel):
+    """A chat reply (OpenAI's chat.completion); with `stream`, chat.completion.chunk events instead."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class TextChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class Completion(BaseModel):
+    """A text completion (OpenAI's text_completion); with `stream`, text_completion chunk events instead."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage
+
+
 CustomId = Annotated[str, StringConstraints(min_length=1, max_length=512)]
 
 
