@@ -418,3 +418,40 @@ def test_an_invalid_line_after_the_first_group_still_queues_nothing(
     assert queued_after == queued_before
     ok = create(client, headers, upload(client, headers, jsonl(lines[:1200])).json["id"]).json
     assert ok["status"] == "in_progress" and len(batch_jobs(sessions, ok["id"])) == 1200
+
+
+def test_job_rows_survive_copys_text_format(client, auth, sessions):
+    """job_row writes COPY's text format itself: values with its delimiters and escapes (tab, newline,
+    backslash, quotes, braces, commas, non-ASCII) come back from Postgres exactly as sent."""
+    headers = auth()
+    nasty = 'a\tb\nc\\d"e{f}g,h \\N é漢字\r'
+    lines = [
+        {
+            "custom_id": nasty,
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {
+                "prompt": nasty,
+                "stop": [nasty, "\n", "\\", '"', "{}", "NULL"],
+                "seed": 2**63 - 1,
+                "top_p": 0.25,
+            },
+        },
+        {
+            "custom_id": "ids",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": [1, 2, 258], "max_tokens": 3, "temperature": 1e-05},
+        },
+    ]
+    file_id = upload(client, headers, jsonl(lines)).json["id"]
+    batch = create(client, headers, file_id, endpoint="/v1/completions").json
+    assert batch["status"] == "in_progress", batch
+    first, second = batch_jobs(sessions, batch["id"])
+    assert bytes(first.prompt).decode() == nasty and first.input_ids is None
+    assert first.stop == [nasty, "\n", "\\", '"', "{}", "NULL"]
+    assert first.metadata == {"batch_id": batch["id"], "custom_id": nasty}
+    assert (first.seed, first.top_p, first.max_tokens, first.top_k) == (2**63 - 1, 0.25, 16, 0)
+    assert bytes(first.output_text) == b"" and first.output_token_ids == [] and first.attempts == 0
+    assert second.prompt is None and second.input_ids == [1, 2, 258] and second.temperature == 1e-05
+    assert second.stop == [] and second.seed is None and second.batch_index == 1
