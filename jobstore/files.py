@@ -82,12 +82,15 @@ class FileWriter:
 
     def _count_lines(self, data: bytes) -> None:
         """Non-blank lines: a line counts once, when its first non-space byte arrives."""
+        lines, counted = 0, self._line_counted  # locals: the ORM attribute costs ~1 us a set
         for i, segment in enumerate(data.split(b"\n")):
             if i:
-                self._line_counted = False  # a newline began a new line
-            if not self._line_counted and segment.strip():
-                self.file.lines += 1
-                self._line_counted = True
+                counted = False  # a newline began a new line
+            if not counted and segment.strip():
+                lines += 1
+                counted = True
+        self.file.lines += lines
+        self._line_counted = counted
         if self.limits and self.file.lines > self.limits.max_lines:
             raise FileLimitExceeded(
                 f"file: more than {self.limits.max_lines:,} requests (lines), the most a batch may hold"
