@@ -181,6 +181,8 @@ class BlockManager:
                 self._uncache_host_block(b)
                 self.free_host.remove(b)
                 self.free_host.add(b, None)
+        for b in self.host_released:  # free from the next step on; then uncached
+            self._uncache_host_block(b)
         self.num_queried_tokens = self.num_hit_tokens = self.num_host_hit_tokens = 0
         self.num_evictions = self.num_offloaded_blocks = 0
 

@@ -29,7 +29,7 @@ from jobstore.db import create_database_if_missing, drop_database, make_engine, 
 from jobstore.dispatch import make_celery
 from jobstore.keys import create_key
 from jobstore.settings import Settings
-from tests.conftest import BIN, POSTGRES, REDIS, ROOT, free_port, settings_env
+from tests.conftest import BIN, POSTGRES, REDIS, ROOT, free_port, settings_env, worker_command
 
 
 @dataclasses.dataclass
@@ -149,24 +149,7 @@ def local_stack(
             stack.worker_metrics_urls.append(f"http://127.0.0.1:{port}/metrics")
             stack.workers.append(
                 _start(
-                    [
-                        BIN / "celery",
-                        "-A",
-                        "workers",
-                        "worker",
-                        "--pool",
-                        "threads",
-                        "--concurrency",
-                        str(concurrency),
-                        "-Q",
-                        "generate",
-                        "--loglevel",
-                        "WARNING",
-                        "--without-mingle",
-                        "--without-gossip",
-                        "-n",
-                        f"bench{i}-{uuid.uuid4().hex[:6]}@%h",
-                    ],
+                    worker_command(f"bench{i}-{uuid.uuid4().hex[:6]}@%h", concurrency, "WARNING"),
                     {
                         **env,
                         **(worker_env or {}),

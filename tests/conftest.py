@@ -33,6 +33,47 @@ POSTGRES = os.environ.get("GENQ_TEST_POSTGRES", "postgresql+psycopg://postgres@1
 REDIS = os.environ.get("GENQ_TEST_REDIS", "redis://127.0.0.1:6379")
 
 
+def worker_command(node: str, concurrency: int, loglevel: str = "INFO") -> list:
+    """The Celery worker of the Procfile (threads pool, the `generate` queue) as node `node`, quiet on
+    the cluster chatter a test or bench does not need."""
+    return [
+        BIN / "celery",
+        "-A",
+        "workers",
+        "worker",
+        "--pool",
+        "threads",
+        "--concurrency",
+        str(concurrency),
+        "-Q",
+        "generate",
+        "--loglevel",
+        loglevel,
+        "--without-mingle",
+        "--without-gossip",
+        "-n",
+        node,
+    ]
+
+
+def job_request(**fields) -> dict:
+    """A request as jobstore.jobs.create_job takes it once the API has validated it: greedy, 8 tokens,
+    priority 5; `fields` override."""
+    request = dict(
+        prompt="Once upon",
+        input_ids=None,
+        max_tokens=8,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        seed=None,
+        stop=[],
+        priority=5,
+        metadata={},
+    )
+    return request | fields
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

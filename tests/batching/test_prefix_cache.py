@@ -228,6 +228,27 @@ def test_evicted_blocks_come_back_from_the_host_tier(make_engine, llama_path, re
     assert s["num_prompt_tokens_computed"] - computed == 24 - 20
 
 
+def test_reset_forgets_host_blocks_the_last_step_read(make_engine):
+    """reset_prefix_cache right after a host-tier hit (the engine idle, the hit's host blocks not yet
+    back in the free pool) forgets those too: the same prompt then reuses nothing."""
+    engine = make_engine(
+        block_size=BLOCK, num_device_blocks=16, num_host_blocks=32, max_num_batched_tokens=64
+    )
+    a, b, c = random_prompts(191, [24, 24, 24])
+    for req_id, prompt in (("a", a), ("b", b), ("c", c)):
+        engine.add_request(req_id, prompt, greedy(4))
+        run_to_completion(engine)
+    engine.add_request("a-again", a, greedy(1))  # done in the step that reads the host tier
+    run_to_completion(engine)
+    assert engine.stats()["num_prefix_cache_host_hit_tokens"] > 0
+    engine.block_manager.reset_prefix_cache()
+    assert engine.stats()["num_cached_host_blocks"] == 0
+    engine.add_request("a-third", a, greedy(4))
+    run_to_completion(engine)
+    assert engine.stats()["num_prefix_cache_hit_tokens"] == 0
+    engine.check_invariants()
+
+
 def test_host_tier_under_swap_preemption_stays_exact(make_engine, llama_path, reference):
     """Swapped-out sequences and cached blocks share the host pool: the cache never takes a swapped-out
     sequence's blocks, and everything stays exact."""

@@ -11,19 +11,9 @@ from sqlalchemy import text as sql
 from jobstore import jobs
 from jobstore.keys import create_key, hash_key, tenant_for_key
 from jobstore.models import ApiKey, JobStatus, Tenant
+from tests.conftest import job_request
 
-REQUEST = dict(
-    prompt="Once upon",
-    input_ids=None,
-    max_tokens=8,
-    temperature=0.0,
-    top_p=1.0,
-    top_k=0,
-    seed=None,
-    stop=[],
-    priority=5,
-    metadata={"run": 1},
-)
+REQUEST = job_request(metadata={"run": 1})
 LEASE = 30.0
 
 

@@ -21,7 +21,7 @@ from sqlalchemy import text as sql
 
 from jobstore.dispatch import make_celery
 from jobstore.settings import Settings
-from tests.conftest import BIN, ROOT, free_port, settings_env
+from tests.conftest import ROOT, free_port, settings_env, worker_command
 from workers.reconciler import reconcile
 
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -59,24 +59,7 @@ class Worker:
         self.node = f"rel-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
         with log.open("w") as out:
             self.proc = subprocess.Popen(
-                [
-                    BIN / "celery",
-                    "-A",
-                    "workers",
-                    "worker",
-                    "--pool",
-                    "threads",
-                    "--concurrency",
-                    str(self.concurrency),
-                    "-Q",
-                    "generate",
-                    "--loglevel",
-                    "INFO",
-                    "--without-mingle",
-                    "--without-gossip",
-                    "-n",
-                    self.node,
-                ],
+                worker_command(self.node, self.concurrency),
                 cwd=ROOT,
                 env=settings_env(self.settings),
                 stdout=out,

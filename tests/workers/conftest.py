@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jobstore.dispatch import make_celery
 from jobstore.settings import Settings
-from tests.conftest import BIN, ROOT, free_port, settings_env
+from tests.conftest import ROOT, free_port, settings_env, worker_command
 from workers.outcomes import Outcome
 
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -100,24 +100,7 @@ def worker_stack(
     metrics_port = int(os.environ.get("WORKER_METRICS_PORT") or free_port())
     with log.open("w") as out:
         worker = subprocess.Popen(
-            [
-                BIN / "celery",
-                "-A",
-                "workers",
-                "worker",
-                "--pool",
-                "threads",
-                "--concurrency",
-                str(concurrency),
-                "-Q",
-                "generate",
-                "--loglevel",
-                "INFO",
-                "--without-mingle",
-                "--without-gossip",
-                "-n",
-                f"{name}@%h",
-            ],
+            worker_command(f"{name}@%h", concurrency),
             cwd=ROOT,
             env={**settings_env(settings), "WORKER_METRICS_PORT": str(metrics_port)},
             stdout=out,

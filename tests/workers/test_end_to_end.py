@@ -9,6 +9,7 @@ from datetime import datetime
 
 from batching import SamplingParams
 from jobstore import jobs
+from tests.conftest import job_request
 from workers.reconciler import reconcile
 
 PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
@@ -83,18 +84,7 @@ def test_reconciler_sends_jobs_that_never_reached_redis(wide, sessions):
         job, _ = jobs.create_job(
             s,
             tenant_id,
-            dict(
-                prompt="lost",
-                input_ids=None,
-                max_tokens=4,
-                temperature=0.0,
-                top_p=1.0,
-                top_k=0,
-                seed=None,
-                stop=[],
-                priority=5,
-                metadata={},
-            ),
+            job_request(prompt="lost", max_tokens=4),
         )
     time.sleep(wide.settings.enqueue_grace_seconds)
     assert reconcile(sessions, wide.celery, wide.settings)["sent"] >= 1

@@ -19,21 +19,10 @@ from jobstore.db import create_database_if_missing, drop_database, make_engine, 
 from jobstore.dispatch import make_celery
 from jobstore.keys import create_key, tenant_for_key
 from jobstore.models import Batch, BatchStatus, Job, JobStatus
-from tests.conftest import ROOT, settings_env
+from tests.conftest import ROOT, job_request, settings_env
 from workers import reconciler
 
-REQUEST = dict(
-    prompt="Once upon",
-    input_ids=None,
-    max_tokens=8,
-    temperature=0.0,
-    top_p=1.0,
-    top_k=0,
-    seed=None,
-    stop=[],
-    priority=5,
-    metadata={},
-)
+REQUEST = job_request()
 
 
 @pytest.fixture
