@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 
 import openai
 import pytest
@@ -20,6 +21,7 @@ CHAT = [
     {"role": "system", "content": "Answer in one word."},
     {"role": "user", "content": "What comes after Tuesday?"},
 ]
+LONG_CHAT = [CHAT[0], {"role": "user", "content": "What comes after 3?"}]  # greedy: no EOS in 1,500 tokens
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,9 @@ def test_a_chat_completion_waits_for_its_job_and_answers_in_openai_shape(wide, c
         len(chat_prompt()),
         len(want.token_ids),
     )
-    job = wide.job(reply.id.removeprefix("chatcmpl-"))  # a genq job like any other, at priority 0
+    job = wide.job(
+        str(uuid.UUID(reply.id.removeprefix("chatcmpl-")))
+    )  # a genq job like any other, priority 0
     assert job["status"] == "succeeded" and job["priority"] == 0 and job["output"]["text"] == want.text
 
 
@@ -67,14 +71,14 @@ def test_a_streamed_chat_completion_sends_the_text_as_it_comes(client, offline_e
     stream = client.chat.completions.create(
         messages=CHAT,
         model="tiny-llama",
-        max_tokens=200,
+        max_tokens=300,
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
         extra_body={"priority": 3},
     )
     chunks = list(stream)
-    want = greedy(offline_engine, chat_prompt(), 200)
+    want = greedy(offline_engine, chat_prompt(), 300)
     assert chunks[0].choices[0].delta.role == "assistant"
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert "".join(pieces) == want.text and len(pieces) > 1  # in several pieces, as the worker wrote them
@@ -128,14 +132,14 @@ def test_waiting_calls_are_bounded_and_a_stream_left_behind_cancels_its_job(wide
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
         long = client.chat.completions.create(
             model="tiny-llama",
-            messages=CHAT,
+            messages=LONG_CHAT,
             max_tokens=1500,
             temperature=0,
             stop=["never-seen-stop"],
             stream=True,
         )
         first = next(iter(long))  # the call is under way: it holds the process's slot
-        job_id = first.id.removeprefix("chatcmpl-")
+        job_id = str(uuid.UUID(first.id.removeprefix("chatcmpl-")))
         with pytest.raises(openai.RateLimitError) as refused:
             client.chat.completions.create(model="tiny-llama", messages=CHAT, max_tokens=2)
         assert refused.value.response.headers["Retry-After"] == "1"
