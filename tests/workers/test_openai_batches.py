@@ -231,16 +231,16 @@ def test_a_batch_not_done_in_its_window_expires(wide, new_key, sessions, offline
     it, the long ones do not. The reconciler's expiry (run here as beat would) cancels the running ones
     (they leave the engine) and the queued ones (they never run), and ends the batch `expired` with the
     finished lines in the output file and the rest in the error file."""
-    window = 8.0
-    short, long = 4, 12  # long ones: more than the worker holds (8 running + 2), so some stay queued
+    window = 6.0
+    short, long = 4, 20  # long ones: more than the worker holds (8 running + 2), so some stay queued
     lines = [
         {
             "custom_id": f"{'short' if i < short else 'long'}{i}",
             "method": "POST",
             "url": "/v1/chat/completions",
             "body": {
-                "messages": conversation(i),
-                "max_tokens": 4 if i < short else 1500,
+                "messages": conversation(i if i < short else 3),  # 3: greedy, no EOS for 1,900 tokens
+                "max_tokens": 4 if i < short else 1900,
                 "temperature": 0,
                 "stop": ["never-seen-stop"],
             },
@@ -259,12 +259,12 @@ def test_a_batch_not_done_in_its_window_expires(wide, new_key, sessions, offline
             assert time.monotonic() < deadline, done
             expire_batches(sessions, wide.settings)
             time.sleep(0.5)
-    assert done.status == "expired" and done.expired_at >= done.expires_at, done
+        assert done.status == "expired" and done.expired_at >= done.expires_at, done
+        output = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+        errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
     counts = done.request_counts
     assert counts.total == short + long and counts.completed + counts.failed == counts.total, counts
     assert short <= counts.completed < counts.total, counts
-    output = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
-    errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
     assert len(output) == counts.completed and len(errors) == counts.failed
     assert sorted(x["custom_id"] for x in output + errors) == sorted(x["custom_id"] for x in lines)
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
