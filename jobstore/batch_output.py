@@ -1,6 +1,7 @@
 """The lines of a batch's output and error files, in OpenAI's shape: a succeeded request's line holds the
 response body its endpoint answers (`chat.completion` or `text_completion`, with `choices` and `usage`);
-a failed or cancelled one holds the error instead."""
+a failed or cancelled one holds the error instead (`batch_expired` for the requests an expired batch cut
+short: jobstore/batches.py records that code on their jobs)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def output_line(job, endpoint: str, model: str, batch_cancelled: bool = False) -
     custom_id = (job.metadata_ or {}).get("custom_id")
     line = {"id": f"batch_req_{job.id.hex}", "custom_id": custom_id, "response": None, "error": None}
     if job.status != JobStatus.SUCCEEDED:
-        if job.status != JobStatus.CANCELLED:
+        if job.status != JobStatus.CANCELLED or job.error_code:  # failed, or cancelled for a reason (expiry)
             error = {"code": job.error_code or "failed", "message": job.error_message or "the request failed"}
         elif batch_cancelled:
             error = {

@@ -2,7 +2,8 @@
 cancelling it, and finalizing it (writing the output and error files once every job has ended).
 
     POST /v1/batches ──▶ in_progress (jobs queued) ──all jobs ended──▶ completed
-          │                     └──cancel──▶ cancelling ──all jobs ended──▶ cancelled
+          │                     ├──cancel──▶ cancelling ──all jobs ended──▶ cancelled
+          │                     └──expires_at passed──▶ expired (its unfinished jobs cancelled)
           └─(a line is invalid: nothing queued)──▶ failed
 
 Finalizing runs where it is durable and prompt: the reconciler (celery beat, every RECONCILE_INTERVAL)
@@ -10,6 +11,12 @@ finalizes every batch whose jobs have all ended, and GET /v1/batches/<id> finali
 when it finds it ready, so a client polling sees `completed` at once. Both run `finalize_batch`, one
 transaction that locks the batch row (SKIP LOCKED: a second finalizer passes by): it is written whole or
 not at all, and a process dying half way leaves the batch ready for the next try.
+
+Expiry (OpenAI's rule): a batch still in progress at its expires_at (created + its completion window,
+BATCH_WINDOW_SECONDS for "24h") is ended by the reconciler with `expire_batch`, one transaction: its queued
+and running jobs are cancelled with error code `batch_expired` (a queued one's message is dropped by the
+worker that takes it; a running one leaves its worker's batch at the next progress write), the requests
+that finished go to the output file, the others to the error file, and the batch becomes `expired`.
 The caller owns the transaction: nothing here commits.
 """
 
@@ -18,8 +25,9 @@ from __future__ import annotations
 import json
 import secrets
 import uuid
-from collections.abc import Iterable, Sequence
-from datetime import datetime, timedelta
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
 
 from psycopg.types.json import Jsonb
 from sqlalchemy import exists, func, select, tuple_, update
@@ -55,7 +63,8 @@ JOB_COLUMNS = (
     "batch_index",
     "enqueued_at",
 )
-COMPLETION_WINDOW = timedelta(hours=24)
+EXPIRED_CODE = "batch_expired"
+EXPIRED_MESSAGE = "this request could not be executed before the batch's completion window expired"
 EMPTY_ARRAY = "{}"  # an empty array in COPY's text form
 PAGE = 1000  # jobs read at once while writing the output file
 
@@ -101,16 +110,25 @@ def job_row(
 
 
 def _int_array(values: list[int] | None) -> str | None:
-    """An integer array in Postgres's text form: psycopg's list dumper costs ~40 us a row in Python."""
-    return None if values is None else "{" + ",".join(map(str, values)) + "}"
+    """An integer array in Postgres's text form, "{1, 2, 3}" (spaces are allowed between elements): psycopg's
+    list dumper costs ~40 us a row in Python, and a list's own repr half what joining its items does."""
+    return None if values is None else "{" + repr(values)[1:-1] + "}"
 
 
-def copy_jobs(session: Session, rows: Iterable[tuple]) -> None:
-    """Insert job rows (values in JOB_COLUMNS order) with one COPY: Postgres's fastest way in."""
+@contextmanager
+def copy_jobs(session: Session) -> Iterator[Callable[[Iterable[tuple]], None]]:
+    """One COPY into jobs, open for the block: it yields `write(rows)` (values in JOB_COLUMNS order), to call
+    as rows are ready. Postgres's fastest way in; and kept open across a batch's groups of lines, the server
+    inserts one group while the API prepares the next (on two cores, in parallel), where a COPY per group
+    waited for each. The session's connection is busy until the block ends: read with another one."""
     raw = session.connection().connection.driver_connection
     with raw.cursor() as cursor, cursor.copy(f"COPY jobs ({', '.join(JOB_COLUMNS)}) FROM STDIN") as copy:
-        for row in rows:
-            copy.write_row(row)
+
+        def write(rows: Iterable[tuple]) -> None:
+            for row in rows:
+                copy.write_row(row)
+
+        yield write
 
 
 def get_batch(db: Session, batch_id: str, tenant_id: uuid.UUID) -> Batch | None:
@@ -152,19 +170,55 @@ def cancel_batch(db: Session, batch: Batch) -> int:
     if batch.status != BatchStatus.IN_PROGRESS:
         return 0
     batch.status, batch.cancelling_at = BatchStatus.CANCELLING, func.now()
-    result = db.execute(
+    cancelled = _cancel_jobs(db, batch.id)
+    db.flush()
+    return cancelled
+
+
+def _cancel_jobs(db: Session, batch_id: str, **error) -> int:
+    """Cancel the batch's queued and running jobs (with an error code and message, if given); how many."""
+    return db.execute(
         update(Job)
-        .where(Job.batch_id == batch.id, Job.status.in_(ACTIVE))
+        .where(Job.batch_id == batch_id, Job.status.in_(ACTIVE))
         .values(
             status=JobStatus.CANCELLED,
             finished_at=func.now(),
             lease_expires_at=None,
             finish_reason=func.coalesce(Job.finish_reason, "abort"),
+            **error,
         )
         .execution_options(synchronize_session=False)
+    ).rowcount
+
+
+def expiring_batches(db: Session, limit: int = 100) -> list[str]:
+    """Ids of batches still in progress past their expires_at: to expire."""
+    return list(
+        db.scalars(
+            select(Batch.id)
+            .where(Batch.status == BatchStatus.IN_PROGRESS, Batch.expires_at <= func.now())
+            .limit(limit)
+        )
     )
+
+
+def expire_batch(db: Session, batch_id: str, model: str) -> int | None:
+    """in_progress past expires_at → expired: its unfinished jobs cancelled (code `batch_expired`), its
+    output and error files written; returns how many jobs were cancelled, None if the batch is not due
+    (not in progress, not past its expires_at, or another process holds it)."""
+    batch = db.scalar(
+        select(Batch)
+        .where(Batch.id == batch_id, Batch.status == BatchStatus.IN_PROGRESS, Batch.expires_at <= func.now())
+        .with_for_update(skip_locked=True)
+    )
+    if batch is None:
+        return None
+    cancelled = _cancel_jobs(db, batch_id, error_code=EXPIRED_CODE, error_message=EXPIRED_MESSAGE)
+    batch.finalizing_at = func.now()
+    _write_results(db, batch, model)
+    batch.status, batch.expired_at = BatchStatus.EXPIRED, func.now()
     db.flush()
-    return result.rowcount
+    return cancelled
 
 
 def ready_batches(db: Session, limit: int = 100) -> list[str]:
@@ -184,28 +238,34 @@ def finalize_batch(db: Session, batch_id: str, model: str) -> bool:
         return False
     batch.finalizing_at = func.now()
     cancelled = batch.status == BatchStatus.CANCELLING
-    files: dict[bool, FileWriter] = {}
-    completed = failed = 0
-    for row in _batch_jobs(db, batch_id):
-        succeeded = row.status == JobStatus.SUCCEEDED
-        completed, failed = completed + succeeded, failed + (not succeeded)
-        if succeeded not in files:
-            name = f"{batch_id}_{'output' if succeeded else 'error'}.jsonl"
-            files[succeeded] = FileWriter(db, batch.tenant_id, "batch_output", name)
-        line = output_line(row, batch.endpoint, model, batch_cancelled=cancelled)
-        files[succeeded].write(json.dumps(line).encode() + b"\n")  # ASCII: any text survives
-    for writer in files.values():
-        writer.close()
+    _write_results(db, batch, model, batch_cancelled=cancelled)
     batch.status = BatchStatus.CANCELLED if cancelled else BatchStatus.COMPLETED
     if cancelled:
         batch.cancelled_at = func.now()
     else:
         batch.completed_at = func.now()
+    db.flush()
+    return True
+
+
+def _write_results(db: Session, batch: Batch, model: str, batch_cancelled: bool = False) -> None:
+    """Write the batch's output file (its succeeded requests) and error file (the rest), in input order,
+    and its request counts; every job of the batch has ended."""
+    files: dict[bool, FileWriter] = {}
+    completed = failed = 0
+    for row in _batch_jobs(db, batch.id):
+        succeeded = row.status == JobStatus.SUCCEEDED
+        completed, failed = completed + succeeded, failed + (not succeeded)
+        if succeeded not in files:
+            name = f"{batch.id}_{'output' if succeeded else 'error'}.jsonl"
+            files[succeeded] = FileWriter(db, batch.tenant_id, "batch_output", name)
+        line = output_line(row, batch.endpoint, model, batch_cancelled=batch_cancelled)
+        files[succeeded].write(json.dumps(line).encode() + b"\n")  # ASCII: any text survives
+    for writer in files.values():
+        writer.close()
     batch.completed, batch.failed = completed, failed
     batch.output_file_id = files[True].file.id if True in files else None
     batch.error_file_id = files[False].file.id if False in files else None
-    db.flush()
-    return True
 
 
 def _batch_jobs(db: Session, batch_id: str):

@@ -257,6 +257,7 @@ class Batch(Base):
     finalizing_at: Mapped[datetime | None] = _timestamp()
     completed_at: Mapped[datetime | None] = _timestamp()
     failed_at: Mapped[datetime | None] = _timestamp()
+    expired_at: Mapped[datetime | None] = _timestamp()  # not done by expires_at: ended as `expired`
     cancelling_at: Mapped[datetime | None] = _timestamp()
     cancelled_at: Mapped[datetime | None] = _timestamp()
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from typing_extensions import Self
 
@@ -124,6 +124,15 @@ class ApiSettings(StoreSettings):
     )
     max_batch_requests: int = 50000  # lines (requests) a batch input file may hold; OpenAI's limit
     max_file_bytes: int = 209715200  # bytes a batch input file may hold (200 MiB); OpenAI's limit
+    # seconds a batch has to complete: its completion_window, "24h" (the one window OpenAI and genq accept),
+    # means this long; a batch not done by then is ended `expired` (tests shorten it)
+    batch_window_seconds: float = Field(24 * 3600.0, gt=0)
+    # POST /v1/chat/completions and /v1/completions wait for their job in the API process (webapi/completions.py):
+    # at most this many at once per process (beyond: 429 + Retry-After; 0 turns them off, answering 503).
+    # gunicorn.conf.py sets it from its threads (gthread: threads - 2; sync: 0, a wait would hold the process)
+    completion_slots: int = Field(4, ge=0)
+    completion_timeout_seconds: float = Field(600.0, gt=0)  # a completion not done by then is cancelled (503)
+    completion_poll_seconds: float = Field(0.1, gt=0)  # how often a waiting completion reads its job's row
     log_level: str = "INFO"
 
 

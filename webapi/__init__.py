@@ -7,7 +7,7 @@ import logging
 from flask import Flask
 
 from jobstore.settings import ApiSettings
-from webapi import batches, docs, files, jobs, ops
+from webapi import batches, completions, docs, files, jobs, ops
 from webapi.cli import keys
 from webapi.errors import init_errors
 from webapi.extensions import init_extensions
@@ -26,6 +26,7 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
     app.register_blueprint(jobs.bp)
     app.register_blueprint(files.bp)
     app.register_blueprint(batches.bp)
+    app.register_blueprint(completions.bp)
     app.register_blueprint(ops.bp)
     app.register_blueprint(docs.bp)
     app.cli.add_command(keys)

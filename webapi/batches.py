@@ -2,12 +2,15 @@
 when every line is valid, inserts one job per line (COPY) and sends them to Redis in pipelines; a file
 with an invalid line makes a `failed` batch with per-line errors, and nothing of it is queued. A batch's
 jobs run at BATCH_PRIORITY (8) unless `metadata.priority` ("0" … "9") says otherwise. The output file
-is written once every job has ended (jobstore/batches.py: by the reconciler, or here when polled)."""
+is written once every job has ended (jobstore/batches.py: by the reconciler, or here when polled). A batch
+not done by its expires_at (its completion_window, "24h": BATCH_WINDOW_SECONDS) is ended `expired` by the
+reconciler: its unfinished requests go to the error file with code `batch_expired`."""
 
 from __future__ import annotations
 
 import itertools
 import logging
+from datetime import timedelta
 
 from flask import Blueprint
 from kombu.exceptions import KombuError
@@ -22,6 +25,7 @@ from webapi.batch_lines import BatchBuilder
 from webapi.errors import APIError
 from webapi.extensions import db, services
 from webapi.files import OBJECT_ID, owned_file
+from webapi.gc_pause import gc_paused
 from webapi.metrics import JOBS_CANCELLED, JOBS_SUBMITTED
 from webapi.openai_schemas import BatchCreate, BatchListQuery, BatchObject, BatchPage, RequestCounts
 from webapi.prompts import NoChatTemplate, tokenizer_for
@@ -35,6 +39,7 @@ LINES_PER_GROUP = 1000  # lines validated, rendered and COPYed at once
 
 @bp.post("")
 @endpoint(body=BatchCreate, responses={200: BatchObject})
+@gc_paused()  # a 10,000-line batch builds ~10^6 objects: webapi/gc_pause.py
 def create_batch(body: BatchCreate):
     """Create a batch from an uploaded file; it is validated whole, then its requests are queued."""
     settings = services().settings
@@ -81,7 +86,7 @@ def create_batch(body: BatchCreate):
                 func.now(),
                 builder.requests,
             )
-            batch.expires_at = func.now() + batches.COMPLETION_WINDOW
+            batch.expires_at = func.now() + timedelta(seconds=settings.batch_window_seconds)
         session.flush()
         session.refresh(batch)  # the timestamps Postgres set
     if batch.status == BatchStatus.IN_PROGRESS:
@@ -111,12 +116,13 @@ def validate_and_insert(session, batch: Batch, file_id: str) -> BatchBuilder:
         tokenizer,
     )
     savepoint = session.begin_nested()
-    lines = iter_lines(iter_chunks(session, file_id))
-    try:
-        while group := list(itertools.islice(lines, LINES_PER_GROUP)):
-            rows = builder.add(group)
-            if not builder.error_count:
-                batches.copy_jobs(session, rows)
+    try:  # the file is read on a connection of its own: the session's carries the COPY
+        with services().sessions() as reader, batches.copy_jobs(session) as write:
+            lines = iter_lines(iter_chunks(reader, file_id))
+            while group := list(itertools.islice(lines, LINES_PER_GROUP)):
+                rows = builder.add(group)
+                if not builder.error_count:  # after an invalid line, the rest is only validated
+                    write(rows)
     except NoChatTemplate as exc:
         savepoint.rollback()
         raise APIError(400, "invalid_request", f"endpoint: {exc}") from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 import time
 from dataclasses import dataclass
 
@@ -21,7 +22,12 @@ from webapi.key_cache import KeyCache
 from webapi.queue_size import QueueSize
 from webapi.sent_marks import SentMarks
 
-LIMITED_BLUEPRINTS = ("jobs", "files", "batches")  # RATE_LIMIT counts their calls (a batch is one call)
+LIMITED_BLUEPRINTS = (
+    "jobs",
+    "files",
+    "batches",
+    "completions",
+)  # RATE_LIMIT counts their calls (a batch is one)
 
 
 @dataclass
@@ -36,6 +42,7 @@ class Services:
     sent_marks: SentMarks  # jobs sent to Redis, recorded in Postgres in batches
     queue_size: QueueSize  # queued jobs per tenant and in all, counted at most once a second
     bulk_sender: BulkSender  # a batch's jobs to Redis, in pipelines
+    completion_slots: threading.BoundedSemaphore | None  # synchronous completions waiting in this process
 
     def close(self) -> None:
         """Record the pending "sent" marks, then close every database connection (tests, shutdown)."""
@@ -71,6 +78,7 @@ def init_extensions(app: Flask, settings: ApiSettings) -> None:
         SentMarks(sessions),
         QueueSize(engine),
         BulkSender(celery, settings),
+        threading.BoundedSemaphore(settings.completion_slots) if settings.completion_slots else None,
     )
     app.teardown_appcontext(_close_session)
     app.register_error_handler(RateLimitExceeded, _rate_limited)

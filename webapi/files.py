@@ -1,5 +1,5 @@
-"""/v1/files: the Batch API's files (OpenAI's paths and shapes): upload a batch input file, read it, its
-content, delete it. An upload streams into Postgres a chunk at a time (jobstore/files.py)."""
+"""/v1/files: the Batch API's files (OpenAI's paths and shapes): upload a batch input file, list the
+caller's files, read one, its content, delete it. An upload streams into Postgres a chunk at a time (jobstore/files.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from jobstore.files import CHUNK_BYTES, FileLimitExceeded, FileLimits
 from webapi.auth import current_tenant, require_api_key
 from webapi.errors import APIError
 from webapi.extensions import db, services
-from webapi.openai_schemas import FileDeleted, FileObject
+from webapi.openai_schemas import FileDeleted, FileListQuery, FileObject, FilePage
 from webapi.spec import endpoint
 
 bp = Blueprint("files", __name__, url_prefix="/v1/files")
@@ -64,6 +64,29 @@ def upload_file():
             400, "file_too_large" if "bytes" in str(exc) else "too_many_requests", str(exc)
         ) from None
     return FileObject.of(stored).model_dump()
+
+
+@bp.get("")
+@endpoint(query=FileListQuery, responses={200: FilePage})
+def list_files(query: FileListQuery):
+    """The caller's files (uploaded inputs, and batches' output and error files), newest first by default."""
+    if query.after is not None and not OBJECT_ID.fullmatch(query.after):
+        raise APIError(422, "invalid_request", "after: not a file id")
+    page = files.list_files(
+        db(),
+        current_tenant().id,
+        purpose=query.purpose,
+        after=query.after,
+        limit=query.limit + 1,
+        newest_first=query.order == "desc",
+    )
+    more, page = len(page) > query.limit, page[: query.limit]
+    return FilePage(
+        data=[FileObject.of(f) for f in page],
+        first_id=page[0].id if page else None,
+        last_id=page[-1].id if page else None,
+        has_more=more,
+    ).model_dump()
 
 
 @bp.get("/<file_id>")

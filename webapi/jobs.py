@@ -43,7 +43,17 @@ IDEMPOTENCY_HELP = "Retrying with the same key returns the same job (a different
 def create_job(body: JobSubmit):
     """Submit a job; it is queued at once and runs in priority order (0 first)."""
     request, prompt_tokens = job_request(body)
-    key = idempotency_key()
+    job = submit_job(request, prompt_tokens, idempotency_key())
+    return (
+        JobOut.from_job(job).model_dump(mode="json"),
+        202,
+        {"Location": url_for("jobs.get_job", job_id=job.id)},
+    )
+
+
+def submit_job(request: dict, prompt_tokens: int, key: str | None = None) -> Job:
+    """Insert the caller's job (JobCreate's fields) and send it to Redis; 429 over the queued-job caps, 422
+    for an Idempotency-Key reused with another body. POST /jobs and /v1's synchronous completions."""
     tenant_id, cap = current_tenant().id, services().settings.max_queued_per_tenant
     with services().autocommit.connect() as conn:  # one INSERT; near its cap, the tenant's count is inside it
         if key is None or jobs.job_for_key(conn, tenant_id, key) is None:  # a retry is not a new job
@@ -71,11 +81,7 @@ def create_job(body: JobSubmit):
         )
     if created:
         enqueue(job)
-    return (
-        JobOut.from_job(job).model_dump(mode="json"),
-        202,
-        {"Location": url_for("jobs.get_job", job_id=job.id)},
-    )
+    return job
 
 
 @bp.get("/<uuid:job_id>")

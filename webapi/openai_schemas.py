@@ -145,6 +145,81 @@ class CompletionRequest(_Sampling):
         return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default for completions
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = Field(None, description="A last chunk with the usage (and no choices).")
+
+
+class _Synchronous(BaseModel):
+    """What a synchronous call (POST /v1/chat/completions, /v1/completions) adds to a batch line's body: it
+    may stream, and `priority` (genq's own field: `extra_body={"priority": 3}` in OpenAI's client)."""
+
+    stream: bool | None = Field(None, description="Answer as server-sent events as the tokens come.")
+    stream_options: StreamOptions | None = None
+    priority: int = Field(0, ge=0, le=9, description="genq's priority: 0 (the default) most urgent … 9.")
+
+    @field_validator("stream")
+    @classmethod
+    def no_stream(cls, value):  # replaces the batch lines' refusal: a synchronous call may stream
+        return value
+
+
+class ChatCompletionCreate(_Synchronous, ChatCompletionRequest):
+    """Body of POST /v1/chat/completions: a chat to answer now (it waits for its job, or streams it)."""
+
+
+class CompletionCreate(_Synchronous, CompletionRequest):
+    """Body of POST /v1/completions: a prompt to continue now (it waits for its job, or streams it)."""
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ReplyMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ReplyMessage
+    logprobs: None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletion(BaseModel):
+    """A chat reply (OpenAI's chat.completion); with `stream`, chat.completion.chunk events instead."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class TextChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class Completion(BaseModel):
+    """A text completion (OpenAI's text_completion); with `stream`, text_completion chunk events instead."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage
+
+
 CustomId = Annotated[str, StringConstraints(min_length=1, max_length=512)]
 
 
@@ -185,7 +260,10 @@ class BatchCreate(BaseModel):
 
     input_file_id: str = Field(max_length=64)
     endpoint: Endpoint
-    completion_window: Literal["24h"]
+    completion_window: Literal["24h"] = Field(
+        description="OpenAI's one window: a batch not done 24 hours after it was created (BATCH_WINDOW_SECONDS) "
+        "ends `expired`; its unfinished requests go to the error file with code `batch_expired`."
+    )
     metadata: (
         dict[
             Annotated[str, StringConstraints(min_length=1, max_length=64)],
@@ -237,6 +315,29 @@ class FileObject(BaseModel):
         )
 
 
+class FileListQuery(BaseModel):
+    """Query string of GET /v1/files (OpenAI's parameters)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    purpose: str | None = Field(
+        None, max_length=32, description="Only files of this purpose (`batch`, `batch_output`)."
+    )
+    limit: int = Field(10000, ge=1, le=10000, description="Files per page.")
+    order: Literal["asc", "desc"] = Field("desc", description="By creation time; newest first by default.")
+    after: str | None = Field(None, max_length=64, description="The last file id of the previous page.")
+
+
+class FilePage(BaseModel):
+    """A page of files; pass `last_id` as `after` for the next."""
+
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class FileDeleted(BaseModel):
     id: str
     object: Literal["file"] = "file"
@@ -280,7 +381,7 @@ class BatchObject(BaseModel):
     finalizing_at: int | None
     completed_at: int | None
     failed_at: int | None
-    expired_at: int | None = None
+    expired_at: int | None
     cancelling_at: int | None
     cancelled_at: int | None
     request_counts: RequestCounts
@@ -309,6 +410,7 @@ class BatchObject(BaseModel):
                     "finalizing_at",
                     "completed_at",
                     "failed_at",
+                    "expired_at",
                     "cancelling_at",
                     "cancelled_at",
                 )

@@ -13,7 +13,8 @@ With JOB_RETENTION_DAYS set, it also deletes finished jobs older than that, in b
 PURGE_BATCH rows (one short transaction each), at most once every PURGE_EVERY_SECONDS.
 
 It also finalizes the Batch API's batches whose jobs have all ended (writes their output and error
-files: jobstore/batches.py), so a batch completes even if nobody polls it.
+files: jobstore/batches.py), so a batch completes even if nobody polls it, and ends as `expired` the
+batches still in progress past their expires_at (their unfinished jobs cancelled, code batch_expired).
 """
 
 from __future__ import annotations
@@ -70,12 +71,14 @@ def reconcile(sessions: sessionmaker[Session], celery: Celery, settings: WorkerS
         )
     if redis_lost:
         _set_marker(settings)
+    expired = expire_batches(sessions, settings)
     finalized = finalize_batches(sessions, settings)
     purged = purge_old_jobs(sessions, settings) if _purge_due(settings) else 0
     return {
         "requeued": len(requeued),
         "sent": len(to_send),
         "resent": forgotten,
+        "expired": expired,
         "finalized": finalized,
         "purged": purged,
     }
@@ -121,6 +124,22 @@ def finalize_batches(sessions: sessionmaker[Session], settings: WorkerSettings) 
     if finalized:
         log.info("reconciler: %d batches finalized", finalized)
     return finalized
+
+
+def expire_batches(sessions: sessionmaker[Session], settings: WorkerSettings) -> int:
+    """End as `expired` the batches still in progress past their expires_at (each in a transaction of its
+    own): their unfinished jobs are cancelled (a running one leaves its worker at its next progress write),
+    and their output and error files written; returns how many batches expired."""
+    with sessions.begin() as session:
+        due = batches.expiring_batches(session)
+    expired = 0
+    for batch_id in due:
+        with sessions.begin() as session:
+            cancelled = batches.expire_batch(session, batch_id, settings.model)
+        if cancelled is not None:
+            expired += 1
+            log.info("reconciler: batch %s expired; %d unfinished jobs cancelled", batch_id, cancelled)
+    return expired
 
 
 def _marker_key(settings: WorkerSettings) -> str:

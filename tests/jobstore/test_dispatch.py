@@ -51,7 +51,8 @@ def test_bulk_sender_writes_the_message_celery_writes(settings, redis_client):
             message["properties"].update(correlation_id=None, delivery_tag=None)
         assert ours == celerys
 
-        jobs = [(uuid.uuid4(), p) for p in (0, 9, 9, 5, 9, 0, 9)]  # more than one pipeline's worth
+        # more than one pipeline's worth, and a run of one priority longer than a pipeline (one LPUSH each)
+        jobs = [(uuid.uuid4(), p) for p in (0, 9, 9, 5, 9, 0, 9, 9, 9, 9, 9, 5)]
         assert sender.send(jobs) == len(jobs)
         for priority in (0, 5, 9):
             expected = [j for j, p in jobs if p == priority]

@@ -198,7 +198,12 @@ def test_schemathesis_finds_no_5xx(settings, api, new_key, figures):
     import schemathesis
 
     key = new_key()
-    app = api(stack_settings(settings, rate_limit="100000/second")).application
+    # no worker runs here: a valid synchronous completion waits for its job until its timeout, then
+    # answers 503 "timeout" (documented, with Retry-After); kept short, and not counted as a bug
+    st = stack_settings(
+        settings, rate_limit="100000/second", completion_timeout_seconds=0.02, completion_poll_seconds=0.01
+    )
+    app = api(st).application
     schema = schemathesis.openapi.from_wsgi("/openapi.json", app)
     failures = []
     started = time.monotonic()
@@ -225,7 +230,8 @@ def run_operation(op, key: str, failures: list, calls: list) -> None:
     def check(case):
         response = case.call(headers={"Authorization": f"Bearer {key}"})
         calls.append(response.status_code)
-        if response.status_code >= 500:
+        timed_out = response.status_code == 503 and response.json()["error"]["code"] == "timeout"
+        if response.status_code >= 500 and not (timed_out and op.path.endswith("completions")):
             failures.append((op.label, response.status_code, case.body, case.path_parameters, case.query))
 
     check()

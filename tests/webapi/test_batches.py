@@ -294,3 +294,164 @@ def test_redis_down_at_submission_leaves_the_batch_for_the_reconciler(settings, 
         assert [(r.status, r.enqueued_at) for r in rows] == [("queued", None)] * 3
     finally:
         app.extensions["genq"].close()
+
+
+def test_a_batch_past_its_window_expires_keeping_what_finished(
+    settings, database, redis_client, new_key, sessions
+):
+    import time
+
+    from webapi import create_app
+    from workers.reconciler import expire_batches
+
+    app = create_app(settings.replace(batch_window_seconds=3.0))
+    try:
+        client, headers = app.test_client(), {"Authorization": f"Bearer {new_key()}"}
+        file_id = upload(client, headers, jsonl(chat_line(i) for i in range(4))).json["id"]
+        r = create(client, headers, file_id, completion_window="1h")
+        assert r.status_code == 400 and r.json["error"]["param"] == "completion_window", r.json
+        batch = create(client, headers, file_id).json
+        assert batch["expires_at"] - batch["created_at"] in (3, 4) and batch["expired_at"] is None
+        rows = batch_jobs(sessions, batch["id"])
+        with sessions.begin() as s:  # as a worker would: one request done, one running, two still queued
+            s.execute(
+                text(
+                    "UPDATE jobs SET status = 'succeeded', output_token_ids = '{72}', output_text = :t, "
+                    "finish_reason = 'length', finished_at = now() WHERE id = :id"
+                ),
+                {"t": b"H", "id": rows[0].id},
+            )
+            s.execute(
+                text(
+                    "UPDATE jobs SET status = 'running', worker_id = 'w', output_token_ids = '{72}', "
+                    "lease_expires_at = now() + interval '1 minute' WHERE id = :id"
+                ),
+                {"id": rows[1].id},
+            )
+        assert expire_batches(sessions, settings) == 0  # not due yet: nothing happens
+        assert client.get(f"/v1/batches/{batch['id']}", headers=headers).json["status"] == "in_progress"
+        time.sleep(max(0.0, batch["expires_at"] + 1 - time.time()) + 0.1)  # Unix seconds, rounded down
+        assert expire_batches(sessions, settings) == 1
+        assert expire_batches(sessions, settings) == 0  # expired once
+        done = client.get(f"/v1/batches/{batch['id']}", headers=headers).json
+        assert done["status"] == "expired" and done["expired_at"] >= done["expires_at"] - 1
+        assert done["completed_at"] is None and done["cancelled_at"] is None
+        assert done["request_counts"] == {"total": 4, "completed": 1, "failed": 3}
+        assert [(r.status, r.error_code) for r in batch_jobs(sessions, batch["id"])] == [
+            ("succeeded", None),
+            *[("cancelled", "batch_expired")] * 3,
+        ]
+        output = client.get(f"/v1/files/{done['output_file_id']}/content", headers=headers).data.decode()
+        [line] = [json.loads(x) for x in output.splitlines()]
+        assert (
+            line["custom_id"] == "req-0"
+            and line["response"]["body"]["choices"][0]["message"]["content"] == "H"
+        )
+        errors = client.get(f"/v1/files/{done['error_file_id']}/content", headers=headers).data.decode()
+        lines = [json.loads(x) for x in errors.splitlines()]
+        assert [x["custom_id"] for x in lines] == ["req-1", "req-2", "req-3"]
+        assert {x["error"]["code"] for x in lines} == {"batch_expired"}
+        r = client.post(f"/v1/batches/{batch['id']}/cancel", headers=headers)
+        assert r.status_code == 409 and "expired" in r.json["error"]["message"]
+    finally:
+        app.extensions["genq"].close()
+
+
+def test_list_files_pages_filters_and_orders_as_openai_does(client, auth):
+    headers, other = auth(), auth()
+    ids = [upload(client, headers, jsonl([chat_line(i)]), name=f"f{i}.jsonl").json["id"] for i in range(5)]
+    upload(client, other, jsonl([chat_line(9)]))  # another tenant's: never listed
+    page = client.get("/v1/files", query_string={"limit": 2}, headers=headers).json
+    assert page["object"] == "list" and [f["id"] for f in page["data"]] == ids[:2:-1][:2]
+    assert page["has_more"] and (page["first_id"], page["last_id"]) == (ids[4], ids[3])
+    rest = client.get("/v1/files", query_string={"after": page["last_id"]}, headers=headers).json
+    assert [f["id"] for f in rest["data"]] == ids[2::-1] and not rest["has_more"]
+    oldest = client.get("/v1/files", query_string={"order": "asc", "limit": 3}, headers=headers).json
+    assert [f["id"] for f in oldest["data"]] == ids[:3] and oldest["has_more"]
+    after = client.get("/v1/files", query_string={"order": "asc", "after": ids[3]}, headers=headers).json
+    assert [f["id"] for f in after["data"]] == ids[4:] and not after["has_more"]
+    assert client.get("/v1/files", query_string={"purpose": "batch_output"}, headers=headers).json == {
+        "object": "list",
+        "data": [],
+        "first_id": None,
+        "last_id": None,
+        "has_more": False,
+    }
+    for query, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "x y"}, "after")):
+        r = client.get("/v1/files", query_string=query, headers=headers)
+        assert r.status_code == 400 and r.json["error"]["param"] == param, r.json
+
+
+def test_the_openai_client_lists_files_and_sees_only_its_own(server, new_key):
+    import openai
+
+    alice, bob = (
+        openai.OpenAI(base_url=f"{server}/v1", api_key=new_key(), max_retries=0, timeout=30) for _ in range(2)
+    )
+    mine = [
+        alice.files.create(file=(f"a{i}.jsonl", jsonl([chat_line(i)])), purpose="batch") for i in range(3)
+    ]
+    theirs = bob.files.create(file=("b.jsonl", jsonl([chat_line(0)])), purpose="batch")
+    listed = alice.files.list()
+    assert [f.id for f in listed.data] == [f.id for f in reversed(mine)]
+    assert listed.data[0].filename == "a2.jsonl" and listed.data[0].purpose == "batch"
+    # the client pages by itself: `after` the last id of each page, while has_more
+    assert [f.id for f in alice.files.list(limit=1, order="asc")] == [f.id for f in mine]
+    assert [f.id for f in bob.files.list(purpose="batch")] == [theirs.id]
+
+
+def test_an_invalid_line_after_the_first_group_still_queues_nothing(
+    client, auth, sessions, redis_client, settings
+):
+    """The first 1,000 lines are COPYed before line 1,201 is read: the savepoint undoes them."""
+    headers = auth()
+    lines = [chat_line(i) for i in range(1300)]
+    lines[1200] = chat_line(1200, temperature=7)
+    file_id = upload(client, headers, jsonl(lines)).json["id"]
+    queued_before = sum(redis_client.llen(f"{settings.redis_key_prefix}{QUEUE}:{p}") for p in range(1, 10))
+    batch = create(client, headers, file_id).json
+    assert batch["status"] == "failed" and [(e["line"], e["param"]) for e in batch["errors"]["data"]] == [
+        (1201, "body.temperature")
+    ]
+    assert batch_jobs(sessions, batch["id"]) == []
+    queued_after = sum(redis_client.llen(f"{settings.redis_key_prefix}{QUEUE}:{p}") for p in range(1, 10))
+    assert queued_after == queued_before
+    ok = create(client, headers, upload(client, headers, jsonl(lines[:1200])).json["id"]).json
+    assert ok["status"] == "in_progress" and len(batch_jobs(sessions, ok["id"])) == 1200
+
+
+def test_job_rows_survive_copys_text_format(client, auth, sessions):
+    """job_row writes COPY's text format itself: values with its delimiters and escapes (tab, newline,
+    backslash, quotes, braces, commas, non-ASCII) come back from Postgres exactly as sent."""
+    headers = auth()
+    nasty = 'a\tb\nc\\d"e{f}g,h \\N é漢字\r'
+    lines = [
+        {
+            "custom_id": nasty,
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {
+                "prompt": nasty,
+                "stop": [nasty, "\n", "\\", '"', "{}", "NULL"],
+                "seed": 2**63 - 1,
+                "top_p": 0.25,
+            },
+        },
+        {
+            "custom_id": "ids",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": [1, 2, 258], "max_tokens": 3, "temperature": 1e-05},
+        },
+    ]
+    file_id = upload(client, headers, jsonl(lines)).json["id"]
+    batch = create(client, headers, file_id, endpoint="/v1/completions").json
+    assert batch["status"] == "in_progress", batch
+    first, second = batch_jobs(sessions, batch["id"])
+    assert bytes(first.prompt).decode() == nasty and first.input_ids is None
+    assert first.stop == [nasty, "\n", "\\", '"', "{}", "NULL"]
+    assert first.metadata == {"batch_id": batch["id"], "custom_id": nasty}
+    assert (first.seed, first.top_p, first.max_tokens, first.top_k) == (2**63 - 1, 0.25, 16, 0)
+    assert bytes(first.output_text) == b"" and first.output_token_ids == [] and first.attempts == 0
+    assert second.prompt is None and second.input_ids == [1, 2, 258] and second.temperature == 1e-05
+    assert second.stop == [] and second.seed is None and second.batch_index == 1

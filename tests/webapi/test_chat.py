@@ -140,3 +140,28 @@ def test_tiny_llama_has_a_template_and_limits_count_the_rendered_prompt(client, 
     bad_role = {"messages": [{"role": "wizard", "content": "Hi"}]}
     r = client.post("/jobs", json=bad_role, headers=headers)
     assert r.status_code == 422 and r.json["error"]["message"].startswith("messages.0.role: ")
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "chatml"])
+def test_batched_rendering_gives_apply_chat_templates_ids(model, chatml_model):
+    """render_chats encodes the rendered texts with the Rust tokenizer directly (webapi/prompts.py): the ids
+    must be those apply_chat_template and the tokenizer's own call give, text prompts' counts included."""
+    from webapi.prompts import count_texts, encode_texts, render_chats
+
+    tokenizer = load_tokenizer(chatml_model if model == "chatml" else model)
+    conversations = [
+        [{"role": "user", "content": f"Question {i}: why is the sky {'blue' * i}? é ✓ 漢字"}]
+        for i in range(5)
+    ] + [[dict(m, content="Another\none?") if isinstance(m["content"], list) else m for m in MESSAGES]]
+    expected = [
+        tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=True)["input_ids"]
+        for c in conversations
+    ]
+    assert render_chats(tokenizer, model, conversations) == expected
+    texts = ["Once upon a time", "", "<s> and </s> as text", "tab\tand\nnewline 漢字"]
+    for special in (True, False):
+        assert (
+            encode_texts(tokenizer, texts, special)
+            == tokenizer(texts, add_special_tokens=special)["input_ids"]
+        )
+    assert count_texts(tokenizer, model, texts) == [len(tokenizer.encode(t)) for t in texts]

@@ -55,7 +55,19 @@ def test_openapi_is_generated_from_the_schemas(client, app):
         "/v1/batches",
         "/v1/batches/{batch_id}",
         "/v1/batches/{batch_id}/cancel",
+        "/v1/chat/completions",
+        "/v1/completions",
     }
+    chat = doc["paths"]["/v1/chat/completions"]["post"]
+    assert chat["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/ChatCompletionCreate"
+    )
+    assert chat["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/ChatCompletion"
+    )
+    assert "Retry-After" in chat["responses"]["429"]["headers"]
+    listing = doc["paths"]["/v1/files"]["get"]
+    assert {p["name"] for p in listing["parameters"]} == {"purpose", "limit", "order", "after"}
     create = doc["paths"]["/jobs"]["post"]
     assert create["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/JobSubmit")
     assert {"202", "400", "401", "413", "415", "422", "429", "503"} <= set(create["responses"])

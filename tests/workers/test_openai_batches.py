@@ -11,10 +11,12 @@ import time
 import openai
 import pytest
 import requests
+from sqlalchemy import text
 
 from batching import SamplingParams
 from batching.tokenizer import load_tokenizer
 from tests.conftest import serve_api
+from workers.reconciler import expire_batches
 
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 
@@ -222,3 +224,73 @@ def test_a_malformed_file_fails_validation_and_another_tenant_sees_nothing(wide,
         bob.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
     with pytest.raises(openai.BadRequestError, match="endpoint"):
         alice.batches.create(input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h")
+
+
+def test_a_batch_not_done_in_its_window_expires(wide, new_key, sessions, offline_engine):
+    """A window of seconds (BATCH_WINDOW_SECONDS; clients still send "24h"): the short requests finish in
+    it, the long ones do not. The reconciler's expiry (run here as beat would) cancels the running ones
+    (they leave the engine) and the queued ones (they never run), and ends the batch `expired` with the
+    finished lines in the output file and the rest in the error file."""
+    window = 6.0
+    short, long = 4, 20  # long ones: more than the worker holds (8 running + 2), so some stay queued
+    lines = [
+        {
+            "custom_id": f"{'short' if i < short else 'long'}{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "messages": conversation(i if i < short else 3),  # 3: greedy, no EOS for 1,900 tokens
+                "max_tokens": 4 if i < short else 1900,
+                "temperature": 0,
+                "stop": ["never-seen-stop"],
+            },
+        }
+        for i in range(short + long)
+    ]
+    with serve_api(wide.settings.replace(batch_window_seconds=window)) as url:
+        client = client_for(url, new_key())
+        file = client.files.create(file=("mixed.jsonl", jsonl(lines)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert batch.expires_at - batch.created_at in (window, window + 1)
+        deadline = time.monotonic() + 120
+        while (done := client.batches.retrieve(batch.id)).status not in TERMINAL:
+            assert time.monotonic() < deadline, done
+            expire_batches(sessions, wide.settings)
+            time.sleep(0.5)
+        assert done.status == "expired" and done.expired_at >= done.expires_at, done
+        output = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+        errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
+    counts = done.request_counts
+    assert counts.total == short + long and counts.completed + counts.failed == counts.total, counts
+    assert short <= counts.completed < counts.total, counts
+    assert len(output) == counts.completed and len(errors) == counts.failed
+    assert sorted(x["custom_id"] for x in output + errors) == sorted(x["custom_id"] for x in lines)
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+    tokenizer = load_tokenizer("tiny-llama")
+    by_id = {x["custom_id"]: x for x in lines}
+    for line in output:  # what finished is the offline engine's greedy output
+        body = by_id[line["custom_id"]]["body"]
+        prompt = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, return_dict=True)
+        [want] = offline_engine.generate(
+            [prompt["input_ids"]],
+            SamplingParams(max_tokens=body["max_tokens"], temperature=0, stop=body["stop"]),
+        )
+        assert line["response"]["body"]["choices"][0]["message"]["content"] == want.text, line["custom_id"]
+    # running requests were cut short (they had tokens) and left the engine; queued ones never ran
+    deadline = time.monotonic() + 30
+    while wide.engine_stats()["num_running"] or wide.engine_stats().get("num_waiting"):
+        assert time.monotonic() < deadline, wide.engine_stats()
+        time.sleep(0.2)
+    with sessions() as s:
+        cut = s.execute(
+            text(
+                "SELECT attempts, cardinality(output_token_ids) AS tokens FROM jobs "
+                "WHERE batch_id = :b AND error_code = 'batch_expired'"
+            ),
+            {"b": batch.id},
+        ).all()
+    assert len(cut) == counts.failed
+    assert any(r.tokens > 0 for r in cut), cut  # some were running at expiry
+    assert any(r.attempts == 0 and r.tokens == 0 for r in cut), cut  # some were queued, and never ran
