@@ -30,6 +30,9 @@ LONG = {
     "top_p": 0.95,
     "seed": 7,
 }  # about 1200 tokens before EOS with tiny-llama: a few seconds on this CPU
+# runs to max_tokens (no EOS with this seed): ~1.8 s alone on an idle 2-core machine, several progress
+# writes at the lease test's 0.4 s interval
+LAPSING = {**LONG, "max_tokens": 2000, "seed": 25}
 
 
 def short(i: int) -> dict:
@@ -233,13 +236,15 @@ def test_postgres_cut_api_answers_503_worker_retries_nothing_lost(
 def test_lapsed_lease_stale_attempt_aborts_and_one_result_is_written(
     settings, sessions, new_key, api, make_worker, offline, figures
 ):
-    # a long lease (it lapses only because the test says so) and a slow progress interval, so that the job
-    # is re-dispatched, and claimed again by the same worker, well before the stale attempt's next write
-    st = stack_settings(settings, lease_seconds=60.0, progress_interval=1.0)
+    # a long lease (it lapses only because the test says so) and a progress interval long enough for the
+    # test to lapse the lease and re-dispatch the job before the stale attempt's next write, yet short enough
+    # that the stale attempt writes again long before it could finish (LAPSING runs ~1.8 s on an idle machine;
+    # with 1 s, the stale attempt of the 1,200-token LONG ran to its end there and its result was discarded)
+    st = stack_settings(settings, lease_seconds=60.0, progress_interval=0.4)
     client, headers = api(st), {"Authorization": f"Bearer {new_key()}"}
     worker = make_worker(st, concurrency=4)
     worker.start()
-    (job_id,) = submit(client, headers, [LONG])
+    (job_id,) = submit(client, headers, [LAPSING])
     first = wait_for(
         lambda: job_rows(sessions, [job_id])[job_id]["tokens"], 30, "the first progress write", every=0.01
     )
@@ -262,7 +267,7 @@ def test_lapsed_lease_stale_attempt_aborts_and_one_result_is_written(
     stats = worker.engine_stats(client.application.extensions["genq"].celery)
     logs = worker.log_text()
     assert done["status"] == "succeeded" and done["attempts"] == 2, done
-    assert done["tokens"] == offline([LONG])[0]
+    assert done["tokens"] == offline([LAPSING])[0]
     assert count(logs, rf"job {job_id} succeeded") == 1, logs[-5000:]
     assert "result discarded" not in logs, logs[-5000:]  # the stale attempt did not run to the end
     assert f"job {job_id} stopped: cancelled or no longer leased" in logs, logs[
