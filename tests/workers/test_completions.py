@@ -42,9 +42,9 @@ def greedy(offline_engine, prompt, max_tokens: int, **params):
     return out
 
 
-def chat_prompt() -> list[int]:
+def chat_prompt(messages=CHAT) -> list[int]:
     return load_tokenizer("tiny-llama").apply_chat_template(
-        CHAT, add_generation_prompt=True, return_dict=True
+        messages, add_generation_prompt=True, return_dict=True
     )["input_ids"]
 
 
@@ -68,17 +68,19 @@ def test_a_chat_completion_waits_for_its_job_and_answers_in_openai_shape(wide, c
 
 
 def test_a_streamed_chat_completion_sends_the_text_as_it_comes(client, offline_engine):
+    # 1,000 tokens: ~1 s on an idle machine, several of the worker's 0.25 s progress writes (with 300, the
+    # job could end between two of them and come as one piece)
     stream = client.chat.completions.create(
-        messages=CHAT,
+        messages=LONG_CHAT,
         model="tiny-llama",
-        max_tokens=300,
+        max_tokens=1000,
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
         extra_body={"priority": 3},
     )
     chunks = list(stream)
-    want = greedy(offline_engine, chat_prompt(), 300)
+    want = greedy(offline_engine, chat_prompt(LONG_CHAT), 1000)
     assert chunks[0].choices[0].delta.role == "assistant"
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert "".join(pieces) == want.text and len(pieces) > 1  # in several pieces, as the worker wrote them
