@@ -33,7 +33,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from batching import SamplingParams
 from jobstore import jobs
 from jobstore.models import Job
-from jobstore.settings import Settings
+from jobstore.settings import WorkerSettings
 from workers import metrics
 from workers.admission import Held
 from workers.engine_host import EngineHost, EngineLost, HostStopped, RequestHandle
@@ -109,7 +109,7 @@ class JobBook:
         self,
         host: EngineHost,
         sessions: sessionmaker[Session],
-        settings: Settings,
+        settings: WorkerSettings,
         send: Callable[[uuid.UUID, int], None],
     ):
         self.lock = threading.RLock()
