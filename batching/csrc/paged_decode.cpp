@@ -86,23 +86,30 @@ template <typename T> inline T narrow(typename Compute<T>::type x) {
     }
 }
 
-// fn(t, row) for the positions t in [first, len) of one sequence and KV head, block by block: `head`
-// is that head's pool, `table` the sequence's block ids, `row` the position's head_dim values.
+// fn(t0, t1, rows) for each block's share [t0, t1) of the positions [first, len) of one sequence and
+// KV head: `head` is that head's pool, `table` the sequence's block ids, `rows` position t0's
+// head_dim values (the block's rows follow it contiguously).
 template <typename T, typename Fn>
-inline void for_each_row(const T *head, const int64_t *table, int64_t first, int64_t len, int64_t block_size,
-                         int64_t D, Fn &&fn) {
+inline void for_each_block(const T *head, const int64_t *table, int64_t first, int64_t len,
+                           int64_t block_size, int64_t D, Fn &&fn) {
     for (int64_t b = first / block_size; b * block_size < len; b++) {
-        const T *block = head + table[b] * block_size * D;
         const int64_t t0 = std::max(first, b * block_size), t1 = std::min(len, (b + 1) * block_size);
-        for (int64_t t = t0; t < t1; t++) fn(t, block + (t - b * block_size) * D);
+        fn(t0, t1, head + (table[b] * block_size + (t0 - b * block_size)) * D);
     }
 }
 
-template <typename T, typename A = typename Compute<T>::type>
+// One (sequence, KV head): its `rep` query heads over its context. FixedD > 0 compiles the head
+// size in (64 and 128 are common): the query and the output row then live in registers through a
+// block's loop, where a runtime size reloads them for every key. Within a block each query head
+// runs over the block's keys (still in L1 for the next head), so per-element sums keep the same
+// order as one key at a time: every head size gives the same values.
+template <int FixedD, typename T, typename A = typename Compute<T>::type>
 void attend_one(const T *q, int64_t q_sh, const T *kh, const T *vh, const int64_t *table,
-                int64_t len, int64_t first, int64_t rep, int64_t D, int64_t block_size, A scale,
+                int64_t len, int64_t first, int64_t rep, int64_t head_dim, int64_t block_size, A scale,
                 A softcap, const A *sinks, T *out, int64_t o_sh, std::vector<A> &qw,
                 std::vector<A> &scores, std::vector<A> &acc, std::vector<A> &denom_inv) {
+    const int64_t D = FixedD > 0 ? FixedD : head_dim;
+    constexpr int64_t kRow = FixedD > 0 ? FixedD : 1;  // local copies' size (unused when 1)
     const int64_t span = len - first;
     qw.resize(rep * D);
     scores.resize(rep * span);
@@ -110,14 +117,23 @@ void attend_one(const T *q, int64_t q_sh, const T *kh, const T *vh, const int64_
     denom_inv.resize(rep);
     for (int64_t r = 0; r < rep; r++)
         for (int64_t d = 0; d < D; d++) qw[r * D + d] = widen(q[r * q_sh + d]);
-    // scores[r][t] = q_r . k_t * scale (soft-capped below); each key read once for every head
-    for_each_row(kh, table, first, len, block_size, D, [&](int64_t t, const T *krow) {
+    // scores[r][t] = q_r . k_t * scale (soft-capped below)
+    for_each_block(kh, table, first, len, block_size, D, [&](int64_t t0, int64_t t1, const T *rows) {
         for (int64_t r = 0; r < rep; r++) {
+            A local[kRow];
             const A *qr = qw.data() + r * D;
-            A s = 0;
+            if constexpr (FixedD > 0) {
+                for (int64_t d = 0; d < D; d++) local[d] = qr[d];
+                qr = local;
+            }
+            A *sr = scores.data() + r * span - first;
+            for (int64_t t = t0; t < t1; t++) {
+                const T *krow = rows + (t - t0) * D;
+                A s = 0;
 #pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < D; d++) s += qr[d] * widen(krow[d]);
-            scores[r * span + (t - first)] = s * scale;
+                for (int64_t d = 0; d < D; d++) s += qr[d] * widen(krow[d]);
+                sr[t] = s * scale;
+            }
         }
     });
     // softmax per query head; a sink is one more logit that takes mass but has no value
@@ -137,12 +153,23 @@ void attend_one(const T *q, int64_t q_sh, const T *kh, const T *vh, const int64_
         denom_inv[r] = A(1) / sum;
     }
     // out_r = sum_t p[r][t] v_t / sum
-    for_each_row(vh, table, first, len, block_size, D, [&](int64_t t, const T *vrow) {
+    for_each_block(vh, table, first, len, block_size, D, [&](int64_t t0, int64_t t1, const T *rows) {
         for (int64_t r = 0; r < rep; r++) {
-            const A p = scores[r * span + (t - first)];
+            const A *pr = scores.data() + r * span - first;
+            A local[kRow];
             A *ar = acc.data() + r * D;
+            if constexpr (FixedD > 0) {
+                for (int64_t d = 0; d < D; d++) local[d] = ar[d];
+                ar = local;
+            }
+            for (int64_t t = t0; t < t1; t++) {
+                const A p = pr[t];
+                const T *vrow = rows + (t - t0) * D;
 #pragma omp simd
-            for (int64_t d = 0; d < D; d++) ar[d] += p * widen(vrow[d]);
+                for (int64_t d = 0; d < D; d++) ar[d] += p * widen(vrow[d]);
+            }
+            if constexpr (FixedD > 0)
+                for (int64_t d = 0; d < D; d++) acc[r * D + d] = local[d];
         }
     });
     for (int64_t r = 0; r < rep; r++)
@@ -165,10 +192,13 @@ void paged_decode(const T *q, int64_t q_sn, int64_t q_sh, const T *k_pool, const
             const int64_t i = item / num_kv_heads, g = item % num_kv_heads;
             const int64_t len = lens[i];
             const int64_t first = window > 0 && len > window ? len - window : 0;
-            attend_one<T>(q + i * q_sn + g * rep * q_sh, q_sh, k_pool + g * head_stride,
-                          v_pool + g * head_stride, tables + i * width, len, first, rep, head_dim,
-                          block_size, A(scale), A(softcap), sinks ? sinks + g * rep : nullptr,
-                          out + i * o_sn + g * rep * o_sh, o_sh, qw, scores, acc, denom_inv);
+            auto attend = head_dim == 64    ? attend_one<64, T>
+                          : head_dim == 128 ? attend_one<128, T>
+                                            : attend_one<0, T>;
+            attend(q + i * q_sn + g * rep * q_sh, q_sh, k_pool + g * head_stride, v_pool + g * head_stride,
+                   tables + i * width, len, first, rep, head_dim, block_size, A(scale), A(softcap),
+                   sinks ? sinks + g * rep : nullptr, out + i * o_sn + g * rep * o_sh, o_sh, qw, scores, acc,
+                   denom_inv);
         }
     }
 }

@@ -64,11 +64,14 @@ def kernel():
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("variant", [{}, {"softcap": 5.0}, {"window": 7}, {"sinks": True}])
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])  # 64 and 128 have paths of their own
 def test_kernel_matches_plain_attention(
-    kernel, dtype, tol, block_size, num_heads, num_kv_heads, variant, threads
+    kernel, dtype, tol, block_size, num_heads, num_kv_heads, variant, threads, head_dim
 ):
     lens = [1, 2, 16, 17, 33, 100, 5]
-    q, k_pool, v_pool, tables, context_lens = random_case(dtype, block_size, num_heads, num_kv_heads, lens)
+    q, k_pool, v_pool, tables, context_lens = random_case(
+        dtype, block_size, num_heads, num_kv_heads, lens, head_dim
+    )
     sinks = torch.randn(num_heads, dtype=torch.float32) if variant.get("sinks") else None
     softcap, window = variant.get("softcap"), variant.get("window")
     out = torch.full_like(q, float("nan"))
