@@ -46,8 +46,10 @@ Throughput is useful generated tokens / wall time. With `--repeat N` the systems
 round-robin rounds (genq, static, CB, forward-only, then again), so each meets the same spells of
 background load, and the fastest pass of each counts; beside it we print the share of the
 machine's CPU that other processes used during that pass (from /proc/stat): near 0% means a clean
-measurement; and the cores each system kept busy itself (its process, or vLLM's process tree). On a shared machine, `--wait-quiet S` waits (up to S seconds) before each pass until
-other processes leave the CPU idle. Correctness is checked cheaply: the greedy
+measurement; and the cores each system kept busy itself (its process, or vLLM's process tree).
+On a shared machine, `--wait-quiet S` waits (up to S seconds) before each pass until other
+processes leave the CPU idle. Each genq and vLLM pass starts with an empty prefix cache (both
+cache by default, and every pass repeats the same prompts). Correctness is checked cheaply: the greedy
 tokens of the first few requests from genq (and from transformers CB) are compared with an
 unpadded single-request `model.generate()`; float32 on random weights may flip a near-tie after
 many steps, so the fraction of matching prefix tokens is reported instead of failing.
@@ -270,6 +272,8 @@ class GenqSystem:
         self.api = "generate(list of SamplingParams)" if self.list_params else "add_request/step"
 
     def run(self, pbar):
+        # every pass starts cold: the prefix cache would otherwise hand it the last pass's prompts
+        self.engine.block_manager.reset_prefix_cache()
         recorder = StepRecorder(self.model, pbar)
         t0 = time.perf_counter()
         tokens = genq_run(self.engine, self.reqs, self.list_params)
@@ -480,7 +484,7 @@ class VllmSystem:
 
     def __init__(self, python: str, model_dir: str, reqs, dtype: str, engine_args: dict, log_path: str):
         self.reqs = reqs
-        workload = Path(model_dir) / "vllm_workload.json"
+        workload = Path(log_path).with_suffix(".workload.json")
         workload.write_text(json.dumps([{"prompt": list(p), "max_tokens": n} for p, n in reqs]))
         self.log_path = log_path
         self.log = open(log_path, "w")  # noqa: SIM115 (closed in close())
