@@ -35,7 +35,8 @@ on a few short requests before it is timed, each timed from its first request to
    own (bench/vllm_runner.py), on the same checkpoint and prompt token ids, greedy, `ignore_eos`,
    `max_tokens` per request, all submitted at once through `LLM.generate`, after one untimed pass
    of the whole workload (vLLM compiles its model with torch.compile on the first). Its settings
-   are its defaults on the CPU (as printed: budget 4096 and 256 sequences, its own thread binding);
+   are its defaults on the CPU (as printed: budget 4096 and 256 sequences, its own thread binding)
+   but a KV cache of 2 GiB (its default asks for 90% of the memory);
    `--vllm-args JSON` passes others.
 
 Workloads (`--workload`): `record`, the one above; `decode` (decode-heavy: 64 prompts of 16-64

@@ -42,9 +42,17 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     reqs = json.loads(open(args.workload).read())
+    # a KV cache of a set size: by default vLLM asks for 90% of the machine's memory and refuses to
+    # start when other processes hold more than the rest (a shared machine); 2 GiB holds any workload
+    # of the bench (the prefill-heavy one takes ~0.5 GiB in float32)
     engine_args = dict(
-        model=args.model, dtype=args.dtype, skip_tokenizer_init=True, seed=0, **json.loads(args.engine_args)
+        model=args.model,
+        dtype=args.dtype,
+        skip_tokenizer_init=True,
+        seed=0,
+        kv_cache_memory_bytes=2 << 30,
     )
+    engine_args.update(json.loads(args.engine_args))
     llm = LLM(**engine_args)
     prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in reqs]
     params = [
