@@ -1,4 +1,4 @@
-"""Offline throughput of genq's engine against transformers, on one seeded workload and one model.
+"""Offline throughput of genq's engine against transformers and vLLM's CPU build, on one seeded workload and one model.
 
 Workload: N requests (default 64), random token-id prompts of length uniform in [16, 256], output
 lengths uniform in [16, 128], greedy, EOS ignored. Model: a Llama config (hidden 512, 8 layers,
