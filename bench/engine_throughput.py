@@ -862,15 +862,19 @@ def report(fig):
     ]
     print(
         f"\n{fig['workload']} workload, {fig['dtype']}\n"
-        f"{'system':<30}{'tok/s':>10}{'seconds':>10}   {'passes (s)':<22}{'own CPU':>9}  others' CPU"
+        f"{'system':<30}{'tok/s':>10}{'seconds':>10}   {'passes (s)':<22}{'own CPU':>11}"
+        f"{'tok/s per own core':>20}  others' CPU"
     )
     for key, label in names:
         if key in fig:
             f = fig[key]
             other = "-" if f["others_cpu_share"] is None else f"{f['others_cpu_share']:.0%}"
             own = "-" if f["own_cores"] is None else f"{f['own_cores']:.2f} cores"
+            per_core = "-" if not f["own_cores"] else f"{f['tok_s'] / f['own_cores']:.1f}"
             passes = " ".join(f"{t:.1f}" for t in f["passes"])
-            print(f"{label:<30}{f['tok_s']:>10.1f}{f['seconds']:>10.2f}   {passes:<22}{own:>9}  {other}")
+            print(
+                f"{label:<30}{f['tok_s']:>10.1f}{f['seconds']:>10.2f}   {passes:<22}{own:>11}{per_core:>20}  {other}"
+            )
     ratios = {}
     if "genq" in fig:
         for key, label in (
