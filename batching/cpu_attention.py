@@ -44,7 +44,14 @@ FLAGS = [
     "-fassociative-math",
     "-freciprocal-math",
 ]
-FUNCTIONS = {torch.float32: "genq_paged_decode_f32", torch.float64: "genq_paged_decode_f64"}
+FUNCTIONS = {
+    torch.float32: "genq_paged_decode_f32",
+    torch.float64: "genq_paged_decode_f64",
+    torch.bfloat16: "genq_paged_decode_bf16",  # computes in float32
+}
+COMPUTE_DTYPES = {
+    torch.float64: torch.float64
+}  # the dtype each computes in (and takes sinks in): else float32
 _I64, _F64, _PTR = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
 ARGTYPES = [
     _PTR,
@@ -100,14 +107,15 @@ class PagedDecodeKernel:
         sliding_window: int | None,
     ) -> None:
         """q, out: [n, H, D] (head_dim contiguous); k_blocks, v_blocks: [Hkv, num_blocks, block_size * D]
-        contiguous; block_tables: [n * width] int64; context_lens: [n] int64. Writes `out`."""
+        contiguous; block_tables: [n * width] int64; context_lens: [n] int64. Writes `out`. float32,
+        float64 or bfloat16 (computed in float32, the output rounded once)."""
         n, num_heads, head_dim = q.shape
         num_kv_heads, num_blocks = k_blocks.shape[0], k_blocks.shape[1]
         block_size = k_blocks.shape[2] // head_dim
         if q.stride(-1) != 1:
             q = q.contiguous()
         if sinks is not None:
-            sinks = sinks.to(q.dtype).contiguous()
+            sinks = sinks.to(COMPUTE_DTYPES.get(q.dtype, torch.float32)).contiguous()
         self._functions[q.dtype](
             q.data_ptr(),
             q.stride(0),

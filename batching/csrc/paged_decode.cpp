@@ -11,12 +11,17 @@
 //   tables         : [n, width] block ids;  lens: [n] context lengths (the query's own token included)
 //   sinks          : [num_heads] or null (attention sinks); softcap <= 0: none; window <= 0: none
 //
+// Element types: float32 and float64 compute in their own type; bfloat16 (the pool, q and out in
+// bfloat16, sinks in float32) computes in float32 (scores, softmax and the weighted sum of values),
+// widening each element as it is read and rounding the output once, to nearest even.
+//
 // No torch headers: batching/cpu_attention.py builds it at run time with the system compiler in
 // well under a second and calls it through ctypes on the tensors' memory.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -54,103 +59,164 @@ inline T exp_nonpositive(T x) {
     return p * scale;
 }
 
-// fn(t, row) for the positions t in [first, len) of one sequence and KV head, block by block: `head`
-// is that head's pool, `table` the sequence's block ids, `row` the position's head_dim values.
-template <typename T, typename Fn>
-inline void for_each_row(const T *head, const int64_t *table, int64_t first, int64_t len, int64_t block_size,
-                         int64_t D, Fn &&fn) {
-    for (int64_t b = first / block_size; b * block_size < len; b++) {
-        const T *block = head + table[b] * block_size * D;
-        const int64_t t0 = std::max(first, b * block_size), t1 = std::min(len, (b + 1) * block_size);
-        for (int64_t t = t0; t < t1; t++) fn(t, block + (t - b * block_size) * D);
+// bfloat16: the upper half of a float32. Widening is exact; narrowing rounds to nearest even (the
+// softmax's outputs are finite: no NaN case).
+struct bf16 {
+    uint16_t bits;
+};
+inline float widen(bf16 x) {
+    const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+inline float widen(float x) { return x; }
+inline double widen(double x) { return x; }
+// the type a storage type computes in
+template <typename T> struct Compute { using type = T; };
+template <> struct Compute<bf16> { using type = float; };
+template <typename T> inline T narrow(typename Compute<T>::type x) {
+    if constexpr (std::is_same<T, bf16>::value) {
+        uint32_t bits;
+        std::memcpy(&bits, &x, sizeof bits);
+        bits += 0x7FFFu + ((bits >> 16) & 1u);
+        return bf16{static_cast<uint16_t>(bits >> 16)};
+    } else {
+        return x;
     }
 }
 
-template <typename T>
+// fn(t0, t1, rows) for each block's share [t0, t1) of the positions [first, len) of one sequence and
+// KV head: `head` is that head's pool, `table` the sequence's block ids, `rows` position t0's
+// head_dim values (the block's rows follow it contiguously).
+template <typename T, typename Fn>
+inline void for_each_block(const T *head, const int64_t *table, int64_t first, int64_t len,
+                           int64_t block_size, int64_t D, Fn &&fn) {
+    for (int64_t b = first / block_size; b * block_size < len; b++) {
+        const int64_t t0 = std::max(first, b * block_size), t1 = std::min(len, (b + 1) * block_size);
+        fn(t0, t1, head + (table[b] * block_size + (t0 - b * block_size)) * D);
+    }
+}
+
+// One (sequence, KV head): its `rep` query heads over its context. FixedD > 0 compiles the head
+// size in (64 and 128 are common): the query and the output row then live in registers through a
+// block's loop, where a runtime size reloads them for every key. Within a block each query head
+// runs over the block's keys (still in L1 for the next head), so per-element sums keep the same
+// order as one key at a time: every head size gives the same values.
+template <int FixedD, typename T, typename A = typename Compute<T>::type>
 void attend_one(const T *q, int64_t q_sh, const T *kh, const T *vh, const int64_t *table,
-                int64_t len, int64_t first, int64_t rep, int64_t D, int64_t block_size, T scale,
-                T softcap, const T *sinks, T *out, int64_t o_sh, std::vector<T> &scores,
-                std::vector<T> &acc, std::vector<T> &denom_inv) {
+                int64_t len, int64_t first, int64_t rep, int64_t head_dim, int64_t block_size, A scale,
+                A softcap, const A *sinks, T *out, int64_t o_sh, std::vector<A> &qw,
+                std::vector<A> &scores, std::vector<A> &acc, std::vector<A> &denom_inv) {
+    const int64_t D = FixedD > 0 ? FixedD : head_dim;
+    constexpr int64_t kRow = FixedD > 0 ? FixedD : 1;  // local copies' size (unused when 1)
     const int64_t span = len - first;
+    qw.resize(rep * D);
     scores.resize(rep * span);
-    acc.assign(rep * D, T(0));
+    acc.assign(rep * D, A(0));
     denom_inv.resize(rep);
-    // scores[r][t] = q_r . k_t * scale (soft-capped below); each key read once for every head
-    for_each_row(kh, table, first, len, block_size, D, [&](int64_t t, const T *krow) {
+    for (int64_t r = 0; r < rep; r++)
+        for (int64_t d = 0; d < D; d++) qw[r * D + d] = widen(q[r * q_sh + d]);
+    // scores[r][t] = q_r . k_t * scale (soft-capped below)
+    for_each_block(kh, table, first, len, block_size, D, [&](int64_t t0, int64_t t1, const T *rows) {
         for (int64_t r = 0; r < rep; r++) {
-            const T *qr = q + r * q_sh;
-            T s = 0;
+            A local[kRow];
+            const A *qr = qw.data() + r * D;
+            if constexpr (FixedD > 0) {
+                for (int64_t d = 0; d < D; d++) local[d] = qr[d];
+                qr = local;
+            }
+            A *sr = scores.data() + r * span - first;
+            for (int64_t t = t0; t < t1; t++) {
+                const T *krow = rows + (t - t0) * D;
+                A s = 0;
 #pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < D; d++) s += qr[d] * krow[d];
-            scores[r * span + (t - first)] = s * scale;
+                for (int64_t d = 0; d < D; d++) s += qr[d] * widen(krow[d]);
+                sr[t] = s * scale;
+            }
         }
     });
     // softmax per query head; a sink is one more logit that takes mass but has no value
     for (int64_t r = 0; r < rep; r++) {
-        T *sr = scores.data() + r * span;
+        A *sr = scores.data() + r * span;
         if (softcap > 0)
             for (int64_t t = 0; t < span; t++) sr[t] = std::tanh(sr[t] / softcap) * softcap;
-        T m = sinks ? sinks[r] : sr[0];
+        A m = sinks ? sinks[r] : sr[0];
 #pragma omp simd reduction(max : m)
         for (int64_t t = 0; t < span; t++) m = sr[t] > m ? sr[t] : m;
-        T sum = sinks ? exp_nonpositive(sinks[r] - m) : T(0);
+        A sum = sinks ? exp_nonpositive(sinks[r] - m) : A(0);
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < span; t++) {
             sr[t] = exp_nonpositive(sr[t] - m);
             sum += sr[t];
         }
-        denom_inv[r] = T(1) / sum;
+        denom_inv[r] = A(1) / sum;
     }
     // out_r = sum_t p[r][t] v_t / sum
-    for_each_row(vh, table, first, len, block_size, D, [&](int64_t t, const T *vrow) {
+    for_each_block(vh, table, first, len, block_size, D, [&](int64_t t0, int64_t t1, const T *rows) {
         for (int64_t r = 0; r < rep; r++) {
-            const T p = scores[r * span + (t - first)];
-            T *ar = acc.data() + r * D;
+            const A *pr = scores.data() + r * span - first;
+            A local[kRow];
+            A *ar = acc.data() + r * D;
+            if constexpr (FixedD > 0) {
+                for (int64_t d = 0; d < D; d++) local[d] = ar[d];
+                ar = local;
+            }
+            for (int64_t t = t0; t < t1; t++) {
+                const A p = pr[t];
+                const T *vrow = rows + (t - t0) * D;
 #pragma omp simd
-            for (int64_t d = 0; d < D; d++) ar[d] += p * vrow[d];
+                for (int64_t d = 0; d < D; d++) ar[d] += p * widen(vrow[d]);
+            }
+            if constexpr (FixedD > 0)
+                for (int64_t d = 0; d < D; d++) acc[r * D + d] = local[d];
         }
     });
     for (int64_t r = 0; r < rep; r++)
-        for (int64_t d = 0; d < D; d++) out[r * o_sh + d] = acc[r * D + d] * denom_inv[r];
+        for (int64_t d = 0; d < D; d++) out[r * o_sh + d] = narrow<T>(acc[r * D + d] * denom_inv[r]);
 }
 
-template <typename T>
+template <typename T, typename A = typename Compute<T>::type>
 void paged_decode(const T *q, int64_t q_sn, int64_t q_sh, const T *k_pool, const T *v_pool,
                   const int64_t *tables, int64_t width, const int64_t *lens, T *out, int64_t o_sn,
                   int64_t o_sh, int64_t n, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                   int64_t block_size, int64_t num_blocks, double scale, double softcap,
-                  const T *sinks, int64_t window, int num_threads) {
+                  const A *sinks, int64_t window, int num_threads) {
     const int64_t rep = num_heads / num_kv_heads;
     const int64_t head_stride = num_blocks * block_size * head_dim;
 #pragma omp parallel num_threads(num_threads)
     {
-        std::vector<T> scores, acc, denom_inv;
+        std::vector<A> qw, scores, acc, denom_inv;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < n * num_kv_heads; item++) {
             const int64_t i = item / num_kv_heads, g = item % num_kv_heads;
             const int64_t len = lens[i];
             const int64_t first = window > 0 && len > window ? len - window : 0;
-            attend_one<T>(q + i * q_sn + g * rep * q_sh, q_sh, k_pool + g * head_stride,
-                          v_pool + g * head_stride, tables + i * width, len, first, rep, head_dim,
-                          block_size, T(scale), T(softcap), sinks ? sinks + g * rep : nullptr,
-                          out + i * o_sn + g * rep * o_sh, o_sh, scores, acc, denom_inv);
+            auto attend = head_dim == 64    ? attend_one<64, T>
+                          : head_dim == 128 ? attend_one<128, T>
+                                            : attend_one<0, T>;
+            attend(q + i * q_sn + g * rep * q_sh, q_sh, k_pool + g * head_stride, v_pool + g * head_stride,
+                   tables + i * width, len, first, rep, head_dim, block_size, A(scale), A(softcap),
+                   sinks ? sinks + g * rep : nullptr, out + i * o_sn + g * rep * o_sh, o_sh, qw, scores, acc,
+                   denom_inv);
         }
     }
 }
 
 }  // namespace
 
-#define GENQ_EXPORT(NAME, T)                                                                       \
+#define GENQ_EXPORT(NAME, T, A)                                                                    \
     extern "C" void NAME(const T *q, int64_t q_sn, int64_t q_sh, const T *k_pool, const T *v_pool, \
                          const int64_t *tables, int64_t width, const int64_t *lens, T *out,        \
                          int64_t o_sn, int64_t o_sh, int64_t n, int64_t num_heads,                 \
                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size,               \
-                         int64_t num_blocks, double scale, double softcap, const T *sinks,         \
+                         int64_t num_blocks, double scale, double softcap, const A *sinks,         \
                          int64_t window, int num_threads) {                                        \
         paged_decode<T>(q, q_sn, q_sh, k_pool, v_pool, tables, width, lens, out, o_sn, o_sh, n,    \
                         num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, softcap, \
                         sinks, window, num_threads);                                               \
     }
 
-GENQ_EXPORT(genq_paged_decode_f32, float)
-GENQ_EXPORT(genq_paged_decode_f64, double)
+GENQ_EXPORT(genq_paged_decode_f32, float, float)
+GENQ_EXPORT(genq_paged_decode_f64, double, double)
+GENQ_EXPORT(genq_paged_decode_bf16, bf16, float)

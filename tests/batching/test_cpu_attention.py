@@ -59,16 +59,19 @@ def kernel():
     return loaded
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("variant", [{}, {"softcap": 5.0}, {"window": 7}, {"sinks": True}])
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])  # 64 and 128 have paths of their own
 def test_kernel_matches_plain_attention(
-    kernel, dtype, tol, block_size, num_heads, num_kv_heads, variant, threads
+    kernel, dtype, tol, block_size, num_heads, num_kv_heads, variant, threads, head_dim
 ):
     lens = [1, 2, 16, 17, 33, 100, 5]
-    q, k_pool, v_pool, tables, context_lens = random_case(dtype, block_size, num_heads, num_kv_heads, lens)
+    q, k_pool, v_pool, tables, context_lens = random_case(
+        dtype, block_size, num_heads, num_kv_heads, lens, head_dim
+    )
     sinks = torch.randn(num_heads, dtype=torch.float32) if variant.get("sinks") else None
     softcap, window = variant.get("softcap"), variant.get("window")
     out = torch.full_like(q, float("nan"))
@@ -90,14 +93,31 @@ def test_kernel_matches_plain_attention(
         )
     finally:
         torch.set_num_threads(before)
-    expected = reference_decode(q, k_pool, v_pool, tables, context_lens, 0.3, softcap, sinks, window)
+    # bfloat16: the reference computes in float32 on the same (bfloat16) values, rounded once at the end,
+    # as the kernel does: within a unit in the last place of bfloat16 (2^-8 relative)
+    wide = (lambda t: t.float()) if dtype == torch.bfloat16 else (lambda t: t)
+    expected = reference_decode(
+        wide(q), wide(k_pool), wide(v_pool), tables, context_lens, 0.3, softcap, sinks, window
+    ).to(dtype)
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+
+
+def test_kernel_bfloat16_rounds_once_to_nearest(kernel):
+    """One key: the output is its value exactly, whatever the query; rounding happens on the way out only."""
+    q, k_pool, v_pool, tables, lens = random_case(torch.bfloat16, 16, 4, 2, [1])
+    out = torch.empty_like(q)
+    kernel.decode(
+        q, k_pool.flatten(2), v_pool.flatten(2), tables.flatten(), 1, lens, out, 0.3, None, None, None
+    )
+    expected = v_pool[:, tables[0, 0], 0].repeat_interleave(2, dim=0)  # [H, D]
+    assert torch.equal(out[0], expected)
 
 
 def test_kernel_takes_float_types_on_cpu_only(kernel):
     assert kernel.supports(torch.float32, torch.device("cpu"))
     assert kernel.supports(torch.float64, torch.device("cpu"))
-    assert not kernel.supports(torch.bfloat16, torch.device("cpu"))
+    assert kernel.supports(torch.bfloat16, torch.device("cpu"))
+    assert not kernel.supports(torch.float16, torch.device("cpu"))
     assert not kernel.supports(torch.float32, torch.device("cuda"))
 
 
