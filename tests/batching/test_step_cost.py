@@ -128,7 +128,7 @@ def test_the_engine_fits_prices_on_its_steps_and_reports_budget_used(make_engine
     engine = make_engine(max_num_batched_tokens=32)
     assert engine.scheduler.costs.decode_tokens == 1.0
     rng = random.Random(0)
-    for i in range(12):
+    for i in range(24):  # enough steps for several fits: one may fail on a noisy machine
         engine.add_request(
             f"r{i}",
             [rng.randrange(3, 200) for _ in range(rng.randrange(5, 90))],
