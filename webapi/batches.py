@@ -167,11 +167,7 @@ def list_batches(query: BatchListQuery):
     if query.after is not None and not OBJECT_ID.fullmatch(query.after):
         raise APIError(422, "invalid_request", "after: not a batch id")
     page = batches.list_batches(db(), current_tenant().id, after=query.after, limit=query.limit + 1)
-    more, page = len(page) > query.limit, page[: query.limit]
-    data = [BatchObject.model_validate(batch_object(b)) for b in page]
-    return BatchPage(
-        data=data, first_id=page[0].id if page else None, last_id=page[-1].id if page else None, has_more=more
-    ).model_dump()
+    return BatchPage.of(page, query.limit, lambda b: BatchObject.model_validate(batch_object(b))).model_dump()
 
 
 @bp.post("/<batch_id>/cancel")

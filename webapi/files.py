@@ -80,13 +80,7 @@ def list_files(query: FileListQuery):
         limit=query.limit + 1,
         newest_first=query.order == "desc",
     )
-    more, page = len(page) > query.limit, page[: query.limit]
-    return FilePage(
-        data=[FileObject.of(f) for f in page],
-        first_id=page[0].id if page else None,
-        last_id=page[-1].id if page else None,
-        has_more=more,
-    ).model_dump()
+    return FilePage.of(page, query.limit, FileObject.of).model_dump()
 
 
 @bp.get("/<file_id>")

@@ -4,12 +4,15 @@ of batch input files, and through webapi/spec.py make /openapi.json."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from jobstore.models import Batch, File
+
+Item = TypeVar("Item")
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
@@ -328,14 +331,29 @@ class FileListQuery(BaseModel):
     after: str | None = Field(None, max_length=64, description="The last file id of the previous page.")
 
 
-class FilePage(BaseModel):
-    """A page of files; pass `last_id` as `after` for the next."""
+class ListPage(BaseModel, Generic[Item]):
+    """A page of a list in OpenAI's shape; pass `last_id` as `after` for the next."""
 
     object: Literal["list"] = "list"
-    data: list[FileObject]
+    data: list[Item]
     first_id: str | None
     last_id: str | None
     has_more: bool
+
+    @classmethod
+    def of(cls, rows: list, limit: int, item: Callable[[Any], Item]) -> ListPage[Item]:
+        """The page of `rows` (fetched with `limit + 1`, so one more means there is a next page)."""
+        more, rows = len(rows) > limit, rows[:limit]
+        return cls(
+            data=[item(r) for r in rows],
+            first_id=rows[0].id if rows else None,
+            last_id=rows[-1].id if rows else None,
+            has_more=more,
+        )
+
+
+class FilePage(ListPage[FileObject]):
+    """A page of files; pass `last_id` as `after` for the next."""
 
 
 class FileDeleted(BaseModel):
@@ -418,14 +436,8 @@ class BatchObject(BaseModel):
         )
 
 
-class BatchPage(BaseModel):
+class BatchPage(ListPage[BatchObject]):
     """A page of batches, newest first; pass `last_id` as `after` for the next."""
-
-    object: Literal["list"] = "list"
-    data: list[BatchObject]
-    first_id: str | None
-    last_id: str | None
-    has_more: bool
 
 
 class OpenAIErrorInfo(BaseModel):
