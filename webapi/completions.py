@@ -42,14 +42,7 @@ from webapi.openai_schemas import (
     Completion,
     CompletionCreate,
 )
-from webapi.prompts import (
-    NoChatTemplate,
-    check_length,
-    check_token_ids,
-    count_texts,
-    render_chats,
-    tokenizer_for,
-)
+from webapi.prompts import NoChatTemplate, check_length, prepare_prompt
 from webapi.spec import endpoint
 
 log = logging.getLogger(__name__)
@@ -120,25 +113,24 @@ def completion_job(body: ChatCompletionCreate | CompletionCreate) -> tuple[dict,
     """The job's fields (JobCreate's) and its prompt token count; 400 naming the field when the prompt
     cannot run (no chat template, unknown token ids, too long for MAX_MODEL_LEN)."""
     settings = services().settings
-    tokenizer = tokenizer_for(settings.model)
     chat = isinstance(body, ChatCompletionCreate)
     fields = dict(body.sampling(), priority=body.priority)
     try:
         if isinstance(body, ChatCompletionCreate):
-            [ids] = render_chats(tokenizer, settings.model, [[m.for_template() for m in body.messages]])
-            if not isinstance(ids, list):
-                raise APIError(422, "invalid_request", str(ids))
-            fields["input_ids"], prompt_tokens = ids, len(ids)
+            messages = [m.for_template() for m in body.messages]
+            ids, prompt_tokens, error = prepare_prompt(settings.model, messages=messages)
         elif isinstance(body.prompt, list):
-            error = check_token_ids(body.prompt, tokenizer, settings.model)
-            if error is not None:
-                raise APIError(422, "invalid_request", f"prompt: {error.message}")
-            fields["input_ids"], prompt_tokens = body.prompt, len(body.prompt)
+            ids, prompt_tokens, error = prepare_prompt(settings.model, input_ids=body.prompt)
         else:
-            [prompt_tokens] = count_texts(tokenizer, settings.model, [body.prompt])
-            fields["prompt"] = body.prompt
+            ids, prompt_tokens, error = prepare_prompt(settings.model, text=body.prompt)
     except NoChatTemplate as exc:
         raise APIError(422, "invalid_request", str(exc)) from None
+    if error is not None:  # OpenAI's field for token ids is `prompt`
+        raise APIError(422, "invalid_request", str(error) if chat else f"prompt: {error.message}")
+    if ids is not None:
+        fields["input_ids"] = ids
+    else:
+        fields["prompt"] = body.prompt
     max_tokens = body.requested_max_tokens()
     if max_tokens is None:  # OpenAI's chat default: as much as the context leaves
         max_tokens = max(1, settings.max_model_len - prompt_tokens)

@@ -20,14 +20,7 @@ from webapi.auth import current_tenant, require_api_key
 from webapi.errors import APIError
 from webapi.extensions import db, services
 from webapi.metrics import JOBS_CANCELLED, JOBS_SUBMITTED
-from webapi.prompts import (
-    NoChatTemplate,
-    check_length,
-    check_token_ids,
-    count_texts,
-    render_chats,
-    tokenizer_for,
-)
+from webapi.prompts import NoChatTemplate, check_length, prepare_prompt
 from webapi.schemas import JobOut, JobPage, JobSubmit, ListQuery
 from webapi.spec import endpoint
 
@@ -140,24 +133,14 @@ def job_request(body: JobSubmit) -> tuple[dict, int]:
     """The job's stored fields (chat messages rendered into input_ids) and its prompt token count; 422 when
     the prompt cannot run on the model (no chat template, unknown token ids, too long)."""
     settings = services().settings
-    tokenizer = tokenizer_for(settings.model)
     request = body.model_dump(exclude={"messages"})
+    messages = None if body.messages is None else [m.for_template() for m in body.messages]
     try:
-        if body.messages is not None:
-            [ids] = render_chats(tokenizer, settings.model, [[m.for_template() for m in body.messages]])
-            if not isinstance(ids, list):
-                raise APIError(422, "invalid_request", str(ids))
-            request["input_ids"] = ids
-            prompt_tokens, error = len(ids), None
-        elif body.input_ids is not None:
-            prompt_tokens, error = (
-                len(body.input_ids),
-                check_token_ids(body.input_ids, tokenizer, settings.model),
-            )
-        else:
-            [prompt_tokens], error = count_texts(tokenizer, settings.model, [body.prompt]), None
+        ids, prompt_tokens, error = prepare_prompt(settings.model, messages, body.input_ids, body.prompt)
     except NoChatTemplate as exc:
         raise APIError(422, "invalid_request", str(exc)) from None
+    if messages is not None and error is None:
+        request["input_ids"] = ids
     field = "messages" if body.messages is not None else "prompt"
     error = error or check_length(prompt_tokens, body.max_tokens, settings.max_model_len, field)
     if error is not None:

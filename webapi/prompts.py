@@ -144,6 +144,25 @@ def count_texts(tokenizer, model: str, texts: Sequence[str]) -> list[int]:
     return [len(ids) for ids in encode_texts(tokenizer, list(texts))]
 
 
+def prepare_prompt(
+    model: str,
+    messages: list[dict] | None = None,
+    input_ids: Sequence[int] | None = None,
+    text: str | None = None,
+) -> tuple[list[int] | None, int, PromptError | None]:
+    """One request's prompt, the first of `messages` / `input_ids` / `text` given, as its job stores it:
+    token ids (a chat rendered with the model's template, or the ids sent) or None for a text (the engine
+    encodes it), its token count, and why it cannot run (None if it can). Raises NoChatTemplate."""
+    tokenizer = tokenizer_for(model)
+    if messages is not None:
+        [ids] = render_chats(tokenizer, model, [messages])
+        return (None, 0, ids) if isinstance(ids, PromptError) else (ids, len(ids), None)
+    if input_ids is not None:
+        return list(input_ids), len(input_ids), check_token_ids(input_ids, tokenizer, model)
+    [count] = count_texts(tokenizer, model, [text or ""])
+    return None, count, None
+
+
 def check_length(
     prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_field: str
 ) -> PromptError | None:
