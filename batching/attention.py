@@ -6,8 +6,8 @@ Per-step metadata arrives explicitly through the forward's kwargs (`genq_attn=`)
 models that do not pass those kwargs down (falcon, gptj, gpt_neo: attention_classes.py) read it from
 `step_context`, a context variable the runner sets around each forward.
 Decode tokens (one query per sequence) are attended in a few batched calls, grouped by context
-length so little padding is gathered, or on the CPU by a kernel that reads the paged blocks in place
-(batching/cpu_attention.py); prefill chunks one by one.
+length so little padding is gathered, and prefill chunks one by one; on the CPU, kernels that read the
+paged blocks in place attend both (batching/cpu_attention.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from batching.cpu_attention import PagedDecodeKernel
+from batching.cpu_attention import PagedAttentionKernel, PrefillTables
 from batching.kv_cache import KVCache
 
 ATTENTION_NAME = "genq_paged"
@@ -67,7 +67,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of every packed token
     decodes: list[DecodeGroup]  # single-query rows come first in the packed batch
     prefills: list[PrefillChunk]
-    decode_kernel: PagedDecodeKernel | None = None  # attends decodes in place (CPU); None: gather + matmul
+    attention_kernel: PagedAttentionKernel | None = (
+        None  # attends from the blocks in place (CPU); None: torch
+    )
+    prefill_tables: PrefillTables | None = None  # the prefill chunks as the CPU kernel reads them
     mask_patterns: dict = field(default_factory=dict)  # layer -> MaskPattern: windows/chunks of the mask only
 
 
@@ -116,7 +119,7 @@ def paged_attention(
     k_cache.index_copy_(1, meta.slot_mapping, key[0])
     v_cache.index_copy_(1, meta.slot_mapping, value[0])
     # the CPU kernel takes one head size for K and V (latent attention's differ: the torch path)
-    kernel = meta.decode_kernel if key.shape[-1] == value.shape[-1] else None
+    kernel = meta.attention_kernel if key.shape[-1] == value.shape[-1] else None
 
     chunk = None
     if (pattern := meta.mask_patterns.get(layer)) is not None:  # what the model says only in its mask
@@ -148,7 +151,21 @@ def paged_attention(
         out[group.start : group.end] = _decode_attention(
             q[group.start : group.end], kd, vd, mask, scale, softcap, s_aux
         )
-    for prefill in meta.prefills:
+    prefills = meta.prefills
+    if kernel is not None and chunk is None and meta.prefill_tables is not None:
+        kernel.prefill(
+            q,
+            cache.k_blocks[layer],
+            cache.v_blocks[layer],
+            meta.prefill_tables,
+            out,
+            scale,
+            softcap,
+            s_aux,
+            sliding_window,
+        )
+        prefills = []
+    for prefill in prefills:
         qp = query[:, :, prefill.start : prefill.end]  # [1, H, q, Dk]
         if prefill.block_ids is None:
             kp, vp = key[:, :, prefill.start : prefill.end], value[:, :, prefill.start : prefill.end]

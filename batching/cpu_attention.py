@@ -1,10 +1,12 @@
-"""Paged decode attention for the CPU, from csrc/paged_decode.cpp, built on first use.
+"""Paged attention kernels for the CPU, from csrc/paged_decode.cpp and csrc/paged_prefill.cpp.
 
-On a CPU the torch path spends most of its attention time gathering the decodes' K/V blocks into
-a contiguous buffer (a write and a re-read of the whole batch's context per layer). The kernel reads
-the blocks where they lie. It is a plain C++ file with no torch headers: the system compiler builds
-it in well under a second into a cache folder, keyed by the source, the flags and the CPU, and
-ctypes calls it on the tensors' memory (the GIL is released during the call). OpenMP comes from the
+On a CPU the torch path spends much of its attention time gathering K/V blocks into contiguous
+buffers (a write and a re-read of the context per layer), and for prefill chunks it repeats them per
+query head and computes the scores the causal mask then discards. The kernels read the blocks where
+they lie: one for decodes (a query per sequence), one for prefill chunks (query tiles, each stopping
+at its last position). They are plain C++ with no torch headers: the system compiler builds them
+once, in a few seconds, into a cache folder keyed by the sources, the flags and the CPU, and ctypes
+calls them on the tensors' memory (the GIL is released during the call). OpenMP comes from the
 libgomp that torch has already loaded, so both share one thread pool.
 
 `load()` returns None where there is no compiler or the build fails: the caller falls back to the
@@ -22,13 +24,16 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+SOURCE_DIR = Path(__file__).parent / "csrc"
+SOURCES = [SOURCE_DIR / "paged_decode.cpp", SOURCE_DIR / "paged_prefill.cpp"]
+HEADERS = [SOURCE_DIR / "attention_common.h"]
 # Value-safe relaxations only: sums may be reordered (as any vectorized reduction does), no errno,
 # no traps. Not -ffast-math: its finite-math assumption would be wrong for a -inf score.
 FLAGS = [
@@ -43,17 +48,18 @@ FLAGS = [
     "-fno-signed-zeros",
     "-fassociative-math",
     "-freciprocal-math",
+    "-Wno-psabi",  # 64-byte vectors passed between inlined helpers: no ABI crosses the library's edge
 ]
-FUNCTIONS = {
-    torch.float32: "genq_paged_decode_f32",
-    torch.float64: "genq_paged_decode_f64",
-    torch.bfloat16: "genq_paged_decode_bf16",  # computes in float32
-}
+DTYPE_SUFFIXES = {
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.bfloat16: "bf16",
+}  # bf16 computes in float32
 COMPUTE_DTYPES = {
     torch.float64: torch.float64
 }  # the dtype each computes in (and takes sinks in): else float32
 _I64, _F64, _PTR = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
-ARGTYPES = [
+DECODE_ARGTYPES = [
     _PTR,
     _I64,
     _I64,
@@ -77,20 +83,32 @@ ARGTYPES = [
     _I64,
     ctypes.c_int,
 ]
+PREFILL_ARGTYPES = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
+PREFILL_ARGTYPES += [_I64, _I64, _I64, _I64, _I64, _F64, _F64, _PTR, _I64, ctypes.c_int]
 
 
-class PagedDecodeKernel:
-    """`decode(...)`: attention of one query per sequence over its paged context, for one layer."""
+def _function(library: ctypes.CDLL, name: str, argtypes: list):
+    fn = getattr(library, name)
+    fn.argtypes, fn.restype = argtypes, None
+    return fn
+
+
+class PagedAttentionKernel:
+    """Attention over the paged pool for one layer: `decode(...)`, one query per sequence, and
+    `prefill(...)`, the queries of prompt chunks."""
 
     def __init__(self, library: ctypes.CDLL):
-        self._functions = {}
-        for dtype, name in FUNCTIONS.items():
-            fn = getattr(library, name)
-            fn.argtypes, fn.restype = ARGTYPES, None
-            self._functions[dtype] = fn
+        self._decode = {
+            dtype: _function(library, f"genq_paged_decode_{suffix}", DECODE_ARGTYPES)
+            for dtype, suffix in DTYPE_SUFFIXES.items()
+        }
+        self._prefill = {
+            dtype: _function(library, f"genq_paged_prefill_{suffix}", PREFILL_ARGTYPES)
+            for dtype, suffix in DTYPE_SUFFIXES.items()
+        }
 
     def supports(self, dtype: torch.dtype, device: torch.device) -> bool:
-        return device.type == "cpu" and dtype in self._functions
+        return device.type == "cpu" and dtype in DTYPE_SUFFIXES
 
     def decode(
         self,
@@ -116,7 +134,7 @@ class PagedDecodeKernel:
             q = q.contiguous()
         if sinks is not None:
             sinks = sinks.to(COMPUTE_DTYPES.get(q.dtype, torch.float32)).contiguous()
-        self._functions[q.dtype](
+        self._decode[q.dtype](
             q.data_ptr(),
             q.stride(0),
             q.stride(1),
@@ -141,12 +159,69 @@ class PagedDecodeKernel:
             torch.get_num_threads(),
         )
 
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k_blocks: torch.Tensor,
+        v_blocks: torch.Tensor,
+        chunks: PrefillTables,
+        out: torch.Tensor,
+        scale: float,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+        sliding_window: int | None,
+    ) -> None:
+        """q, out: [T, H, D] (head_dim contiguous), the packed batch's rows; chunk i owns rows
+        [starts[i], starts[i + 1]) and its last query sits at position ctx_lens[i] - 1. Pools as for
+        `decode`; the chunks' own K/V must already be in them. Writes the chunks' rows of `out`."""
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads, num_blocks = k_blocks.shape[0], k_blocks.shape[1]
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if sinks is not None:
+            sinks = sinks.to(COMPUTE_DTYPES.get(q.dtype, torch.float32)).contiguous()
+        self._prefill[q.dtype](
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            k_blocks.data_ptr(),
+            v_blocks.data_ptr(),
+            chunks.block_ids.data_ptr(),
+            chunks.width,
+            chunks.starts.data_ptr(),
+            chunks.ctx_lens.data_ptr(),
+            out.data_ptr(),
+            out.stride(0),
+            out.stride(1),
+            chunks.ctx_lens.numel(),
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            k_blocks.shape[2] // head_dim,
+            num_blocks,
+            scale,
+            softcap or 0.0,
+            None if sinks is None else sinks.data_ptr(),
+            sliding_window or 0,
+            torch.get_num_threads(),
+        )
+
+
+@dataclass(slots=True)
+class PrefillTables:
+    """A step's prompt chunks as the prefill kernel reads them (int64, contiguous, built once per step)."""
+
+    starts: torch.Tensor  # [n + 1]: chunk i's rows of the packed batch are [starts[i], starts[i + 1])
+    ctx_lens: torch.Tensor  # [n]: tokens chunk i attends over, its own included
+    block_ids: torch.Tensor  # [n * width]: block tables, padded to `width` blocks
+    width: int
+
 
 @functools.lru_cache(maxsize=1)
-def load() -> PagedDecodeKernel | None:
-    """The kernel, built if need be; None (logged once) where it can't be had."""
+def load() -> PagedAttentionKernel | None:
+    """The kernels, built if need be; None (logged once) where they can't be had."""
     try:
-        return PagedDecodeKernel(ctypes.CDLL(str(_build())))
+        return PagedAttentionKernel(ctypes.CDLL(str(_build())))
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         log.warning("CPU paged-attention kernel unavailable (%s): using the slower torch path", exc)
         return None
@@ -156,23 +231,26 @@ def _build() -> Path:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise OSError("no C++ compiler on PATH (set CXX)")
-    source = SOURCE.read_bytes()
+    sources = [path.read_bytes() for path in SOURCES + HEADERS]
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), _cpu_signature().encode()])
+        b"\0".join([*sources, " ".join(FLAGS).encode(), compiler.encode(), _cpu_signature().encode()])
     ).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode-{key}.so"
+    target = _cache_dir() / f"paged_attention-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=120
+            [compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         if result.returncode != 0:
             raise OSError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
         os.replace(built, target)  # atomic: concurrent builders each install a whole file
-    log.info("built the CPU paged-attention kernel: %s", target)
+    log.info("built the CPU paged-attention kernels: %s", target)
     return target
 
 

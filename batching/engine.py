@@ -16,7 +16,7 @@ from collections.abc import Sequence as Seq
 from batching import cpu_attention, cpu_linear, model_probe, step_cost
 from batching.block_manager import BlockManager, blocks_for
 from batching.config import EngineConfig
-from batching.cpu_attention import PagedDecodeKernel
+from batching.cpu_attention import PagedAttentionKernel
 from batching.kv_cache import KVCache
 from batching.model_runner import ModelRunner
 from batching.models import (
@@ -73,7 +73,7 @@ class Engine:
             self.kv_cache,
             config.block_size,
             self.device,
-            self._decode_kernel(),
+            self._attention_kernel(),
             geometry.mask_patterns,
         )
         self.sampler = Sampler()
@@ -334,7 +334,7 @@ class Engine:
         c["last_step_num_seqs"] = len(sched.seqs)
         c["last_step_time_s"] = seconds
 
-    def _decode_kernel(self) -> PagedDecodeKernel | None:
+    def _attention_kernel(self) -> PagedAttentionKernel | None:
         if not (self.config.cpu_attention_kernel and self.device.type == "cpu"):
             return None
         kernel = cpu_attention.load()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from batching.attention import AttentionMetadata, DecodeGroup, PrefillChunk, step_context
-from batching.cpu_attention import PagedDecodeKernel
+from batching.cpu_attention import PagedAttentionKernel, PrefillTables
 from batching.kv_cache import KVCache
 from batching.scheduler import SchedulerOutput
 from batching.sequence import Sequence
@@ -29,14 +29,14 @@ class ModelRunner:
         kv_cache: KVCache,
         block_size: int,
         device: torch.device,
-        decode_kernel: PagedDecodeKernel | None = None,
+        attention_kernel: PagedAttentionKernel | None = None,
         mask_patterns: dict | None = None,
     ):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
-        self.decode_kernel = decode_kernel  # CPU: attends decodes in place (cpu_attention.py)
+        self.attention_kernel = attention_kernel  # CPU: attends from the blocks in place (cpu_attention.py)
         self.mask_patterns = mask_patterns or {}  # layer -> windows/chunks only the mask expresses
 
     @torch.inference_mode()
@@ -80,7 +80,7 @@ class ModelRunner:
             if pos + 1 == seq.num_tokens:
                 logits_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
-        if self.decode_kernel is not None:  # reads each context as it is: one group, no padding
+        if self.attention_kernel is not None:  # reads each context as it is: one group, no padding
             groups = [(0, len(singles))] if singles else []
         else:
             groups = group_by_length([s.num_computed_tokens + 1 for s, _ in singles])
@@ -101,13 +101,15 @@ class ModelRunner:
             if c + n == seq.num_tokens:
                 logits_rows.append(start + n - 1)
                 sample_seqs.append(seq)
+        prefill_tables = self._prefill_tables(chunks, prefills) if self.attention_kernel and chunks else None
 
         attn = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
             decodes=decodes,
             prefills=prefills,
-            decode_kernel=self.decode_kernel,
+            attention_kernel=self.attention_kernel,
+            prefill_tables=prefill_tables,
             mask_patterns=self.mask_patterns,
         )
         return ModelInput(
@@ -116,6 +118,19 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
             attn=attn,
             sample_seqs=sample_seqs,
+        )
+
+    def _prefill_tables(self, chunks, prefills: list[PrefillChunk]) -> PrefillTables:
+        """All the step's chunks for the CPU prefill kernel, which reads every block table in one call."""
+        bs = self.block_size
+        tables = [seq.block_table[: -(-p.context_len // bs)] for (seq, _), p in zip(chunks, prefills)]
+        width = max(len(t) for t in tables)
+        flat = [block for t in tables for block in t + [0] * (width - len(t))]
+        return PrefillTables(
+            starts=torch.tensor([p.start for p in prefills] + [prefills[-1].end], dtype=torch.long),
+            ctx_lens=torch.tensor([p.context_len for p in prefills], dtype=torch.long),
+            block_ids=torch.tensor(flat, dtype=torch.long),
+            width=width,
         )
 
     def _decode_group(self, singles: list[tuple[Sequence, int]], start: int, end: int) -> DecodeGroup:

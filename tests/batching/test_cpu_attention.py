@@ -1,4 +1,5 @@
-"""The CPU paged-decode kernel against a plain per-sequence attention, and its build and fallback."""
+"""The CPU paged-attention kernels (decode and prefill) against a plain per-sequence attention, and
+their build and fallback."""
 
 from __future__ import annotations
 
@@ -102,6 +103,68 @@ def test_kernel_matches_plain_attention(
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
 
 
+def reference_prefill(q, k_pool, v_pool, tables, starts, ctx_lens, scale, softcap, sinks, window):
+    """Chunk i's queries (rows starts[i]..starts[i+1]) at the last positions of its ctx_lens[i] tokens."""
+    out = torch.full_like(q, float("nan"))
+    rep = q.shape[1] // k_pool.shape[0]
+    for i, ctx in enumerate(ctx_lens.tolist()):
+        rows = range(int(starts[i]), int(starts[i + 1]))
+        for j, row in enumerate(rows):
+            pos = ctx - len(rows) + j
+            for h in range(q.shape[1]):
+                k = k_pool[h // rep, tables[i]].flatten(0, 1)[: pos + 1]
+                v = v_pool[h // rep, tables[i]].flatten(0, 1)[: pos + 1]
+                scores = k @ q[row, h] * scale
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
+                if window is not None:
+                    scores[: max(0, pos + 1 - window)] = float("-inf")
+                if sinks is not None:
+                    scores = torch.cat([scores, sinks[h].reshape(1).to(scores.dtype)])
+                out[row, h] = torch.softmax(scores, dim=0)[: pos + 1] @ v
+    return out
+
+
+# (queries, context) per chunk: whole prompts, chunks deep in a prompt, tiles of 32 rows and their edges
+PREFILL_CHUNKS = [(5, 5), (40, 40), (17, 100), (70, 300), (1, 9), (33, 33)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("block_size", [1, 24])  # 16, the default, runs in the engine tests
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("variant", [{}, {"softcap": 5.0}, {"window": 7}, {"sinks": True}])
+@pytest.mark.parametrize("threads", [2])  # one thread runs the same tiles in turn
+@pytest.mark.parametrize("head_dim", [24, 64, 128])  # 64 and 128 have paths of their own
+def test_prefill_kernel_matches_plain_attention(
+    kernel, dtype, tol, block_size, num_heads, num_kv_heads, variant, threads, head_dim
+):
+    ctx_lens = [ctx for _, ctx in PREFILL_CHUNKS]
+    _, k_pool, v_pool, tables, _ = random_case(dtype, block_size, num_heads, num_kv_heads, ctx_lens, head_dim)
+    # the packed batch: 3 decode rows first (the kernel must leave them alone), then the chunks' rows
+    sizes = [n for n, _ in PREFILL_CHUNKS]
+    starts = torch.tensor([3] + sizes, dtype=torch.long).cumsum(0)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(num_heads, int(starts[-1]), head_dim, generator=gen, dtype=dtype).transpose(0, 1)
+    sinks = torch.randn(num_heads, dtype=torch.float32) if variant.get("sinks") else None
+    softcap, window = variant.get("softcap"), variant.get("window")
+    chunks = cpu_attention.PrefillTables(
+        starts, torch.tensor(ctx_lens, dtype=torch.long), tables.flatten(), tables.shape[1]
+    )
+    out = torch.full_like(q, float("nan"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernel.prefill(q, k_pool.flatten(2), v_pool.flatten(2), chunks, out, 0.3, softcap, sinks, window)
+    finally:
+        torch.set_num_threads(before)
+    assert out[:3].isnan().all(), "rows outside the chunks were written"
+    wide = (lambda t: t.float()) if dtype == torch.bfloat16 else (lambda t: t)
+    expected = reference_prefill(
+        wide(q), wide(k_pool), wide(v_pool), tables, starts, chunks.ctx_lens, 0.3, softcap, sinks, window
+    ).to(dtype)
+    torch.testing.assert_close(out[3:], expected[3:], rtol=tol, atol=tol)
+
+
 def test_kernel_bfloat16_rounds_once_to_nearest(kernel):
     """One key: the output is its value exactly, whatever the query; rounding happens on the way out only."""
     q, k_pool, v_pool, tables, lens = random_case(torch.bfloat16, 16, 4, 2, [1])
@@ -121,23 +184,25 @@ def test_kernel_takes_float_types_on_cpu_only(kernel):
     assert not kernel.supports(torch.float32, torch.device("cuda"))
 
 
-def test_the_engine_attends_decodes_with_the_kernel_on_cpu(checkpoint, monkeypatch):
-    """On by default, and really called in a step: the torch gather path is not silently taken."""
+def test_the_engine_attends_with_the_kernels_on_cpu(checkpoint, monkeypatch):
+    """On by default, and really called in a step: the torch paths are not silently taken."""
     engine = Engine(EngineConfig(model=checkpoint("llama"), dtype="float64", device="cpu"))
-    assert engine.runner.decode_kernel is not None
+    assert engine.runner.attention_kernel is not None
     calls = []
-    real_decode = cpu_attention.PagedDecodeKernel.decode
-    monkeypatch.setattr(
-        cpu_attention.PagedDecodeKernel,
-        "decode",
-        lambda self, *a, **k: calls.append(1) or real_decode(self, *a, **k),
-    )
+    for name in ("decode", "prefill"):
+        real = getattr(cpu_attention.PagedAttentionKernel, name)
+        monkeypatch.setattr(
+            cpu_attention.PagedAttentionKernel,
+            name,
+            lambda self, *a, _name=name, _real=real, **k: calls.append(_name) or _real(self, *a, **k),
+        )
     engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-    assert calls, "a decode step did not go through the kernel"
+    assert "prefill" in calls, "the prompt was not attended by the prefill kernel"
+    assert "decode" in calls, "a decode step did not go through the kernel"
     off = Engine(
         EngineConfig(model=checkpoint("llama"), dtype="float64", device="cpu", cpu_attention_kernel=False)
     )
-    assert off.runner.decode_kernel is None
+    assert off.runner.attention_kernel is None
 
 
 def test_kernel_path_and_torch_path_give_the_same_tokens(checkpoint, reference):

@@ -1,0 +1,85 @@
+// What the CPU attention kernels share: a vectorizable exp, bfloat16 storage, and a walk over a
+// sequence's paged blocks. Header-only; paged_decode.cpp and paged_prefill.cpp include it.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace genq {
+
+// exp(x) for the softmax's x <= 0, written so that the compiler vectorizes loops over it (std::exp
+// is a scalar libm call): x = n ln2 + r with |r| <= ln2/2, exp(r) by its Taylor polynomial (degree 7
+// for float, 13 for double: truncation under an ulp), then 2^n through the exponent bits. Below
+// the clamp the true value is under 2e-38 (float) / 3e-308 (double): nothing beside the max's
+// exp(0) = 1 in the sum.
+constexpr double kInverse[] = {0, 1, 1 / 2., 1 / 3., 1 / 4., 1 / 5., 1 / 6., 1 / 7., 1 / 8., 1 / 9.,
+                               1 / 10., 1 / 11., 1 / 12., 1 / 13.};
+template <typename T> struct ExpConstants;
+template <> struct ExpConstants<float> {
+    using Bits = int32_t;
+    static constexpr int degree = 7, mantissa_bits = 23, bias = 127;
+    static constexpr float lowest = -87.0f;
+};
+template <> struct ExpConstants<double> {
+    using Bits = int64_t;
+    static constexpr int degree = 13, mantissa_bits = 52, bias = 1023;
+    static constexpr double lowest = -708.0;
+};
+
+template <typename T>
+inline T exp_nonpositive(T x) {
+    using C = ExpConstants<T>;
+    x = x < C::lowest ? C::lowest : x;
+    const T n = std::floor(x * T(1.4426950408889634) + T(0.5));
+    const T r = (x - n * T(0.693145751953125)) - n * T(1.428606820309417232e-06);   // ln2 = hi + lo
+    T p = T(1);
+    for (int k = C::degree; k >= 1; k--) p = T(1) + p * r * T(kInverse[k]);          // Horner on 1/k!
+    const typename C::Bits bits = (static_cast<typename C::Bits>(n) + C::bias) << C::mantissa_bits;
+    T scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+// bfloat16: the upper half of a float32. Widening is exact; narrowing rounds to nearest even (the
+// softmax's outputs are finite: no NaN case).
+struct bf16 {
+    uint16_t bits;
+};
+inline float widen(bf16 x) {
+    const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+inline float widen(float x) { return x; }
+inline double widen(double x) { return x; }
+// the type a storage type computes in
+template <typename T> struct Compute { using type = T; };
+template <> struct Compute<bf16> { using type = float; };
+template <typename T> inline T narrow(typename Compute<T>::type x) {
+    if constexpr (std::is_same<T, bf16>::value) {
+        uint32_t bits;
+        std::memcpy(&bits, &x, sizeof bits);
+        bits += 0x7FFFu + ((bits >> 16) & 1u);
+        return bf16{static_cast<uint16_t>(bits >> 16)};
+    } else {
+        return x;
+    }
+}
+
+// fn(t0, t1, rows) for each block's share [t0, t1) of the positions [first, len) of one sequence and
+// KV head: `head` is that head's pool, `table` the sequence's block ids, `rows` position t0's
+// head_dim values (the block's rows follow it contiguously).
+template <typename T, typename Fn>
+inline void for_each_block(const T *head, const int64_t *table, int64_t first, int64_t len,
+                           int64_t block_size, int64_t D, Fn &&fn) {
+    for (int64_t b = first / block_size; b * block_size < len; b++) {
+        const int64_t t0 = std::max(first, b * block_size), t1 = std::min(len, (b + 1) * block_size);
+        fn(t0, t1, head + (table[b] * block_size + (t0 - b * block_size)) * D);
+    }
+}
+
+}  // namespace genq

@@ -1,0 +1,337 @@
+// Paged prefill attention on the CPU: the queries of prompt chunks over their cached contexts,
+// attended straight from the paged pool.
+//
+// The torch path gathers each chunk's K/V blocks into a buffer, repeats them per query head (GQA),
+// and hands torch's SDPA a full [queries, keys] mask, so it also computes the half of the scores
+// that the causal mask throws away. Here a tile of queries of one KV head, with all the query heads
+// that share it (GQA: they become more rows of the same tile), reads its keys once from the
+// blocks and stops at its last query's position. In bfloat16 the blocks are widened to float32 a
+// tile at a time, where SDPA's bf16 path is no faster than its float32 one on this kind of CPU.
+//
+// Per tile (rows = queries x the KV head's query heads):
+//   1. scores = q . k * scale, a register-blocked product over 16 keys (8 in float64) at a time,
+//      with the keys transposed into a small buffer so each step is one vector per row;
+//   2. an exact softmax per row over the keys its position may see (causal, sliding window,
+//      Gemma-2 soft-capping, gpt-oss sinks), as paged_decode.cpp computes it;
+//   3. out = p . v, four rows at a time, their outputs held in registers across a block's keys.
+// Sums run in a different order than SDPA's; values agree to rounding (the tests bound it).
+//
+// Layouts (elements, row-major, head_dim contiguous everywhere):
+//   k_pool, v_pool : [num_kv_heads, num_blocks, block_size, head_dim], one layer of the pool
+//   q, out         : [T, num_heads, head_dim] with strides (q_sn, q_sh) and (o_sn, o_sh): the packed
+//                    batch's rows; chunk i owns rows [starts[i], starts[i + 1])
+//   tables         : [n, width] block ids; ctx_lens: [n] tokens each chunk attends over (its own
+//                    included: its last query sits at ctx_lens[i] - 1)
+//   sinks          : [num_heads] or null; softcap <= 0: none; window <= 0: none
+// Element types as in paged_decode.cpp: bfloat16 computes in float32, float64 in float64.
+#include <vector>
+
+#include "attention_common.h"
+
+namespace {
+
+using namespace genq;
+
+// Vectors of the compute type in the CPU's own width (GCC/Clang vector extensions: wider ones
+// than the target has are split and spilled): 64 bytes with AVX-512, 32 with AVX, else 16. Scores are
+// computed 64 bytes of keys at a time (16 in float32, 8 in float64): one vector or several.
+#if defined(__AVX512F__)
+constexpr int64_t kVectorBytes = 64;
+#elif defined(__AVX__)
+constexpr int64_t kVectorBytes = 32;
+#else
+constexpr int64_t kVectorBytes = 16;
+#endif
+constexpr int64_t kGroupVectors = 64 / kVectorBytes;
+template <typename A> struct Vector {
+    typedef A type __attribute__((vector_size(kVectorBytes)));
+    static constexpr int64_t lanes = kVectorBytes / sizeof(A);
+    static constexpr int64_t group = 64 / sizeof(A);  // keys per group of the score product
+};
+template <typename V, typename A> inline V load(const A *p) {
+    V v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+template <typename V, typename A> inline void store(A *p, V v) { std::memcpy(p, &v, sizeof v); }
+
+constexpr int64_t kTileRows = 128;  // query rows per tile (fewer where the threads would lack tiles)
+constexpr int kBlockRows = 6;      // rows per register block of scores: 12 accumulators of 16 ymm with AVX2
+constexpr int kValueRows = 6;      // rows per register block of p . v: 12 accumulators
+
+template <typename A> struct Scratch {
+    std::vector<A> q, scores, acc, denom_inv;
+    std::vector<int64_t> lo, hi;  // each row's visible keys [lo, hi), absolute positions
+};
+
+// scores[i][0..group) = (q_i . keys_t[:, l]) * scale for R rows; keys_t: [D][group]
+template <int R, typename A>
+inline void score_rows(const A *q, int64_t D, const A *keys_t, A *scores, int64_t stride, A scale) {
+    using V = typename Vector<A>::type;
+    constexpr int64_t L = Vector<A>::lanes, G = kGroupVectors;
+    V acc[R][G];
+    for (int i = 0; i < R; i++)
+        for (int v = 0; v < G; v++) acc[i][v] = V{};
+    for (int64_t d = 0; d < D; d++) {
+        V k[G];
+        for (int v = 0; v < G; v++) k[v] = load<V>(keys_t + (d * G + v) * L);
+        for (int i = 0; i < R; i++) {
+            const A qd = q[i * D + d];
+            for (int v = 0; v < G; v++) acc[i][v] += qd * k[v];
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int v = 0; v < G; v++) store(scores + i * stride + v * L, acc[i][v] * scale);
+}
+
+// acc[i] += sum over keys t in [a, b) of p[i][t] * values[t], for R rows; values indexed by position
+// (rows of D). Two vectors of the output at a time, held in registers across the keys.
+template <int R, int D, typename A>
+inline void value_rows(const A *p, int64_t stride, const A *values, int64_t a, int64_t b, A *acc) {
+    using V = typename Vector<A>::type;
+    constexpr int64_t L = Vector<A>::lanes;
+    for (int64_t d0 = 0; d0 < D; d0 += 2 * L) {
+        V o[R][2];
+        for (int i = 0; i < R; i++)
+            for (int v = 0; v < 2; v++) o[i][v] = load<V>(acc + i * D + d0 + v * L);
+        for (int64_t t = a; t < b; t++) {
+            const V v0 = load<V>(values + t * D + d0), v1 = load<V>(values + t * D + d0 + L);
+            for (int i = 0; i < R; i++) {
+                const A weight = p[i * stride + t];
+                o[i][0] += weight * v0;
+                o[i][1] += weight * v1;
+            }
+        }
+        for (int i = 0; i < R; i++)
+            for (int v = 0; v < 2; v++) store(acc + i * D + d0 + v * L, o[i][v]);
+    }
+}
+
+// A chunk's keys and values for one KV head, laid out for the tiles (built once per call):
+//   keys_t : key groups [first_group, ...), each [D][group] (transposed, widened)
+//   values : bfloat16 only, rows from position first_group * group on, widened; else null (the
+//            tiles read float32/float64 values where they lie)
+template <typename A> struct PackedHead {
+    const A *keys_t;
+    const A *values;
+    int64_t first_group;
+};
+
+// One tile: queries [0, nq) of a chunk at positions first_pos + j, each with the `rep` query heads of
+// one KV head (row r = j * rep + h), over the keys [kmin, last position] of that KV head.
+template <int FixedD, typename T, typename A = typename Compute<T>::type>
+void attend_tile(const T *q, int64_t q_sn, int64_t q_sh, const PackedHead<A> &packed, const T *vh,
+                 const int64_t *table, int64_t block_size, int64_t first_pos, int64_t nq, int64_t rep,
+                 int64_t head_dim, int64_t window, A scale, A softcap, const A *sinks, T *out, int64_t o_sn,
+                 int64_t o_sh, Scratch<A> &w) {
+    constexpr int64_t L = Vector<A>::lanes, K = Vector<A>::group;
+    const int64_t D = FixedD > 0 ? FixedD : head_dim;
+    const int64_t M = nq * rep;
+    const int64_t kmin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+    const int64_t kmax = first_pos + nq;  // one past the last query's position
+    const int64_t kbase = kmin / K * K;   // the first group's first key: column 0 of the scores
+    const int64_t stride = kmax - kbase + K;  // room for the last group's unused columns
+    w.q.resize(M * D);
+    w.scores.resize(M * stride);
+    w.acc.assign(M * D, A(0));
+    w.denom_inv.resize(M);
+    w.lo.resize(M);
+    w.hi.resize(M);
+    for (int64_t j = 0; j < nq; j++)
+        for (int64_t h = 0; h < rep; h++) {
+            const int64_t r = j * rep + h, pos = first_pos + j;
+            for (int64_t d = 0; d < D; d++) w.q[r * D + d] = widen(q[j * q_sn + h * q_sh + d]);
+            w.lo[r] = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+            w.hi[r] = pos + 1;
+        }
+
+    // 1. scores, a group of keys at a time (columns outside a row's visible keys are never read)
+    for (int64_t u = kbase / K; u * K < kmax; u++) {
+        const A *keys_t = packed.keys_t + (u - packed.first_group) * D * K;
+        A *column = w.scores.data() + (u * K - kbase);
+        int64_t r = 0;
+        for (; r + kBlockRows <= M; r += kBlockRows)
+            score_rows<kBlockRows>(w.q.data() + r * D, D, keys_t, column + r * stride, stride, scale);
+        for (; r < M; r++) score_rows<1>(w.q.data() + r * D, D, keys_t, column + r * stride, stride, scale);
+    }
+
+    // 2. softmax per row over its visible keys; a sink is one more logit that takes mass but has no value
+    for (int64_t r = 0; r < M; r++) {
+        A *sr = w.scores.data() + r * stride - kbase;  // indexed by position
+        const int64_t lo = w.lo[r], hi = w.hi[r];
+        const A *sink = sinks ? sinks + r % rep : nullptr;
+        if (softcap > 0)
+            for (int64_t t = lo; t < hi; t++) sr[t] = std::tanh(sr[t] / softcap) * softcap;
+        A m = sink ? *sink : sr[lo];
+#pragma omp simd reduction(max : m)
+        for (int64_t t = lo; t < hi; t++) m = sr[t] > m ? sr[t] : m;
+        A sum = sink ? exp_nonpositive(*sink - m) : A(0);
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = lo; t < hi; t++) {
+            sr[t] = exp_nonpositive(sr[t] - m);
+            sum += sr[t];
+        }
+        w.denom_inv[r] = A(1) / sum;
+        std::fill(sr + kmin, sr + lo, A(0));  // hidden keys weigh nothing in step 3's row blocks
+        std::fill(sr + hi, sr + kmax, A(0));
+    }
+
+    // 3. out_r = sum_t p[r][t] v_t / sum, a block of the pool (float32, float64) or of the widened
+    // rows (bfloat16) at a time
+    for_each_block(vh, table, kmin, kmax, block_size, D, [&](int64_t t0, int64_t t1, const T *rows) {
+        const A *values;  // the block's rows, indexed by position
+        if constexpr (std::is_same<T, A>::value)
+            values = rows - t0 * D;
+        else
+            values = packed.values - packed.first_group * K * D;
+        for (int64_t r = 0; r < M; r += kValueRows) {
+            const int64_t rows_here = std::min<int64_t>(kValueRows, M - r);
+            // the keys any of these rows sees in this block (the others' weights there are 0)
+            int64_t a = t1, b = t0;
+            for (int64_t i = r; i < r + rows_here; i++) a = std::min(a, w.lo[i]), b = std::max(b, w.hi[i]);
+            a = std::max(a, t0), b = std::min(b, t1);
+            if (a >= b) continue;
+            const A *pr = w.scores.data() + r * stride - kbase;
+            A *acc = w.acc.data() + r * D;
+            if constexpr (FixedD > 0 && FixedD % (2 * L) == 0) {
+                if (rows_here == kValueRows) {
+                    value_rows<kValueRows, FixedD>(pr, stride, values, a, b, acc);
+                    continue;
+                }
+                for (int64_t i = 0; i < rows_here; i++)
+                    value_rows<1, FixedD>(pr + i * stride, stride, values, a, b, acc + i * D);
+            } else {
+                for (int64_t i = 0; i < rows_here; i++)
+                    for (int64_t t = a; t < b; t++) {
+                        const A p = pr[i * stride + t];
+                        const A *vrow = values + t * D;
+#pragma omp simd
+                        for (int64_t d = 0; d < D; d++) acc[i * D + d] += p * vrow[d];
+                    }
+            }
+        }
+    });
+    for (int64_t j = 0; j < nq; j++)
+        for (int64_t h = 0; h < rep; h++) {
+            const int64_t r = j * rep + h;
+            for (int64_t d = 0; d < D; d++)
+                out[j * o_sn + h * o_sh + d] = narrow<T>(w.acc[r * D + d] * w.denom_inv[r]);
+        }
+}
+
+template <typename T, typename A = typename Compute<T>::type>
+void paged_prefill(const T *q, int64_t q_sn, int64_t q_sh, const T *k_pool, const T *v_pool,
+                   const int64_t *tables, int64_t width, const int64_t *starts, const int64_t *ctx_lens,
+                   T *out, int64_t o_sn, int64_t o_sh, int64_t n, int64_t num_heads, int64_t num_kv_heads,
+                   int64_t head_dim, int64_t block_size, int64_t num_blocks, double scale, double softcap,
+                   const A *sinks, int64_t window, int num_threads) {
+    constexpr int64_t K = Vector<A>::group;
+    constexpr bool kWiden = !std::is_same<T, A>::value;
+    const int64_t D = head_dim, rep = num_heads / num_kv_heads;
+    const int64_t head_stride = num_blocks * block_size * head_dim;
+    // each chunk's key groups [first, end) (a window spares the keys no query of the chunk sees),
+    // and where its heads' packed keys and widened values start in the call's buffers
+    std::vector<int64_t> first(n), groups(n), key_at(n + 1, 0), value_at(n + 1, 0);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t q_len = starts[i + 1] - starts[i];
+        const int64_t kstart = window > 0 ? std::max<int64_t>(0, ctx_lens[i] - q_len - window + 1) : 0;
+        first[i] = kstart / K;
+        groups[i] = (ctx_lens[i] + K - 1) / K - first[i];
+        key_at[i + 1] = key_at[i] + num_kv_heads * groups[i] * D * K;
+        value_at[i + 1] = value_at[i] + (kWiden ? num_kv_heads * groups[i] * K * D : 0);
+    }
+    // the calling thread's buffers, kept across calls (two engines in two threads each have theirs)
+    // (the OpenMP threads see them through pointers: a thread_local named inside the parallel region
+    // would be each thread's own)
+    static thread_local std::vector<A> keys_buffer, values_buffer;
+    if (static_cast<int64_t>(keys_buffer.size()) < key_at[n]) keys_buffer.resize(key_at[n]);
+    if (static_cast<int64_t>(values_buffer.size()) < value_at[n]) values_buffer.resize(value_at[n]);
+    A *const keys_t = keys_buffer.data(), *const values = values_buffer.data();
+    std::vector<int64_t> pack_at(n + 1, 0);  // pack items: (chunk, KV head, group)
+    for (int64_t i = 0; i < n; i++) pack_at[i + 1] = pack_at[i] + num_kv_heads * groups[i];
+
+    // queries per tile: kTileRows rows (a bigger tile reads each key for more rows), halved while
+    // there are fewer than four tiles per thread
+    int64_t tile_queries = std::max<int64_t>(1, kTileRows / rep);
+    const auto count_tiles = [&](int64_t size) {
+        int64_t count = 0;
+        for (int64_t i = 0; i < n; i++) count += (starts[i + 1] - starts[i] + size - 1) / size;
+        return count * num_kv_heads;
+    };
+    while (tile_queries > 1 && count_tiles(tile_queries) < 4 * num_threads) tile_queries /= 2;
+    // tiles, the costliest (last in their chunk: the most keys) first, so the threads end together
+    struct Tile {
+        int64_t chunk, first;
+    };
+    std::vector<Tile> tiles;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t j = 0; j < starts[i + 1] - starts[i]; j += tile_queries) tiles.push_back({i, j});
+    std::stable_sort(tiles.begin(), tiles.end(), [&](const Tile &x, const Tile &y) {
+        return ctx_lens[x.chunk] - (starts[x.chunk + 1] - starts[x.chunk]) + x.first >
+               ctx_lens[y.chunk] - (starts[y.chunk + 1] - starts[y.chunk]) + y.first;
+    });
+    const int64_t items = static_cast<int64_t>(tiles.size()) * num_kv_heads;
+#pragma omp parallel num_threads(num_threads)
+    {
+        // pack: each group of keys transposed to [D][group] and widened, once for all its tiles
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < pack_at[n]; item++) {
+            const int64_t i = std::upper_bound(pack_at.begin(), pack_at.end(), item) - pack_at.begin() - 1;
+            const int64_t g = (item - pack_at[i]) / groups[i], u = (item - pack_at[i]) % groups[i];
+            const int64_t *table = tables + i * width;
+            A *dst = keys_t + key_at[i] + (g * groups[i] + u) * D * K;
+            A *wide = kWiden ? values + value_at[i] + (g * groups[i] + u) * K * D : nullptr;
+            for (int64_t l = 0; l < K; l++) {
+                const int64_t pos = (first[i] + u) * K + l;
+                if (pos >= ctx_lens[i]) {
+                    for (int64_t d = 0; d < D; d++) dst[d * K + l] = A(0);
+                    continue;
+                }
+                const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+                const T *key = k_pool + g * head_stride + slot * D;
+                for (int64_t d = 0; d < D; d++) dst[d * K + l] = widen(key[d]);
+                if constexpr (kWiden) {
+                    const T *value = v_pool + g * head_stride + slot * D;
+                    for (int64_t d = 0; d < D; d++) wide[l * D + d] = widen(value[d]);
+                }
+            }
+        }
+        Scratch<A> w;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            const Tile tile = tiles[item / num_kv_heads];
+            const int64_t g = item % num_kv_heads, i = tile.chunk;
+            const int64_t q_len = starts[i + 1] - starts[i];
+            const int64_t nq = std::min(tile_queries, q_len - tile.first);
+            const int64_t row = starts[i] + tile.first;
+            const PackedHead<A> packed{keys_t + key_at[i] + g * groups[i] * D * K,
+                                       kWiden ? values + value_at[i] + g * groups[i] * K * D : nullptr,
+                                       first[i]};
+            auto attend = head_dim == 64    ? attend_tile<64, T>
+                          : head_dim == 128 ? attend_tile<128, T>
+                                            : attend_tile<0, T>;
+            attend(q + row * q_sn + g * rep * q_sh, q_sn, q_sh, packed, v_pool + g * head_stride,
+                   tables + i * width, block_size, ctx_lens[i] - q_len + tile.first, nq, rep, head_dim,
+                   window, A(scale), A(softcap), sinks ? sinks + g * rep : nullptr, out + row * o_sn + g * rep * o_sh,
+                   o_sn, o_sh, w);
+        }
+    }
+}
+
+}  // namespace
+
+#define GENQ_EXPORT(NAME, T, A)                                                                      \
+    extern "C" void NAME(const T *q, int64_t q_sn, int64_t q_sh, const T *k_pool, const T *v_pool,   \
+                         const int64_t *tables, int64_t width, const int64_t *starts,                \
+                         const int64_t *ctx_lens, T *out, int64_t o_sn, int64_t o_sh, int64_t n,     \
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,                  \
+                         int64_t block_size, int64_t num_blocks, double scale, double softcap,       \
+                         const A *sinks, int64_t window, int num_threads) {                          \
+        paged_prefill<T>(q, q_sn, q_sh, k_pool, v_pool, tables, width, starts, ctx_lens, out, o_sn,  \
+                         o_sh, n, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,  \
+                         softcap, sinks, window, num_threads);                                       \
+    }
+
+GENQ_EXPORT(genq_paged_prefill_f32, float, float)
+GENQ_EXPORT(genq_paged_prefill_f64, double, double)
+GENQ_EXPORT(genq_paged_prefill_bf16, bf16, float)
