@@ -27,7 +27,7 @@ class EngineConfig:
         True  # a chunk deep in a long prompt counts its attention against the budget
     )
     cpu_attention_kernel: bool = (
-        True  # CPU: attend decodes in place with csrc/paged_decode.cpp (built on first use)
+        True  # CPU: attend from the KV blocks in place with csrc/ (built on first use)
     )
     cpu_packed_linears: bool = (
         True  # CPU float32/bfloat16: linear layers through oneDNN, weights packed once (cpu_linear.py)

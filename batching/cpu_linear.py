@@ -7,14 +7,18 @@ and [512, 512] x [512, 2816] 15.0 ms against 6.6 ms (one thread). In bfloat16 `F
 goes through oneDNN, but it lays the weight out again on every call: packed once, decode-sized
 products run 1.4-2x faster. vLLM's CPU build does the same (oneDNN with prepacked weights).
 
-The model keeps its own weights (tied embeddings, checks and hooks read them); the packed copy sits
-beside each one, so the linear weights take twice their memory. float64 (which oneDNN does not do)
+Once packed, a weight that no other module shares is released: the layer keeps a parameter of the
+same shape and dtype (what `model.dtype`, `model.device` and shape checks read) over a single zero,
+so the linear weights do not take their memory twice. A weight that another module also holds (an
+`lm_head` tied to the embeddings) stays as it is. float64 (which oneDNN does not do)
 and float16 keep torch's path. Sums run in another order than MKL's: float32 results differ from
 `F.linear` in the last bits, as they already do between batch sizes; greedy tokens stay those of
 `model.generate()` unless two logits tie within that noise (the bench reports the prefix match).
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 from torch import nn
@@ -35,18 +39,33 @@ class PackedLinear(nn.Linear):
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype in DTYPES and torch.backends.mkldnn.is_available()
+    return device.type == "cpu" and dtype in packable_dtypes()
+
+
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """float32 wherever oneDNN is built in; bfloat16 only where oneDNN has a bf16 path on this CPU
+    (AVX-512 BW/VL/DQ or AVX-NE-CONVERT: on an AVX2-only CPU the packing itself fails)."""
+    if not torch.backends.mkldnn.is_available():
+        return ()
+    return DTYPES if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Turn every plain `nn.Linear` of `model` into a `PackedLinear`; returns how many."""
+    """Turn every plain `nn.Linear` of `model` in a packable dtype into a `PackedLinear`, releasing the
+    weights no other module holds; returns how many."""
+    holders = Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
+    dtypes = packable_dtypes()
     count = 0
     for module in model.modules():
-        if type(module) is not nn.Linear or module.weight.dtype not in DTYPES:
+        if type(module) is not nn.Linear or module.weight.dtype not in dtypes:
             continue
+        weight = module.weight
         with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_BATCH_HINT)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
         module.__class__ = PackedLinear
         module.packed_weight = packed
+        if holders[weight.data_ptr()] == 1:  # nobody else reads it: keep its shape, not its memory
+            empty = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+            module.weight = nn.Parameter(empty, requires_grad=False)
         count += 1
     return count

@@ -203,7 +203,7 @@ def _describe(engine) -> dict:
         "device_blocks": stats["num_device_blocks"],
         "host_blocks": stats["num_host_blocks"],
         "max_model_len": engine.max_model_len,
-        "decode_attention": "cpu kernel" if engine.runner.decode_kernel is not None else "torch",
+        "decode_attention": "cpu kernel" if engine.runner.attention_kernel is not None else "torch",
     }
 
 

@@ -17,7 +17,17 @@ def packed_modules(engine: Engine) -> list[nn.Module]:
     return [m for m in engine.model.modules() if isinstance(m, cpu_linear.PackedLinear)]
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+BF16_PACKS = torch.bfloat16 in cpu_linear.packable_dtypes()
+NO_BF16 = "this CPU has no oneDNN bf16 path (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)"
+
+
+@pytest.mark.parametrize(
+    "dtype,tol",
+    [
+        (torch.float32, 1e-5),
+        pytest.param(torch.bfloat16, 1e-2, marks=pytest.mark.skipif(not BF16_PACKS, reason=NO_BF16)),
+    ],
+)
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_computes_what_f_linear_does(dtype, tol, rows, bias):
@@ -36,7 +46,8 @@ def test_packed_linear_computes_what_f_linear_does(dtype, tol, rows, bias):
 
 
 def test_float32_and_bfloat16_engines_pack_their_linears_and_float64_does_not(llama_path):
-    for dtype, packs in (("float32", True), ("bfloat16", True), ("float64", False)):
+    """bfloat16 packs where this CPU's oneDNN has a bf16 path; elsewhere its engine still builds."""
+    for dtype, packs in (("float32", True), ("bfloat16", BF16_PACKS), ("float64", False)):
         engine = Engine(EngineConfig(model=llama_path, dtype=dtype, device="cpu"))
         linears = [m for m in engine.model.modules() if isinstance(m, nn.Linear)]
         assert linears and (len(packed_modules(engine)) == len(linears)) == packs, dtype
@@ -73,3 +84,30 @@ def test_float32_greedy_tokens_match_generate_with_packed_linears(llama_path):
 def test_cpu_packed_linears_must_be_a_bool():
     with pytest.raises(ValueError, match="cpu_packed_linears must be True or False"):
         EngineConfig(cpu_packed_linears="yes")
+
+
+def test_packing_releases_the_weights_no_other_module_holds():
+    """The packed copy replaces an unshared weight's memory; a tied one (lm_head = embeddings) stays."""
+    torch.manual_seed(0)
+    embed, head, proj = nn.Embedding(50, 16), nn.Linear(16, 50, bias=False), nn.Linear(16, 16)
+    head.weight = embed.weight
+    model = nn.ModuleDict({"embed": embed, "head": head, "proj": proj})
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        expected_head, expected_proj, expected_row = head(x), proj(x), embed(torch.tensor([3]))
+    assert cpu_linear.pack_linears(model) == 2
+    assert proj.weight.shape == (16, 16) and proj.weight.dtype == torch.float32
+    assert proj.weight.untyped_storage().nbytes() == 4, "the unshared weight was kept"
+    assert head.weight is embed.weight and embed.weight.untyped_storage().nbytes() == 50 * 16 * 4
+    with torch.inference_mode():
+        torch.testing.assert_close(head(x), expected_head)
+        torch.testing.assert_close(proj(x), expected_proj)
+        torch.testing.assert_close(embed(torch.tensor([3])), expected_row)
+
+
+@pytest.mark.skipif(BF16_PACKS, reason="this CPU packs bfloat16: the fallback is not taken here")
+def test_bfloat16_linears_stay_unpacked_where_onednn_has_no_bf16_path():
+    """On an AVX2-only CPU oneDNN refuses to pack bf16 weights: the layers keep torch's F.linear."""
+    layer = nn.Linear(16, 8).to(torch.bfloat16)
+    assert not cpu_linear.available(torch.bfloat16, torch.device("cpu"))
+    assert cpu_linear.pack_linears(layer) == 0 and type(layer) is nn.Linear
