@@ -130,10 +130,7 @@ class PagedAttentionKernel:
         n, num_heads, head_dim = q.shape
         num_kv_heads, num_blocks = k_blocks.shape[0], k_blocks.shape[1]
         block_size = k_blocks.shape[2] // head_dim
-        if q.stride(-1) != 1:
-            q = q.contiguous()
-        if sinks is not None:
-            sinks = sinks.to(COMPUTE_DTYPES.get(q.dtype, torch.float32)).contiguous()
+        q, sinks = _as_kernels_take(q, sinks)
         self._decode[q.dtype](
             q.data_ptr(),
             q.stride(0),
@@ -176,10 +173,7 @@ class PagedAttentionKernel:
         `decode`; the chunks' own K/V must already be in them. Writes the chunks' rows of `out`."""
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads, num_blocks = k_blocks.shape[0], k_blocks.shape[1]
-        if q.stride(-1) != 1:
-            q = q.contiguous()
-        if sinks is not None:
-            sinks = sinks.to(COMPUTE_DTYPES.get(q.dtype, torch.float32)).contiguous()
+        q, sinks = _as_kernels_take(q, sinks)
         self._prefill[q.dtype](
             q.data_ptr(),
             q.stride(0),
@@ -205,6 +199,15 @@ class PagedAttentionKernel:
             sliding_window or 0,
             torch.get_num_threads(),
         )
+
+
+def _as_kernels_take(q: torch.Tensor, sinks: torch.Tensor | None):
+    """q with head_dim contiguous; sinks (if any) contiguous in the dtype the kernel computes in."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if sinks is not None:
+        sinks = sinks.to(COMPUTE_DTYPES.get(q.dtype, torch.float32)).contiguous()
+    return q, sinks
 
 
 @dataclass(slots=True)
