@@ -42,6 +42,11 @@ def available(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in packable_dtypes()
 
 
+def lacks_bf16_arithmetic(dtype: torch.dtype, device: torch.device) -> bool:
+    """A bfloat16 model on a CPU where oneDNN has no bf16 path: every product widens first."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and dtype not in packable_dtypes()
+
+
 def packable_dtypes() -> tuple[torch.dtype, ...]:
     """float32 wherever oneDNN is built in; bfloat16 only where oneDNN has a bf16 path on this CPU
     (AVX-512 BW/VL/DQ or AVX-NE-CONVERT: on an AVX2-only CPU the packing itself fails)."""

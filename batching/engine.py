@@ -48,6 +48,12 @@ class Engine:
         self.model = load_model(config, self.device, self.dtype, model_config)
         if config.cpu_packed_linears and cpu_linear.available(self.dtype, self.device):
             cpu_linear.pack_linears(self.model)
+        elif cpu_linear.lacks_bf16_arithmetic(self.dtype, self.device):
+            log.warning(
+                "bfloat16 on a CPU without bf16 arithmetic (no AVX-512 BF16 / AMX / AVX-NE-CONVERT): "
+                "every product widens to float32 first, and float32 runs about 4x faster here "
+                "(bench/RESULTS.md, session 22)"
+            )
         mc = self.model.config.get_text_config(decoder=True)  # multimodal configs nest the decoder's
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = _eos_ids(mc, self.tokenizer)

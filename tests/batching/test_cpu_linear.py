@@ -3,6 +3,8 @@ and float32 greedy output still that of model.generate()."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -111,3 +113,10 @@ def test_bfloat16_linears_stay_unpacked_where_onednn_has_no_bf16_path():
     layer = nn.Linear(16, 8).to(torch.bfloat16)
     assert not cpu_linear.available(torch.bfloat16, torch.device("cpu"))
     assert cpu_linear.pack_linears(layer) == 0 and type(layer) is nn.Linear
+
+
+def test_a_bfloat16_engine_warns_where_the_cpu_has_no_bf16_arithmetic(llama_path, caplog):
+    """Where oneDNN has no bf16 path, bf16 is several times slower than float32: the log says so."""
+    with caplog.at_level(logging.WARNING, logger="batching.engine"):
+        Engine(EngineConfig(model=llama_path, dtype="bfloat16", device="cpu"))
+    assert ("bfloat16 on a CPU without bf16 arithmetic" in caplog.text) == (not BF16_PACKS)
