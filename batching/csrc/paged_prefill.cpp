@@ -3,17 +3,17 @@
 //
 // The torch path gathers each chunk's K/V blocks into a buffer, repeats them per query head (GQA),
 // and hands torch's SDPA a full [queries, keys] mask, so it also computes the half of the scores
-// that the causal mask throws away. Here a tile of queries of one KV head, with all the query heads
-// that share it (GQA: they become more rows of the same tile), reads its keys once from the
-// blocks and stops at its last query's position. In bfloat16 the blocks are widened to float32 a
-// tile at a time, where SDPA's bf16 path is no faster than its float32 one on this kind of CPU.
+// that the causal mask throws away. Here each chunk's keys are packed once per call (per KV head,
+// in groups of 16 keys transposed to [head_dim][16], widened from bfloat16; bfloat16 values are
+// widened once too), then tiles of queries of one KV head, with all the query heads that share it
+// (GQA: they become more rows of the same tile), read them and stop at their last query's position.
 //
-// Per tile (rows = queries x the KV head's query heads):
-//   1. scores = q . k * scale, a register-blocked product over 16 keys (8 in float64) at a time,
-//      with the keys transposed into a small buffer so each step is one vector per row;
+// Per tile (rows = queries x the KV head's query heads, up to kTileRows):
+//   1. scores = q . k * scale, a register-blocked product over a group of 16 keys (8 in float64)
+//      at a time, each step one vector (or two) per row;
 //   2. an exact softmax per row over the keys its position may see (causal, sliding window,
 //      Gemma-2 soft-capping, gpt-oss sinks), as paged_decode.cpp computes it;
-//   3. out = p . v, four rows at a time, their outputs held in registers across a block's keys.
+//   3. out = p . v, kValueRows rows at a time, their outputs held in registers across a block's keys.
 // Sums run in a different order than SDPA's; values agree to rounding (the tests bound it).
 //
 // Layouts (elements, row-major, head_dim contiguous everywhere):
