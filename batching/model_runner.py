@@ -88,20 +88,19 @@ class ModelRunner:
 
         # prefill chunks: rows [start, end) each
         prefills: list[PrefillChunk] = []
+        chunk_tables: list[list[int]] = []  # each chunk's blocks, up to its last token
         for seq, n in chunks:
             start, c = len(input_ids), seq.num_computed_tokens
             input_ids.extend(seq.token_ids[c : c + n])
             positions.extend(range(c, c + n))
             table = seq.block_table
             slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
-            block_ids = (
-                torch.tensor(table[: -(-(c + n) // bs)], dtype=torch.long, device=self.device) if c else None
-            )
-            prefills.append(PrefillChunk(start, start + n, c + n, block_ids))
+            chunk_tables.append(table[: -(-(c + n) // bs)])
+            prefills.append(PrefillChunk(start, start + n, c + n, None))
             if c + n == seq.num_tokens:
                 logits_rows.append(start + n - 1)
                 sample_seqs.append(seq)
-        prefill_tables = self._prefill_tables(chunks, prefills) if self.attention_kernel and chunks else None
+        prefill_tables = self._attach_block_ids(prefills, chunk_tables)
 
         attn = AttentionMetadata(
             kv_cache=self.kv_cache,
@@ -120,16 +119,26 @@ class ModelRunner:
             sample_seqs=sample_seqs,
         )
 
-    def _prefill_tables(self, chunks, prefills: list[PrefillChunk]) -> PrefillTables:
-        """All the step's chunks for the CPU prefill kernel, which reads every block table in one call."""
-        bs = self.block_size
-        tables = [seq.block_table[: -(-p.context_len // bs)] for (seq, _), p in zip(chunks, prefills)]
+    def _attach_block_ids(
+        self, prefills: list[PrefillChunk], tables: list[list[int]]
+    ) -> PrefillTables | None:
+        """Give each chunk with cached context its block ids (the torch path gathers them). With the
+        CPU kernel, all chunks' tables go in one padded tensor, which the kernel reads in one call
+        and the chunks take views of; else one tensor per chunk."""
+        if self.attention_kernel is None or not prefills:
+            for prefill, table in zip(prefills, tables):
+                if prefill.context_len > prefill.end - prefill.start:
+                    prefill.block_ids = torch.tensor(table, dtype=torch.long, device=self.device)
+            return None
         width = max(len(t) for t in tables)
-        flat = [block for t in tables for block in t + [0] * (width - len(t))]
+        flat = torch.tensor([block for t in tables for block in t + [0] * (width - len(t))], dtype=torch.long)
+        for i, (prefill, table) in enumerate(zip(prefills, tables)):
+            if prefill.context_len > prefill.end - prefill.start:
+                prefill.block_ids = flat[i * width : i * width + len(table)]
         return PrefillTables(
             starts=torch.tensor([p.start for p in prefills] + [prefills[-1].end], dtype=torch.long),
             ctx_lens=torch.tensor([p.context_len for p in prefills], dtype=torch.long),
-            block_ids=torch.tensor(flat, dtype=torch.long),
+            block_ids=flat,
             width=width,
         )
 
