@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install test lint lock run services bench clean vllm-cpu-env
+.PHONY: install test lint lock run services bench clean vllm-cpu-env gpu-check
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,6 +29,14 @@ run: install services
 
 test: install services
 	$(VENV)/bin/pytest -q tests
+
+# On a GPU host, whether genq is right there and how fast, in one command (bench/gpu_check.py): the
+# device tests on every engine path the machine has, then the throughput bench; figures in
+# bench/out/gpu-check-<device>.md. Green on a CPU too, the CUDA parts skipped. With a python that
+# already has torch, transformers and triton (a GPU image): `make gpu-check PY=python3`.
+gpu-check:
+	$(if $(filter $(VENV)/bin/python,$(PY)),$(MAKE) install,)
+	$(PY) bench/gpu_check.py
 
 # What CI checks before the tests (and .pre-commit-config.yaml before each commit): formatting, lint, types.
 lint: install

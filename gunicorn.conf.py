@@ -1,17 +1,16 @@
 """gunicorn settings for the API: `gunicorn "webapi:create_app()"` reads this file from the working
 directory. Command-line flags (--bind, --workers, ...) override it; so do the variables below.
 
-Worker class: gthread (API_THREADS threads per process, 8 by default), because POST /v1/chat/completions
-and /v1/completions wait for their job in the API process (webapi/completions.py): with sync workers a
-waiting completion would hold a whole process. At most COMPLETION_SLOTS threads of a process wait at
-once (set below to threads - 2, so quick calls always find a thread); a waiting thread sleeps between
-reads of its job's row, holding neither the GIL nor a database connection. The cost, measured on the
-2-core development machine (bench/RESULTS.md, issue 6): sync workers accepted ~20% more POST /jobs per
-second than threaded ones (each request is Python work between short waits on Postgres and Redis, so
-threads add GIL contention). API_WORKER_CLASS=sync gets that back and turns the synchronous completions
-off (COMPLETION_SLOTS=0: they answer 503; the Batch API and /jobs are unaffected). 2 processes per core
-keep the cores busy (2 x cores + 1 measured no better). A sync worker is also held by a slow client for
-a whole upload: in front of untrusted or slow clients, put a buffering proxy (nginx) before it.
+Worker class: gevent (API_WORKER_CLASS). A call that waits on a job (a streamed or synchronous /v1 completion,
+GET /jobs/<id>/events, GET /jobs/<id>?wait=) follows it through the process's token-event hub
+(webapi/events.py): under gevent that is a greenlet waiting on a queue, a few kB, so one process holds
+thousands (API_WORKER_CONNECTIONS sockets, of which COMPLETION_SLOTS may wait; beyond, a waiting call answers
+429 naming COMPLETION_SLOTS). Measured on the 2-core development machine (bench/job_cpu.py, issue 25; that run
+is in bench/RESULTS.md's git history): gevent against gthread (8 threads) for POST /jobs and for streams.
+gthread (API_THREADS threads, at most threads - 2 waiting) and sync (no waiting calls: COMPLETION_SLOTS=0,
+they answer 503) remain available. 2 processes per core keep the cores busy (2 x cores + 1 measured no
+better). A sync or gthread worker is held by a slow client for a whole upload: in front of untrusted or slow
+clients, put a buffering proxy (nginx) before it.
 
 Metrics: every worker process counts its own requests, so the processes share their counters through
 prometheus_client's multiprocess mode: each writes its values to files in PROMETHEUS_MULTIPROC_DIR
@@ -30,12 +29,14 @@ import tempfile
 from jobstore.cpus import available_cpus
 
 bind = f"{os.environ.get('API_HOST', '127.0.0.1')}:{os.environ.get('API_PORT', '8000')}"
-worker_class = os.environ.get("API_WORKER_CLASS", "gthread")
+worker_class = os.environ.get("API_WORKER_CLASS", "gevent")
 workers = int(os.environ.get("API_WORKERS", 2 * available_cpus()))  # CPUs of the cgroup quota, not the host
 threads = int(os.environ.get("API_THREADS", 8 if worker_class == "gthread" else 1))
-# completions waiting at once per process (ApiSettings.completion_slots): all threads but two; none when a
-# wait would hold the whole process (sync workers)
-os.environ.setdefault("COMPLETION_SLOTS", str(max(0, threads - 2) if worker_class == "gthread" else 0))
+worker_connections = int(os.environ.get("API_WORKER_CONNECTIONS", 10000))  # gevent: open sockets per process
+# calls waiting on a job at once per process (ApiSettings.completion_slots). gevent: most of its connections,
+# the rest kept for quick calls; gthread: all threads but two; sync: none (a wait would hold the process)
+_slots = {"gevent": max(0, worker_connections - 1000), "gthread": max(0, threads - 2)}
+os.environ.setdefault("COMPLETION_SLOTS", str(_slots.get(worker_class, 0)))
 accesslog = os.environ.get("API_ACCESS_LOG", "-") or None  # "" turns the access log off
 preload_app = False  # each worker builds its own app: no database or Redis connection crosses a fork
 

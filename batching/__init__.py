@@ -13,6 +13,7 @@ _EXPORTS = {
     "EngineConfig": "batching.config",
     "RequestOutput": "batching.outputs",
     "SamplingParams": "batching.sampling_params",
+    "TokenLogprob": "batching.logprobs",
 }
 
 __all__ = list(_EXPORTS)

@@ -5,73 +5,25 @@ step's new K/V into cache slots, then attends each sequence's queries over its c
 Per-step metadata arrives explicitly through the forward's kwargs (`genq_attn=`), never as a global;
 models that do not pass those kwargs down (falcon, gptj, gpt_neo: attention_classes.py) read it from
 `step_context`, a context variable the runner sets around each forward.
-Decode tokens (one query per sequence) are attended in a few batched calls, grouped by context
-length so little padding is gathered, and prefill chunks one by one; on the CPU, kernels that read the
-paged blocks in place attend both (batching/cpu_attention.py).
+Three paths attend (attention_metadata.py says what each is given):
+
+- CUDA: one Triton kernel reads the blocks in place for every row of the step (triton_attention.py);
+- the CPU: C++ kernels read the blocks in place (cpu_attention.py);
+- torch, the fallback on either device: decodes in a few batched calls grouped by context length (so
+  little padding is gathered), and all prefill chunks in one padded call.
 """
 
 from __future__ import annotations
 
 import contextlib
 from contextvars import ContextVar
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from batching.cpu_attention import PagedAttentionKernel, PrefillTables
-from batching.kv_cache import KVCache
+from batching.attention_metadata import AttentionMetadata
 
 ATTENTION_NAME = "genq_paged"
-
-
-@dataclass(slots=True)
-class PrefillChunk:
-    start: int  # the chunk's rows in the packed batch: [start, end)
-    end: int
-    context_len: int  # cached + new tokens this chunk attends over
-    block_ids: (
-        torch.Tensor | None
-    )  # [ceil(context_len / block_size)]; None when the chunk is the whole context
-
-
-@dataclass(slots=True)
-class DecodeGroup:
-    """Single-query sequences of similar context length, attended in one batched call."""
-
-    start: int  # rows [start, end) of the packed batch, one per sequence
-    end: int
-    block_ids: torch.Tensor  # [n * width] block tables, padded to `width` blocks, flattened
-    context_lens: torch.Tensor  # [n]
-    width: int  # blocks per sequence after padding
-    _masks: dict = field(default_factory=dict)  # by sliding window, built once per step
-
-    def mask(self, sliding_window: int | None, block_size: int, chunk: int | None = None) -> torch.Tensor:
-        """[1, n, 1, width * block_size] bool, True where the query may attend."""
-        mask = self._masks.get((sliding_window, chunk))
-        if mask is None:
-            lens = self.context_lens[:, None]
-            pos = torch.arange(self.width * block_size, device=lens.device)[None, :]
-            mask = pos < lens
-            if sliding_window is not None:
-                mask &= pos > lens - 1 - sliding_window
-            if chunk is not None:  # the query (at lens - 1) sees its own chunk only
-                mask &= pos >= (lens - 1) // chunk * chunk
-            mask = self._masks[(sliding_window, chunk)] = mask[None, :, None, :]
-        return mask
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    kv_cache: KVCache
-    slot_mapping: torch.Tensor  # [T] cache slot of every packed token
-    decodes: list[DecodeGroup]  # single-query rows come first in the packed batch
-    prefills: list[PrefillChunk]
-    attention_kernel: PagedAttentionKernel | None = (
-        None  # attends from the blocks in place (CPU); None: torch
-    )
-    prefill_tables: PrefillTables | None = None  # the prefill chunks as the CPU kernel reads them
-    mask_patterns: dict = field(default_factory=dict)  # layer -> MaskPattern: windows/chunks of the mask only
 
 
 _step: ContextVar[object | None] = ContextVar("genq_step", default=None)
@@ -128,6 +80,15 @@ def paged_attention(
 
     q = query[0].transpose(0, 1)  # [T, H, Dk]
     out = q.new_empty(q.shape[0], q.shape[1], value.shape[-1])  # [T, H, Dv]
+    if meta.segments is not None:
+        from batching import triton_attention  # imports triton: only on the path that runs it
+
+        sinks = None if s_aux is None else s_aux.reshape(-1)  # [H]
+        triton_attention.attend(
+            q, cache.k_blocks[layer], cache.v_blocks[layer], out, meta.segments, cache.block_size,
+            scale, softcap, sinks, sliding_window, chunk,
+        )  # fmt: skip
+        return out.unsqueeze(0), None
     for group in meta.decodes:
         if kernel is not None and chunk is None:
             kernel.decode(
@@ -151,7 +112,6 @@ def paged_attention(
         out[group.start : group.end] = _decode_attention(
             q[group.start : group.end], kd, vd, mask, scale, softcap, s_aux
         )
-    prefills = meta.prefills
     if kernel is not None and chunk is None and meta.prefill_tables is not None:
         kernel.prefill(
             q,
@@ -164,33 +124,28 @@ def paged_attention(
             s_aux,
             sliding_window,
         )
-        prefills = []
-    for prefill in prefills:
-        qp = query[:, :, prefill.start : prefill.end]  # [1, H, q, Dk]
-        if prefill.block_ids is None:
-            kp, vp = key[:, :, prefill.start : prefill.end], value[:, :, prefill.start : prefill.end]
-        else:
-            kp, vp = cache.gather(layer, prefill.block_ids)  # [Hkv, >= L, D]
-            kp, vp = kp[None, :, : prefill.context_len], vp[None, :, : prefill.context_len]  # [1, Hkv, L, D]
-        mask = _causal_mask(prefill.end - prefill.start, prefill.context_len, sliding_window, q.device, chunk)
-        out[prefill.start : prefill.end] = _prefill_attention(qp, kp, vp, mask, scale, softcap, s_aux)[
-            0
-        ].transpose(0, 1)
+    elif meta.prefills is not None:
+        _attend_prefills(q, cache, layer, meta.prefills, out, scale, softcap, s_aux, sliding_window, chunk)
     return out.unsqueeze(0), None
 
 
-def _causal_mask(
-    q_len: int, kv_len: int, sliding_window: int | None, device, chunk: int | None = None
-) -> torch.Tensor:
-    """[q, L] bool: query j (at position kv_len - q_len + j) sees keys up to its own position."""
-    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
-    k_pos = torch.arange(kv_len, device=device)[None, :]
-    mask = k_pos <= q_pos
+def _attend_prefills(q, cache, layer: int, chunks, out, scale, softcap, sinks, sliding_window, chunk) -> None:
+    """Every prompt chunk of the step in one padded batch: one gather of all their contexts, one
+    attention call. q, out: [T, H, D]; chunks: PaddedPrefills."""
+    num_chunks, width = chunks.rows.shape[0], chunks.width
+    k, v = cache.gather(layer, chunks.block_ids)  # [Hkv, C * width * block_size, D]
+    k = k.view(k.shape[0], num_chunks, -1, k.shape[-1]).transpose(0, 1)  # [C, Hkv, L, Dk]
+    v = v.view(v.shape[0], num_chunks, -1, v.shape[-1]).transpose(0, 1)  # [C, Hkv, L, Dv]
+    k_pos = torch.arange(width * cache.block_size, device=q.device)  # [L]
+    q_pos = chunks.q_pos[..., None]  # [C, qmax, 1]
+    mask = (k_pos <= q_pos) & chunks.valid[..., None]  # [C, qmax, L]; a padded query sees nothing
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
     if chunk is not None:
         mask &= k_pos >= q_pos // chunk * chunk
-    return mask
+    qp = q[chunks.rows].transpose(1, 2)  # [C, H, qmax, Dk]
+    res = _prefill_attention(qp, k, v, mask[:, None], scale, softcap, sinks)  # [C, H, qmax, Dv]
+    out[chunks.rows[chunks.valid]] = res.transpose(1, 2)[chunks.valid]
 
 
 def _decode_attention(q, k, v, mask, scale, softcap, sinks):
@@ -208,7 +163,9 @@ def _decode_attention(q, k, v, mask, scale, softcap, sinks):
 
 
 def _prefill_attention(q, k, v, mask, scale, softcap, sinks):
-    """q: [1, H, q, Dk]; k: [1, Hkv, L, Dk]; v: [1, Hkv, L, Dv]; mask: [q, L] bool. → [1, H, q, Dv]."""
+    """q: [C, H, q, Dk]; k: [C, Hkv, L, Dk]; v: [C, Hkv, L, Dv]; mask: [C, 1, q, L] bool. → [C, H, q, Dv].
+
+    A query row that may see no key (padding) comes out NaN: callers drop those rows."""
     k, v = _repeat_kv(k, q), _repeat_kv(v, q)
     if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

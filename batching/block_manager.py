@@ -74,6 +74,8 @@ class BlockManager:
         num_host_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
+        num_state_slots: int = 0,
+        num_host_state_slots: int = 0,
     ):
         self.block_size = block_size
         self.num_device_blocks = num_device_blocks
@@ -93,6 +95,15 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}  # block hash -> device block holding that KV
         self.hash_of_host_block: list[bytes | None] = [None] * num_host_blocks
         self.host_cached: dict[bytes, int] = {}  # block hash -> free host block holding that KV
+        # models with state layers (state_cache.py): one state slot per running sequence, a host slot
+        # per swapped-out one; 0 slots: an attention-only model
+        self.num_state_slots = num_state_slots
+        self.num_host_state_slots = num_host_state_slots
+        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))
+        self.free_host_state_slots = list(range(num_host_state_slots - 1, -1, -1))
+        self.host_state_released: list[int] = []  # read by this step's swap-ins: free from the next step
+        self.state_swap_out: list[tuple[int, int]] = []  # this step's (slot, host slot) copies
+        self.state_swap_in: list[tuple[int, int]] = []  # this step's (host slot, slot) copies
         self.offloads: list[tuple[int, int]] = []  # this step's (device, host) copies of evicted blocks
         self.loads: list[tuple[int, int]] = []  # this step's (host, device) copies of host-tier hits
         # counters
@@ -107,11 +118,19 @@ class BlockManager:
         for b in self.host_released:
             self._free_host_block(b)
         self.host_released.clear()
+        self.free_host_state_slots.extend(self.host_state_released)
+        self.host_state_released.clear()
 
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """This step's prefix-cache copies: (device -> host offloads, host -> device loads)."""
         copies = self.offloads, self.loads
         self.offloads, self.loads = [], []
+        return copies
+
+    def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's state slot copies: (slot -> host slot swap-outs, host slot -> slot swap-ins)."""
+        copies = self.state_swap_out, self.state_swap_in
+        self.state_swap_out, self.state_swap_in = [], []
         return copies
 
     # --- prefix cache -----------------------------------------------------------------------------
@@ -202,6 +221,10 @@ class BlockManager:
                 self.hash_of_block[b] = h
         seq.num_cache_offered_blocks = full
 
+    def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The chained hashes of `seq`'s first `num_blocks` full blocks (what names them in the cache)."""
+        return self._hashes(seq, num_blocks)[:num_blocks]
+
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """`seq.block_hashes`, extended to its first `num_blocks` full blocks."""
         hashes, bs = seq.block_hashes, self.block_size
@@ -219,16 +242,24 @@ class BlockManager:
         return max(0, need - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.num_new_blocks(seq, num_new_tokens) <= len(self.free_device)
+        return self.num_new_blocks(seq, num_new_tokens) <= len(
+            self.free_device
+        ) and not self._lacks_state_slot(seq)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> list[int] | None:
-        """Give `seq` slots for `num_new_tokens` more tokens; None (and no change) if the pool is short."""
+        """Give `seq` slots for `num_new_tokens` more tokens (and a state slot, if the model keeps
+        states and it has none); None (and no change) if the pool is short."""
         n = self.num_new_blocks(seq, num_new_tokens)
-        if n > len(self.free_device):
+        if n > len(self.free_device) or self._lacks_state_slot(seq):
             return None
         new = [self._take_free_block(seq.priority) for _ in range(n)]
         seq.block_table.extend(new)
+        if self.num_state_slots and seq.state_slot is None:
+            seq.state_slot = self.free_state_slots.pop()
         return new
+
+    def _lacks_state_slot(self, seq: Sequence) -> bool:
+        return bool(self.num_state_slots) and seq.state_slot is None and not self.free_state_slots
 
     def max_tokens_allocatable(self, seq: Sequence) -> int:
         """How many more tokens `seq` can get slots for with the blocks free now."""
@@ -244,6 +275,12 @@ class BlockManager:
         seq.block_table = []
         seq.host_block_table = []
         seq.num_cache_offered_blocks = 0
+        if seq.state_slot is not None:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = None
+        if seq.host_state_slot is not None:
+            self.free_host_state_slots.append(seq.host_state_slot)
+            seq.host_state_slot = None
 
     def _take_free_block(self, priority: int) -> int:
         """A free device block for a sequence of `priority` (evicting the KV it may cache)."""
@@ -309,15 +346,21 @@ class BlockManager:
         return blocks_for(seq.num_computed_tokens, self.block_size)
 
     def can_swap_out(self, seq: Sequence) -> bool:
-        return self.num_used_blocks(seq) <= len(self.free_host)
+        lacks_slot = seq.state_slot is not None and not self.free_host_state_slots
+        return self.num_used_blocks(seq) <= len(self.free_host) and not lacks_slot
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]] | None:
         """Copy `seq`'s computed blocks to host blocks of its own and release its device blocks (shared
         ones stay with their other owners, cached ones stay cached); returns (device, host) pairs to
         copy, or None."""
         n = self.num_used_blocks(seq)
-        if n > len(self.free_host):
+        if not self.can_swap_out(seq):
             return None
+        if seq.state_slot is not None:  # its state goes to a host slot with its blocks
+            seq.host_state_slot = self.free_host_state_slots.pop()
+            self.state_swap_out.append((seq.state_slot, seq.host_state_slot))
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = None
         self.cache_computed_blocks(seq)
         host = [self._take_free_host_block() for _ in range(n)]
         mapping = list(zip(seq.block_table[:n], host, strict=True))
@@ -328,13 +371,19 @@ class BlockManager:
         return mapping
 
     def can_swap_in(self, seq: Sequence, extra_blocks: int = 0) -> bool:
-        return len(seq.host_block_table) + extra_blocks <= len(self.free_device)
+        lacks_slot = seq.host_state_slot is not None and not self.free_state_slots
+        return len(seq.host_block_table) + extra_blocks <= len(self.free_device) and not lacks_slot
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]] | None:
         """Move `seq`'s host blocks back to device blocks; returns (host, device) pairs to copy, or None."""
         n = len(seq.host_block_table)
-        if n > len(self.free_device):
+        if not self.can_swap_in(seq):
             return None
+        if seq.host_state_slot is not None:
+            seq.state_slot = self.free_state_slots.pop()
+            self.state_swap_in.append((seq.host_state_slot, seq.state_slot))
+            self.host_state_released.append(seq.host_state_slot)
+            seq.host_state_slot = None
         device = [self._take_free_block(seq.priority) for _ in range(n)]
         mapping = list(zip(seq.host_block_table, device, strict=True))
         self.host_released.extend(seq.host_block_table)
@@ -395,6 +444,15 @@ class BlockManager:
         assert all(self.hash_of_host_block[b] == h for h, b in self.host_cached.items()), "host index corrupt"
         assert sum(h is not None for h in self.hash_of_host_block) == len(self.host_cached)
         assert not set(host_owned) & set(self.host_cached.values()), "a swapped-out block is in the cache"
+        if self.num_state_slots:
+            slots = [s.state_slot for s in live if s.state_slot is not None] + self.free_state_slots
+            assert sorted(slots) == list(range(self.num_state_slots)), "state slot leaked or double-owned"
+            host_slots = [s.host_state_slot for s in live if s.host_state_slot is not None]
+            host_slots += self.free_host_state_slots + self.host_state_released
+            assert sorted(host_slots) == list(range(self.num_host_state_slots)), "host state slot leaked"
+            for s in live:
+                assert (s.state_slot is not None) == bool(s.block_table), f"{s}: a state slot without blocks"
+                assert (s.host_state_slot is not None) == bool(s.host_block_table), f"{s}: host slot mismatch"
         for s in live:
             assert not (s.block_table and s.host_block_table), f"{s} holds device and host blocks at once"
             table = s.host_block_table or s.block_table

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("swap", "recompute")
+ATTENTION_BACKENDS = ("auto", "triton", "cpu_kernel", "torch")
 
 
 @dataclass(slots=True)
@@ -17,7 +18,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_device_blocks: int | None = None  # None: sized from free memory
     num_host_blocks: int | None = None  # 0 disables swap; None: as many as device blocks (capped by memory)
-    max_num_seqs: int = 64
+    max_num_seqs: int = 256  # vLLM's default: a queue of hundreds starts at once (bench/serve_vs_vllm.py)
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     preemption_mode: str = "swap"
@@ -29,6 +30,10 @@ class EngineConfig:
     cpu_attention_kernel: bool = (
         True  # CPU: attend from the KV blocks in place with csrc/ (built on first use)
     )
+    # "auto": the Triton kernel on CUDA, the C++ kernels on the CPU (if cpu_attention_kernel), else
+    # torch; "triton" on the CPU runs only under TRITON_INTERPRET=1 (the suite's check of the CUDA path)
+    attention_backend: str = "auto"
+    cuda_graphs: bool = True  # CUDA: replay captured graphs of the forward for decode-only steps
     cpu_packed_linears: bool = (
         True  # CPU float32/bfloat16: linear layers through oneDNN, weights packed once (cpu_linear.py)
     )
@@ -71,6 +76,12 @@ class EngineConfig:
             )
         if not isinstance(self.cpu_attention_kernel, bool):
             raise ValueError(f"cpu_attention_kernel must be True or False, got {self.cpu_attention_kernel!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         if not isinstance(self.cpu_packed_linears, bool):
             raise ValueError(f"cpu_packed_linears must be True or False, got {self.cpu_packed_linears!r}")
         if (

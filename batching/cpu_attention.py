@@ -226,7 +226,11 @@ def load() -> PagedAttentionKernel | None:
     try:
         return PagedAttentionKernel(ctypes.CDLL(str(_build())))
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-        log.warning("CPU paged-attention kernel unavailable (%s): using the slower torch path", exc)
+        log.warning(
+            "CPU paged-attention kernel unavailable (%s): using the slower torch path; a C++ compiler "
+            "(g++ or clang++ on PATH, or CXX) builds it on the next start",
+            exc,
+        )
         return None
 
 

@@ -7,17 +7,24 @@ Not thread-safe: one thread owns an Engine (see workers.engine_host for the serv
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import logging
+import os
 import random
 import time
 from collections.abc import Sequence as Seq
 
-from batching import cpu_attention, cpu_linear, model_probe, step_cost
+import torch
+
+from batching import cpu_attention, cpu_linear, model_probe, state_layers, step_cost
 from batching.block_manager import BlockManager, blocks_for
 from batching.config import EngineConfig
 from batching.cpu_attention import PagedAttentionKernel
+from batching.cuda_graphs import DecodeGraphs
+from batching.grammar import Grammars
 from batching.kv_cache import KVCache
+from batching.logprobs import token_logprobs
 from batching.model_runner import ModelRunner
 from batching.models import (
     load_model,
@@ -31,7 +38,8 @@ from batching.sampler import Sampler
 from batching.sampling_params import SamplingParams
 from batching.scheduler import Scheduler, SchedulerOutput
 from batching.sequence import FINISH_REASONS, Sequence, SequenceStatus
-from batching.sizing import size_pools
+from batching.sizing import size_pools, trial_step_bytes
+from batching.state_cache import StateCache
 from batching.step_cost import attention_context_per_token
 from batching.stopping import StopChecker
 
@@ -51,8 +59,8 @@ class Engine:
         elif cpu_linear.lacks_bf16_arithmetic(self.dtype, self.device):
             log.warning(
                 "bfloat16 on a CPU without bf16 arithmetic (no AVX-512 BF16 / AMX / AVX-NE-CONVERT): "
-                "every product widens to float32 first, and float32 runs about 4x faster here "
-                "(bench/RESULTS.md, session 22)"
+                "every product widens to float32 first, so float32 runs faster here (about 4x on a Zen 5 "
+                "core): choose dtype=float32"
             )
         mc = self.model.config.get_text_config(decoder=True)  # multimodal configs nest the decoder's
         self.vocab_size = mc.vocab_size
@@ -61,17 +69,51 @@ class Engine:
 
         # the cache follows what the attention layers pass, not what the config names (model_probe.py)
         geometry = model_probe.kv_geometry(self.model, self.device, self.max_model_len)
+        state_geometry = state_layers.geometry(self.model)  # recorded by that forward; None: attention only
+        self.attention_backend, kernel = self._choose_attention()
         block_bytes = KVCache.bytes_per_block(geometry.layers, config.block_size, self.dtype)
-        num_device_blocks, num_host_blocks = size_pools(config, self.device, block_bytes, self.max_model_len)
+        num_state_slots = config.max_num_seqs if state_geometry else 0  # one per running sequence
+        state_bytes = state_geometry.bytes_per_slot * num_state_slots if state_geometry else 0
+        enable_prefix_caching = config.enable_prefix_caching
+        if state_geometry and enable_prefix_caching:
+            log.info(
+                "prefix caching is off for %s: its state layers keep no per-block state a cached prefix "
+                "could start from",
+                config.model,
+            )
+            enable_prefix_caching = False
+        self.activation_bytes = 0  # CUDA: what a full step takes beyond the weights, kept free
+        if self.device.type == "cuda" and config.num_device_blocks is None:
+            self.activation_bytes = trial_step_bytes(self, geometry)
+        num_device_blocks, num_host_blocks = size_pools(
+            config, self.device, block_bytes, self.max_model_len, self.activation_bytes, state_bytes
+        )
         self.kv_cache = KVCache(
             geometry.layers, config.block_size, num_device_blocks, num_host_blocks, self.dtype, self.device
         )
+        num_host_state_slots = num_state_slots if num_host_blocks else 0
+        self.state_cache = None
+        if state_geometry:
+            self.state_cache = StateCache(state_geometry, num_state_slots, num_host_state_slots, self.device)
+            log.info(
+                "state layers: %d keep %.1f KiB per sequence, in %d device + %d host slots",
+                len(state_geometry.states_per_layer),
+                state_geometry.bytes_per_slot / 1024,
+                num_state_slots,
+                num_host_state_slots,
+            )
         self.block_manager = BlockManager(
-            num_device_blocks, num_host_blocks, config.block_size, config.enable_prefix_caching
+            num_device_blocks,
+            num_host_blocks,
+            config.block_size,
+            enable_prefix_caching,
+            num_state_slots,
+            num_host_state_slots,
         )
-        self.scheduler = Scheduler(
-            config, self.block_manager, attention_context_per_token(self.model, geometry.query_width)
+        context_per_token = (
+            attention_context_per_token(self.model, geometry.query_width) if geometry.layers else None
         )
+        self.scheduler = Scheduler(config, self.block_manager, context_per_token)
         # prices the budget from the steps' own times; None while warming up, and with plain token budgets
         self.step_costs: step_cost.StepCostModel | None = None
         self.runner = ModelRunner(
@@ -79,10 +121,13 @@ class Engine:
             self.kv_cache,
             config.block_size,
             self.device,
-            self._attention_kernel(),
+            kernel,
             geometry.mask_patterns,
+            self.attention_backend,
+            self.state_cache,
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.eos_token_ids)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
 
         self.requests: dict[str, Sequence] = {}
@@ -101,13 +146,28 @@ class Engine:
             last_step_time_s=0.0,
         )
         self._warm_up()
+        graphable = self.state_cache is None  # state layers run per sequence in Python: no graph
+        if (
+            self.device.type == "cuda"
+            and config.cuda_graphs
+            and self.attention_backend == "triton"
+            and graphable
+        ):
+            graphs = DecodeGraphs(
+                self.runner, config.max_num_seqs, blocks_for(self.max_model_len, config.block_size)
+            )
+            if graphs.capture():
+                self.runner.graphs = graphs
         if self.scheduler.cost_aware:
             self.step_costs = step_cost.StepCostModel()
         log.info(
-            "engine ready: %s on %s/%s, %d device + %d host KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s on %s/%s, %s attention%s, %d device + %d host KV blocks of %d tokens, "
+            "max_model_len %d",
             config.model,
             self.device,
             str(self.dtype).removeprefix("torch."),
+            self.attention_backend,
+            f", CUDA graphs for {len(self.runner.graphs.sizes)} decode widths" if self.runner.graphs else "",
             num_device_blocks,
             num_host_blocks,
             config.block_size,
@@ -141,6 +201,7 @@ class Engine:
             raise ValueError(f"priority must be an integer from 0 (most urgent) to 9, got {priority!r}")
         prompt_ids = self._encode_prompt(prompt)
         resumed = self._check_token_ids("resume_token_ids", resume_token_ids or [])
+        self._check_token_ids("logit_bias", list(params.logit_bias))
         if len(resumed) >= params.max_tokens:
             raise ValueError(
                 f"resume_token_ids: {len(resumed)} tokens already reach max_tokens "
@@ -158,8 +219,12 @@ class Engine:
                 f"prompt + max_tokens ({total} tokens) needs more KV blocks than the device pool "
                 f"holds ({self.block_manager.num_device_blocks} blocks of {self.config.block_size})"
             )
+        grammar = (
+            self.grammars.matcher(params.json_schema, resumed) if params.json_schema is not None else None
+        )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seq = Sequence(request_id, prompt_ids, params, priority, seed, resumed, arrival_time)
+        seq.grammar = grammar
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -169,6 +234,7 @@ class Engine:
         if seq is None:
             return False
         self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        self.sampler.forget(seq)
         seq.finish_time = time.time()
         self._counters["num_aborted"] += 1
         self._pending_outputs.append(self._output(seq))
@@ -185,8 +251,12 @@ class Engine:
         sched = self.scheduler.schedule()
         cost_model = self.step_costs if sched.seqs else None  # it learns from steps that ran a batch
         make_up = step_cost.features(sched.seqs, sched.num_scheduled_tokens) if cost_model else None
-        logits, sample_seqs = self.runner.execute(sched)
+        logits, sample_seqs, prompt_logits, spans = self.runner.execute(sched)
         tokens = self.sampler(logits, sample_seqs) if logits is not None and sample_seqs else []
+        if prompt_logits is not None:
+            self._record_prompt_logprobs(prompt_logits, spans)
+        if logits is not None and any(s.params.logprobs is not None for s in sample_seqs):
+            self._record_logprobs(logits, sample_seqs, tokens)
         outputs = self._postprocess(sched, sample_seqs, tokens)
         seconds = time.perf_counter() - started
         self._record_step(sched, seconds)
@@ -212,14 +282,46 @@ class Engine:
                 seq.first_token_time = now
             self._counters["num_generated_tokens"] += 1
             status = self.stop_checker.check(seq, token)
+            if seq.grammar is not None and seq.grammar.consume_token(token) and seq.grammar.is_stopped():
+                status = SequenceStatus.FINISHED_STOPPED  # its JSON is complete
             if status is not None:
                 self.scheduler.finish(seq, status)
+                self.sampler.forget(seq)
                 seq.finish_time = now
                 del self.requests[seq.req_id]
             outputs.append(self._output(seq))
         return outputs
 
+    @staticmethod
+    def _record_prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Sequence, int, int]]) -> None:
+        """Keep the log probabilities of the tokens after the positions of `spans` (logits: [P, V], theirs in
+        order): a prompt's tokens', or a resumed request's output tokens'."""
+        next_ids: list[int] = []
+        top: list[int] = []
+        where: list[list] = []
+        for seq, first, n in spans:
+            for q in range(first, first + n):
+                prompt = q + 1 < seq.num_prompt_tokens
+                next_ids.append(seq.token_ids[q + 1])
+                top.append((seq.params.prompt_logprobs if prompt else seq.params.logprobs) or 0)
+                where.append(seq.prompt_logprobs if prompt else seq.logprobs)
+        for kept, logprob in zip(where, token_logprobs(logits, next_ids, top), strict=True):
+            kept.append(logprob)
+
+    @staticmethod
+    def _record_logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> None:
+        """Keep the sampled tokens' log probabilities, for the requests that asked (logits: [N, V])."""
+        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        index = torch.tensor(rows, device=logits.device)
+        found = token_logprobs(
+            logits[index], [tokens[i] for i in rows], [seqs[i].params.logprobs or 0 for i in rows]
+        )
+        for i, logprob in zip(rows, found, strict=True):
+            seqs[i].logprobs.append(logprob)
+
     def _output(self, seq: Sequence) -> RequestOutput:
+        if seq.params.output_kind == "delta":
+            return self._delta_output(seq)
         return RequestOutput(
             request_id=seq.req_id,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
@@ -232,6 +334,39 @@ class Engine:
             first_token_time=seq.first_token_time,
             finish_time=seq.finish_time,
             priority=seq.priority,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
+        )
+
+    @staticmethod
+    def _delta_output(seq: Sequence) -> RequestOutput:
+        """What changed since the request's last output: new token ids and new text (the prompt ids only in
+        the first). Until it ends (stopped or at its length), the text's last `holdback` characters wait: a
+        stop string may cut them. An aborted request keeps them back too: it may be resumed elsewhere."""
+        first = seq.num_reported_tokens == 0 and seq.num_reported_chars == 0
+        token_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_reported_tokens :]
+        ended = seq.finished and seq.status != SequenceStatus.FINISHED_ABORTED
+        end = len(seq.text) if ended else max(seq.num_reported_chars, len(seq.text) - seq.params.holdback)
+        text = seq.text[seq.num_reported_chars : end]
+        p = seq.params
+        logprobs = seq.logprobs[seq.num_reported_tokens :] if p.logprobs is not None else None
+        prompt_logprobs = list(seq.prompt_logprobs) if p.prompt_logprobs is not None and first else None
+        seq.num_reported_tokens += len(token_ids)
+        seq.num_reported_chars = max(seq.num_reported_chars, end)
+        return RequestOutput(
+            request_id=seq.req_id,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens] if first else [],
+            token_ids=token_ids,
+            text=text,
+            finished=seq.finished,
+            finish_reason=FINISH_REASONS.get(seq.status),
+            num_preemptions=seq.num_preemptions,
+            arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+            finish_time=seq.finish_time,
+            priority=seq.priority,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # --- offline use ------------------------------------------------------------------------------
@@ -301,6 +436,8 @@ class Engine:
             "num_cached_host_blocks": bm.num_cached_host_blocks,
             "num_prefix_cache_offloaded_blocks": bm.num_offloaded_blocks,
             "num_prefix_cache_host_hit_tokens": bm.num_host_hit_tokens,
+            # CUDA: decode steps that replayed a captured graph of the forward (cuda_graphs.py)
+            "num_graph_steps": self.runner.graphs.num_replays if self.runner.graphs else 0,
             **self._counters,
         }
 
@@ -340,11 +477,29 @@ class Engine:
         c["last_step_num_seqs"] = len(sched.seqs)
         c["last_step_time_s"] = seconds
 
-    def _attention_kernel(self) -> PagedAttentionKernel | None:
-        if not (self.config.cpu_attention_kernel and self.device.type == "cpu"):
-            return None
-        kernel = cpu_attention.load()
-        return kernel if kernel is not None and kernel.supports(self.dtype, self.device) else None
+    def _choose_attention(self) -> tuple[str, PagedAttentionKernel | None]:
+        """(the attention path, the CPU kernels if that path is theirs): config.attention_backend."""
+        asked, cuda = self.config.attention_backend, self.device.type == "cuda"
+        if asked == "cpu_kernel" and cuda:
+            raise ValueError(
+                "attention_backend: 'cpu_kernel' runs on the CPU only; on CUDA use 'triton' or 'torch'"
+            )
+        if asked == "triton" or (asked == "auto" and cuda):
+            why_not = triton_unavailable(self.device, self.dtype)
+            if why_not is None:
+                return "triton", None
+            if asked == "triton":
+                raise ValueError(f"attention_backend: 'triton' cannot run here: {why_not}")
+            log.warning("Triton attention unavailable (%s): using the slower torch path", why_not)
+            return "torch", None
+        if asked == "torch" or cuda or not self.config.cpu_attention_kernel:
+            return "torch", None
+        kernel = cpu_attention.load()  # logs why, if it can't be had
+        if kernel is not None and kernel.supports(self.dtype, self.device):
+            return "cpu_kernel", kernel
+        if asked == "cpu_kernel":
+            raise ValueError(f"attention_backend: the CPU kernels cannot run {self.dtype} here (see the log)")
+        return "torch", None
 
     def _warm_up(self) -> None:
         """Probe requests through the real path: proves the model runs exactly on paged attention."""
@@ -352,6 +507,18 @@ class Engine:
         for key in self._counters:
             self._counters[key] = 0 if isinstance(self._counters[key], int) else 0.0
         self.block_manager.reset_prefix_cache()  # the warm-up's KV is nobody's prefix
+
+
+def triton_unavailable(device, dtype) -> str | None:
+    """None if the Triton attention kernel can run on `device` in `dtype`, else why not."""
+    if importlib.util.find_spec("triton") is None:
+        return "the triton package is not installed (pip install triton)"
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return "on the CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1), for tests"
+        if dtype == torch.bfloat16:
+            return "Triton's interpreter computes bfloat16 wrongly"
+    return None
 
 
 def _eos_ids(model_config, tokenizer) -> set[int]:

@@ -29,12 +29,26 @@ class KVCache:
     """Per pool tensor (each group of layers with one geometry; K and V together when their head
     sizes match, else each in a pool of its own):
 
-    device: [layers of the group, 2 (K, V) or 1, num_kv_heads, num_blocks, block_size, head_dim]
-    host:   the same with num_host_blocks (pinned on CUDA)
+    device: [layers of the group, 2 (K, V) or 1, num_kv_heads, num_blocks (+1 scratch), block_size, head_dim]
+    host:   [num_host_blocks, layers of the group, 2 or 1, num_kv_heads, block_size, head_dim] (pinned on CUDA)
 
-    Head-major (unlike the usual [blocks, block_size, heads, dim]) because a layer's new keys arrive
-    as [Hkv, T, D], and gathering a batch's context then yields [Hkv, B, L, D], contiguous for one
-    batched matmul with no transposed copies. A swap copies the same blocks of every pool.
+    The device pools are head-major (unlike the usual [blocks, block_size, heads, dim]) because a
+    layer's new keys arrive as [Hkv, T, D], and a block of one head is then contiguous for the
+    attention kernels. The host pools are block-major: a host block is one contiguous run of bytes,
+    so a swap moves each run of consecutive host blocks in one copy. A swap copies the same blocks
+    of every pool. The device pools hold one block more than the block manager hands out, the
+    scratch block, where the padded rows of a CUDA graph's batch write their keys.
+
+    Streams (CUDA). Swaps run on `copy_stream`, after the work already queued on the compute stream
+    (the forward that wrote the blocks). Swap-out gathers the blocks into a device staging buffer and
+    copies it to the pinned host pool asynchronously; swap-in copies host blocks into a staging
+    buffer and scatters them into the pools. An event after the gathers and scatters (not after the
+    device-to-host copies) is what the compute stream waits on (`wait_for_copies`), so the next
+    forward may reuse a swapped-out block and reads swapped-in ones, while the copies to host memory
+    overlap it. Every tensor the copy stream touches is allocated on it (index tensors and staging
+    buffers), so the caching allocator never hands their memory to the compute stream early. The
+    host side of a copy to host memory is complete once `sync_host()` returns (the CPU reads host
+    blocks only in tests and inspection).
     """
 
     def __init__(
@@ -49,23 +63,32 @@ class KVCache:
         self.block_size = block_size
         self.device = device
         self.layers = list(layers)
+        self.num_device_blocks = num_device_blocks
+        self.scratch_slot = num_device_blocks * block_size  # the first slot of the scratch block
         pin = device.type == "cuda"
         self.device_pools: list[torch.Tensor] = []
         self.host_pools: list[torch.Tensor] = []
         # per layer: views by slot [Hkv, num_blocks * block_size, D] for writes, by block
-        # [Hkv, num_blocks, block_size * D] for gathers and the CPU kernel (a block of one head is contiguous)
+        # [Hkv, num_blocks, block_size * D] for gathers and the kernels (a block of one head is contiguous)
         self.k: list[torch.Tensor | None] = [None] * len(layers)
         self.v: list[torch.Tensor | None] = [None] * len(layers)
         self.k_blocks: list[torch.Tensor | None] = [None] * len(layers)
         self.v_blocks: list[torch.Tensor | None] = [None] * len(layers)
-        slots = num_device_blocks * block_size
+        slots = (num_device_blocks + 1) * block_size
         for geometry, members in _groups(self.layers).items():
             parts = [("kv", geometry.k_dim)] if geometry.k_dim == geometry.v_dim else []
             parts = parts or [("k", geometry.k_dim), ("v", geometry.v_dim)]
             for which, dim in parts:
-                shape = (len(members), len(which), geometry.num_kv_heads, num_device_blocks, block_size, dim)
+                shape = (
+                    len(members),
+                    len(which),
+                    geometry.num_kv_heads,
+                    num_device_blocks + 1,
+                    block_size,
+                    dim,
+                )
                 pool = torch.zeros(shape, dtype=dtype, device=device)
-                host_shape = (*shape[:BLOCK_DIM], num_host_blocks, *shape[BLOCK_DIM + 1 :])
+                host_shape = (num_host_blocks, *shape[:BLOCK_DIM], *shape[BLOCK_DIM + 1 :])
                 self.device_pools.append(pool)
                 self.host_pools.append(torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
                 for i, layer in enumerate(members):
@@ -77,7 +100,7 @@ class KVCache:
                         else:
                             self.v[layer], self.v_blocks[layer] = by_slot, by_block
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._in_flight: list[torch.Tensor] = []  # staging tensors alive until their copy is waited on
+        self._ready: torch.cuda.Event | None = None  # the last swap's device-side work
         # gather buffers reused by every layer and step: fresh large tensors would page-fault each time
         self._workspace = {
             "k": torch.empty(0, dtype=dtype, device=device),
@@ -89,6 +112,10 @@ class KVCache:
         """A block's bytes in every pool together: the sum over the layers of their own sizes."""
         per_token = sum(g.num_kv_heads * (g.k_dim + g.v_dim) for g in layers if g is not None)
         return per_token * block_size * dtype.itemsize
+
+    def host_pool_views(self) -> list[torch.Tensor]:
+        """The host pools in the device pools' axis order (views), for inspection; call sync_host() first."""
+        return [pool.movedim(0, BLOCK_DIM) for pool in self.host_pools]
 
     def gather(self, layer: int, block_ids: torch.Tensor, workspace_offset: int = 0):
         """K and V of `block_ids` (flat [n]) as [Hkv, n * block_size, Dk] and [.., Dv], in reused buffers.
@@ -111,46 +138,96 @@ class KVCache:
             out.append(view.view(heads, n * self.block_size, row // self.block_size))
         return out
 
-    def swap_out(self, mapping: list[tuple[int, int]]) -> None:
-        """Copy device blocks to host blocks: mapping = [(device block, host block), ...]."""
-        if not mapping:
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks (swap_out: [(device, host)]), then host blocks to device
+        blocks (swap_in: [(host, device)]): a block swapped out may be reused by a swap-in at once."""
+        if not swap_out and not swap_in:
             return
-        if self.copy_stream is None:  # no CUDA: both pools are host memory
-            _copy_runs(self.device_pools, self.host_pools, mapping)
+        if self.copy_stream is None:  # no CUDA: both pools are host memory, copied in place
+            for device_block, host_block, n in _runs(swap_out):
+                _copy_run(self.device_pools, self.host_pools, device_block, host_block, n, to_host=True)
+            for host_block, device_block, n in _runs(swap_in):
+                _copy_run(self.device_pools, self.host_pools, device_block, host_block, n, to_host=False)
             return
-        src = torch.tensor([d for d, _ in mapping], device=self.device)
-        dst = torch.tensor([h for _, h in mapping])
-        with self._on_copy_stream():
-            for device_pool, host_pool in zip(self.device_pools, self.host_pools):
-                staged = device_pool.index_select(BLOCK_DIM, src)  # [Lg, 2, Hkv, n, bs, D]
-                host_pool.index_copy_(BLOCK_DIM, dst, staged.to("cpu"))
-
-    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
-        """Copy host blocks to device blocks: mapping = [(host block, device block), ...]."""
-        if not mapping:
-            return
-        if self.copy_stream is None:  # no CUDA: both pools are host memory
-            _copy_runs(self.host_pools, self.device_pools, mapping)
-            return
-        src = torch.tensor([h for h, _ in mapping])
-        dst = torch.tensor([d for _, d in mapping], device=self.device)
-        with self._on_copy_stream():
-            for device_pool, host_pool in zip(self.device_pools, self.host_pools):
-                staged = host_pool.index_select(BLOCK_DIM, src).pin_memory()  # [Lg, 2, Hkv, n, bs, D]
-                self._in_flight.append(staged)
-                device_pool.index_copy_(BLOCK_DIM, dst, staged.to(self.device, non_blocking=True))
+        compute = torch.cuda.current_stream(self.device)
+        self.copy_stream.wait_stream(compute)  # the forward that wrote these blocks comes first
+        with torch.cuda.stream(self.copy_stream):
+            staged_out = [self._gather_blocks(pool, [d for d, _ in swap_out]) for pool in self.device_pools]
+            for pool, host_pool in zip(self.device_pools, self.host_pools):
+                if swap_in:
+                    # a staging buffer of the copy stream's own (allocated while it is current)
+                    staged_in = torch.empty(
+                        (len(swap_in), *host_pool.shape[1:]), dtype=pool.dtype, device=self.device
+                    )
+                    for (first, n), i in _host_runs([h for h, _ in swap_in]):
+                        staged_in[i : i + n].copy_(host_pool[first : first + n], non_blocking=True)
+                    _blocks_axis_first(pool)[self._ids([d for _, d in swap_in])] = staged_in
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+            for staged, host_pool in zip(staged_out, self.host_pools):
+                if staged is not None:
+                    for (first, n), i in _host_runs([h for _, h in swap_out]):
+                        host_pool[first : first + n].copy_(staged[i : i + n], non_blocking=True)
 
     def wait_for_copies(self) -> None:
-        """Make the compute stream wait for swaps issued so far (the next forward reads those blocks)."""
-        if self.copy_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-        self._in_flight.clear()
+        """Make the compute stream wait for the device-side part of the swaps issued so far."""
+        if self._ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._ready)
+            self._ready = None
 
-    def _on_copy_stream(self):
-        assert self.copy_stream is not None
-        # swaps read blocks the previous forward wrote: order them after it
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(self.copy_stream)
+    def sync_host(self) -> None:
+        """Wait until every copy to host memory issued so far has landed."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        """Block ids as a device tensor made on the current (copy) stream."""
+        return torch.tensor(ids, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
+
+    def _gather_blocks(self, pool: torch.Tensor, ids: list[int]) -> torch.Tensor | None:
+        """[n, ...one block of every layer of the pool...], contiguous, on the copy stream."""
+        if not ids:
+            return None
+        return _blocks_axis_first(pool)[self._ids(ids)]
+
+
+def _blocks_axis_first(pool: torch.Tensor) -> torch.Tensor:
+    """A device pool viewed with the block axis first, as the host pools are laid out."""
+    return pool.movedim(BLOCK_DIM, 0)
+
+
+def _runs(mapping: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(first source, first destination, n) of each run of consecutive ids on both sides."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in mapping:
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((src, dst, 1))
+    return runs
+
+
+def _host_runs(host_ids: list[int]) -> list[tuple[tuple[int, int], int]]:
+    """((first host block, n), index of its first entry in host_ids) for each run of consecutive ids."""
+    runs: list[tuple[tuple[int, int], int]] = []
+    for i, block in enumerate(host_ids):
+        if runs and sum(runs[-1][0]) == block:
+            (first, n), start = runs[-1]
+            runs[-1] = ((first, n + 1), start)
+        else:
+            runs.append(((block, 1), i))
+    return runs
+
+
+def _copy_run(device_pools, host_pools, device_block: int, host_block: int, n: int, *, to_host: bool) -> None:
+    """CPU: copy n consecutive blocks between every device pool and its host pool, in place."""
+    for device_pool, host_pool in zip(device_pools, host_pools):
+        on_device = device_pool.narrow(BLOCK_DIM, device_block, n).movedim(BLOCK_DIM, 0)
+        on_host = host_pool.narrow(0, host_block, n)
+        if to_host:
+            on_host.copy_(on_device)
+        else:
+            on_device.copy_(on_host)
 
 
 def _groups(layers: list[LayerGeometry | None]) -> dict[LayerGeometry, list[int]]:
@@ -160,26 +237,3 @@ def _groups(layers: list[LayerGeometry | None]) -> dict[LayerGeometry, list[int]
         if geometry is not None:
             groups.setdefault(geometry, []).append(layer)
     return groups
-
-
-def _copy_runs(
-    src_pools: list[torch.Tensor], dst_pools: list[torch.Tensor], mapping: list[tuple[int, int]]
-) -> None:
-    """Copy blocks between two sets of pools in one pass, a slice per run of consecutive ids on both sides.
-
-    On the CPU both pools are host memory: gathering into a staging tensor and scattering it (the
-    CUDA path's index_select + index_copy_) moves every byte twice, and a swap of ~80 cold blocks
-    took ~2 ms inside a step; runs (blocks are handed out in order, so a sequence's are mostly
-    consecutive) move it once."""
-    start = 0
-    for i in range(1, len(mapping) + 1):
-        if (
-            i < len(mapping)
-            and mapping[i][0] == mapping[i - 1][0] + 1
-            and mapping[i][1] == mapping[i - 1][1] + 1
-        ):
-            continue
-        (src, dst), n = mapping[start], i - start
-        for src_pool, dst_pool in zip(src_pools, dst_pools):
-            dst_pool.narrow(BLOCK_DIM, dst, n).copy_(src_pool.narrow(BLOCK_DIM, src, n))
-        start = i

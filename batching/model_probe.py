@@ -28,12 +28,14 @@ and gpt_neo, attention_classes.py, which route their core attention through the 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from batching import state_layers
 from batching.attention import ATTENTION_NAME, paged_attention, step_context
 from batching.attention_classes import set_attention
 from batching.kv_cache import LayerGeometry
@@ -101,7 +103,7 @@ class MaskProbe:
 @dataclass(slots=True)
 class KVGeometry:
     layers: list[LayerGeometry | None]  # by layer index: what it caches (None: no attention call)
-    query_width: float  # query heads x head size, averaged over the layers (for step costs)
+    query_width: float | None  # query heads x head size, averaged over the layers (for step costs)
     mask_patterns: dict[int, MaskPattern]  # by layer: windows and chunks only the mask expresses
 
 
@@ -184,11 +186,19 @@ def probing(model):
 
 
 class Refusal(ValueError):
-    """The model cannot run exactly on genq's paged attention; the message says which and why."""
+    """The model cannot run exactly on genq's paged attention; the message says which and why.
+
+    `unexpected`: the reason is not one the probe knows (a documented limit of genq) but an exception
+    raised inside the model's forward on genq's inputs. That may be the model's, or a genq bug: the
+    traceback is logged, and the model-support walk (tools/model_support.py) reports it as "crashed", never as a clean refusal."""
+
+    def __init__(self, message: str, unexpected: bool = False):
+        super().__init__(message)
+        self.unexpected = unexpected
 
 
-def refusal(model_type: str, reason: str) -> Refusal:
-    return Refusal(f"model: genq cannot run {model_type}: {reason}")
+def refusal(model_type: str, reason: str, unexpected: bool = False) -> Refusal:
+    return Refusal(f"model: genq cannot run {model_type}: {reason}", unexpected)
 
 
 def kv_geometry(model, device: torch.device, max_len: int) -> KVGeometry:
@@ -209,7 +219,13 @@ def kv_geometry(model, device: torch.device, max_len: int) -> KVGeometry:
             raise
         except Exception as exc:  # noqa: BLE001 - the model's own code failed on genq's inputs
             raise _failure(model_type, exc) from exc
-    _check_calls(model_type, rec.calls)
+    stateful = bool(state_layers.installed(model))
+    for layer in state_layers.installed(model):
+        if layer.unsupported:
+            raise refusal(model_type, layer.unsupported)
+    _check_calls(model_type, rec.calls, stateful=stateful)
+    if not rec.calls:  # state layers only (Mamba): no KV at all
+        return KVGeometry(layers=[], query_width=None, mask_patterns={})
     layers = [c.layer_idx for c in rec.calls]
     for c in rec.calls:
         if c.q_shape[1] % c.k_shape[1]:
@@ -228,8 +244,13 @@ def kv_geometry(model, device: torch.device, max_len: int) -> KVGeometry:
     )
 
 
-def _check_calls(model_type: str, calls: list[AttentionCall], num_tokens: int | None = None) -> None:
-    """One forward's calls: one per attention layer, with every token and the mask transformers built."""
+def _check_calls(
+    model_type: str, calls: list[AttentionCall], num_tokens: int | None = None, stateful: bool = False
+) -> None:
+    """One forward's calls: one per attention layer, with every token and the mask transformers built
+    (none at all only in a model of state layers alone, `stateful`)."""
+    if not calls and stateful:
+        return
     if not calls:
         raise refusal(
             model_type,
@@ -241,6 +262,12 @@ def _check_calls(model_type: str, calls: list[AttentionCall], num_tokens: int | 
     for c in calls:
         if c.layer_idx is None:
             raise refusal(model_type, f"its attention module {type(c.module).__name__} has no layer_idx")
+        if c.layer_idx < 0:
+            raise refusal(
+                model_type,
+                f"its attention module {type(c.module).__name__} has layer index {c.layer_idx} (a block shared "
+                "between layers), so its KV has no place of its own in the cache",
+            )
         if id(c.module) in modules:
             raise refusal(
                 model_type,
@@ -386,7 +413,8 @@ def _failure(model_type: str, exc: BaseException) -> Refusal:
             model_type,
             f"it computes with the attention mask in its own code, where genq builds none ({_brief(exc)})",
         )
-    return refusal(model_type, f"its forward fails on genq's packed batch: {_brief(exc)}")
+    log.error("%s: its forward raised on genq's packed batch", model_type, exc_info=exc)
+    return refusal(model_type, f"its forward fails on genq's packed batch: {_brief(exc)}", unexpected=True)
 
 
 def _brief(exc: BaseException) -> str:
@@ -405,6 +433,9 @@ class _RecordingSampler:
         for row, seq in zip(logits, seqs):
             self.rows.setdefault(seq.req_id, []).append((seq.num_tokens, row.detach().clone()))
         return self.sampler(logits, seqs)
+
+    def forget(self, seq) -> None:
+        self.sampler.forget(seq)
 
 
 def verify(engine) -> None:
@@ -454,11 +485,14 @@ def verify(engine) -> None:
 def _probe_step(engine, model_type: str, rec: _Recorder) -> None:
     engine.step()
     if rec.calls or engine.stats()["last_step_num_tokens"]:  # a forward ran (no calls: refused)
-        _check_calls(model_type, rec.calls)
+        _check_calls(model_type, rec.calls, stateful=bool(state_layers.installed(engine.model)))
 
 
 def _check_logits(engine, model_type: str, prompts: dict[str, list[int]], rows) -> None:
-    """genq's logits against the model's own eager attention over each whole sequence alone.
+    """genq's logits against the model's own eager attention over each whole sequence alone (a
+    model with state layers: as generate() runs it, the prompt in one forward and then one token per
+    forward with transformers' own cache, whose single-token path some state layers compute
+    differently from their whole-sequence one).
 
     In float32/64 every row must agree. In 16 bits a mixture-of-experts router may pick another
     expert for a row when the two paths round differently (a tiny PhiMoE in bfloat16 did), so
@@ -481,7 +515,10 @@ def _check_logits(engine, model_type: str, prompts: dict[str, list[int]], rows) 
                 chosen = [int(row.argmax()) for _, row in sorted(recorded, key=lambda item: item[0])]
                 ids = torch.tensor([(prompts[req_id] + chosen)[:last]], device=engine.device)
                 try:
-                    reference = model(input_ids=ids, use_cache=False).logits[0]  # [n, V]
+                    if state_layers.installed(model):  # as generate() runs them: prompt, then token by token
+                        reference = _incremental_logits(model, ids, len(prompts[req_id]))
+                    else:
+                        reference = model(input_ids=ids, use_cache=False).logits[0]  # [n, V]
                 except Exception as exc:  # noqa: BLE001 - eager fails where genq ran: no reference
                     log.warning("%s: its eager attention fails (%s); logits not compared", model_type, exc)
                     return
@@ -500,3 +537,24 @@ def _check_logits(engine, model_type: str, prompts: dict[str, list[int]], rows) 
             f"{len(errors)} rows (relative error up to {err:.2g}, at token {num_tokens} of a {prompt_len}-token "
             "prompt): the model's output depends on something genq does not pass",
         )
+
+
+def _incremental_logits(model, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """[n, V] logits of `ids` [1, n] as generate() computes them: the first `prompt_len` tokens in one
+    forward with a fresh DynamicCache, then one token per forward (rows before the prompt's last: NaN)."""
+    from transformers import DynamicCache
+
+    names = inspect.signature(model.forward).parameters
+    arg = "past_key_values" if "past_key_values" in names else "cache_params"  # (Mamba's)
+    cache = {arg: DynamicCache(config=model.config)}
+    positions = torch.arange(ids.shape[1], device=ids.device)[None]  # (a cache of state layers has no length)
+    first = model(
+        input_ids=ids[:, :prompt_len], position_ids=positions[:, :prompt_len], use_cache=True, **cache
+    )
+    rows = [torch.full_like(first.logits[0, :-1], float("nan")), first.logits[0, -1:]]
+    for i in range(prompt_len, ids.shape[1]):
+        step = model(
+            input_ids=ids[:, i : i + 1], position_ids=positions[:, i : i + 1], use_cache=True, **cache
+        )
+        rows.append(step.logits[0])
+    return torch.cat(rows)

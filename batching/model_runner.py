@@ -1,16 +1,43 @@
-"""Packs a SchedulerOutput into tensors, runs the block copies, runs the model, returns logits rows."""
+"""Packs a SchedulerOutput into tensors, runs the block copies, runs the model, returns logits rows.
+
+Streams (CUDA). The forward runs on the compute stream (the current one). Block copies for swaps
+run on the KV cache's copy stream (kv_cache.py), and the compute stream waits, with an event, only
+for the device-side part of them: the gather of swapped-out blocks (so their blocks may be reused
+at once) and the scatter of swapped-in ones (so the forward reads them); the transfers to host
+memory overlap the forward. A step's metadata on the Triton path is built in one pinned host buffer
+and crosses in one asynchronous copy on the compute stream, which orders it before the kernels that
+read it; the buffer is reused once the event recorded after that copy has passed. Decode-only
+steps replay a CUDA graph of the whole forward (cuda_graphs.py) fed through the same buffer.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from batching.attention import AttentionMetadata, DecodeGroup, PrefillChunk, step_context
+from batching.attention import step_context
+from batching.attention_metadata import (
+    AttentionMetadata,
+    DecodeGroup,
+    PaddedPrefills,
+    PagedSegments,
+    TileLaunch,
+)
 from batching.cpu_attention import PagedAttentionKernel, PrefillTables
 from batching.kv_cache import KVCache
 from batching.scheduler import SchedulerOutput
 from batching.sequence import Sequence
+from batching.state_cache import StateCache
+from batching.state_layers import build_step
+
+if TYPE_CHECKING:
+    from batching.cuda_graphs import DecodeGraphs
+
+PREFILL_TILE = 16  # queries of one chunk per Triton program (triton_attention.py)
+BACKENDS = ("triton", "cpu_kernel", "torch")
 
 
 @dataclass(slots=True)
@@ -22,6 +49,24 @@ class ModelInput:
     sample_seqs: list[Sequence]  # the N sequences that get a new token this step
 
 
+@dataclass(slots=True)
+class StepRows:
+    """A step's rows and sequences as plain lists, before any tensor is made. Decodes come first."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    logits_rows: list[int]
+    sample_seqs: list[Sequence]
+    seqs: list[Sequence]  # one segment each, in row order
+    q_lens: list[int]
+    num_decodes: int  # the first num_decodes segments have one query each
+    # rows whose logits give log probabilities a sequence asked for (a prompt's: Sequence.logprob_positions),
+    # and for each such sequence (it, its first such position, their number), in the same order
+    logprob_rows: list[int] = field(default_factory=list)
+    logprob_spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -31,24 +76,46 @@ class ModelRunner:
         device: torch.device,
         attention_kernel: PagedAttentionKernel | None = None,
         mask_patterns: dict | None = None,
+        backend: str | None = None,
+        state_cache: StateCache | None = None,
     ):
         self.model = model
+        self.state_cache = state_cache  # models with state layers (state_layers.py)
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
         self.attention_kernel = attention_kernel  # CPU: attends from the blocks in place (cpu_attention.py)
         self.mask_patterns = mask_patterns or {}  # layer -> windows/chunks only the mask expresses
+        self.backend = backend or ("cpu_kernel" if attention_kernel is not None else "torch")
+        assert self.backend in BACKENDS, self.backend
+        self.packer = MetadataPacker(device, kv_cache.scratch_slot) if self.backend == "triton" else None
+        self.graphs: DecodeGraphs | None = None  # captured by the engine at start-up (cuda_graphs.py)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
-        """Swap blocks, then one packed forward. Returns (logits [N, V] or None, the N sequences)."""
-        self.kv_cache.swap_out(sched.swap_out)  # before swap_in: freed blocks may be reused at once
-        self.kv_cache.swap_in(sched.swap_in)
+    def execute(
+        self, sched: SchedulerOutput
+    ) -> tuple[torch.Tensor | None, list[Sequence], torch.Tensor | None, list[tuple[Sequence, int, int]]]:
+        """Swap blocks, then one packed forward. Returns (logits [N, V] or None, the N sequences, the logits
+        of the rows that give asked-for prompt log probabilities [P, V] or None, their spans)."""
+        self.kv_cache.swap(sched.swap_out, sched.swap_in)
+        if self.state_cache is not None:
+            self.state_cache.swap(sched.state_swap_out, sched.state_swap_in)
         if not sched.seqs:
             self.kv_cache.wait_for_copies()
-            return None, []
-        batch = self.prepare(sched)
+            return None, [], None, []
+        rows = self.step_rows(sched)
+        extra = len(rows.logprob_rows)
+        if not extra and self.graphs is not None and (replay := self.graphs.match(rows)) is not None:
+            self.kv_cache.wait_for_copies()
+            return replay(rows), rows.sample_seqs, None, []
+        n = len(rows.logits_rows)
+        rows.logits_rows += rows.logprob_rows  # one pass of the head over both
+        batch = self.prepare(sched, rows)
         self.kv_cache.wait_for_copies()
+        logits = self.forward(batch)  # [N + P, V]
+        return logits[:n], rows.sample_seqs, logits[n:] if extra else None, rows.logprob_spans
+
+    def forward(self, batch: ModelInput) -> torch.Tensor:
         with step_context(batch.attn):  # for models that do not pass genq_attn on (attention_classes.py)
             out = self.model(
                 input_ids=batch.input_ids,
@@ -57,97 +124,135 @@ class ModelRunner:
                 use_cache=False,
                 genq_attn=batch.attn,
             )
-        return out.logits[0], batch.sample_seqs  # [N, V]
+        logits = out.logits[0]
+        if logits.shape[0] != batch.logits_indices.shape[0]:  # a model that ignores logits_to_keep (whisper)
+            logits = logits[batch.logits_indices]
+        return logits  # [N, V]
 
-    def prepare(self, sched: SchedulerOutput) -> ModelInput:
+    def step_rows(self, sched: SchedulerOutput) -> StepRows:
         bs = self.block_size
-        singles = [(s, n) for s, n in zip(sched.seqs, sched.num_scheduled_tokens) if n == 1]
+        singles = [s for s, n in zip(sched.seqs, sched.num_scheduled_tokens) if n == 1]
         chunks = [(s, n) for s, n in zip(sched.seqs, sched.num_scheduled_tokens) if n > 1]
-
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        logits_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-
+        rows = StepRows([], [], [], [], [], [], [], len(singles))
         # single-query sequences (decodes), longest context first, one token each
-        singles.sort(key=lambda item: item[0].num_computed_tokens, reverse=True)
-        for seq, _ in singles:
+        singles.sort(key=lambda seq: seq.num_computed_tokens, reverse=True)
+        for seq in singles:
             pos = seq.num_computed_tokens
-            input_ids.append(seq.token_ids[pos])
-            positions.append(pos)
-            slot_mapping.append(seq.block_table[pos // bs] * bs + pos % bs)
+            rows.input_ids.append(seq.token_ids[pos])
+            rows.positions.append(pos)
+            rows.slot_mapping.append(seq.block_table[pos // bs] * bs + pos % bs)
             if pos + 1 == seq.num_tokens:
-                logits_rows.append(len(input_ids) - 1)
-                sample_seqs.append(seq)
-        if self.attention_kernel is not None:  # reads each context as it is: one group, no padding
-            groups = [(0, len(singles))] if singles else []
-        else:
-            groups = group_by_length([s.num_computed_tokens + 1 for s, _ in singles])
-        decodes = [self._decode_group(singles, start, end) for start, end in groups]
-
-        # prefill chunks: rows [start, end) each
-        prefills: list[PrefillChunk] = []
-        chunk_tables: list[list[int]] = []  # each chunk's blocks, up to its last token
+                rows.logits_rows.append(len(rows.input_ids) - 1)
+                rows.sample_seqs.append(seq)
+            elif seq.lacks_logprobs:
+                self._logprob_rows(rows, seq, len(rows.input_ids) - 1, pos, 1)
+            rows.seqs.append(seq)
+            rows.q_lens.append(1)
+        # prefill chunks: n rows each
         for seq, n in chunks:
-            start, c = len(input_ids), seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[c : c + n])
-            positions.extend(range(c, c + n))
+            start, c = len(rows.input_ids), seq.num_computed_tokens
             table = seq.block_table
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
-            chunk_tables.append(table[: -(-(c + n) // bs)])
-            prefills.append(PrefillChunk(start, start + n, c + n, None))
+            rows.input_ids.extend(seq.token_ids[c : c + n])
+            rows.positions.extend(range(c, c + n))
+            rows.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
             if c + n == seq.num_tokens:
-                logits_rows.append(start + n - 1)
-                sample_seqs.append(seq)
-        prefill_tables = self._attach_block_ids(prefills, chunk_tables)
+                rows.logits_rows.append(start + n - 1)
+                rows.sample_seqs.append(seq)
+            if seq.lacks_logprobs:
+                self._logprob_rows(rows, seq, start, c, n)
+            rows.seqs.append(seq)
+            rows.q_lens.append(n)
+        return rows
 
+    @staticmethod
+    def _logprob_rows(rows: StepRows, seq: Sequence, start: int, first: int, n: int) -> None:
+        """Add the rows among a segment's (row `start` at position `first`, n rows) that give log
+        probabilities `seq` still lacks."""
+        wanted = seq.logprob_positions(first, n)
+        if wanted:
+            rows.logprob_rows.extend(range(start + wanted.start - first, start + wanted.stop - first))
+            rows.logprob_spans.append((seq, wanted.start, len(wanted)))
+
+    def prepare(self, sched: SchedulerOutput, rows: StepRows | None = None) -> ModelInput:
+        rows = rows or self.step_rows(sched)
+        batch = self._prepare_attention(rows)
+        if self.state_cache is not None:
+            batch.attn.states = build_step(self.state_cache, rows.seqs, rows.q_lens, self.device)
+        return batch
+
+    def _prepare_attention(self, rows: StepRows) -> ModelInput:
+        if self.packer is not None:
+            return self.packer.pack(rows, self.kv_cache, self.block_size, self.mask_patterns)
+        dev = self.device
         attn = AttentionMetadata(
             kv_cache=self.kv_cache,
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
-            decodes=decodes,
-            prefills=prefills,
+            slot_mapping=torch.tensor(rows.slot_mapping, dtype=torch.long, device=dev),
+            decodes=self._decode_groups(rows),
+            prefills=None,
             attention_kernel=self.attention_kernel,
-            prefill_tables=prefill_tables,
             mask_patterns=self.mask_patterns,
         )
+        attn.prefills, attn.prefill_tables = self._prefill_chunks(rows)
         return ModelInput(
-            input_ids=torch.tensor([input_ids], device=self.device),
-            position_ids=torch.tensor([positions], device=self.device),
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            input_ids=torch.tensor([rows.input_ids], device=dev),
+            position_ids=torch.tensor([rows.positions], device=dev),
+            logits_indices=torch.tensor(rows.logits_rows, dtype=torch.long, device=dev),
             attn=attn,
-            sample_seqs=sample_seqs,
+            sample_seqs=rows.sample_seqs,
         )
 
-    def _attach_block_ids(
-        self, prefills: list[PrefillChunk], tables: list[list[int]]
-    ) -> PrefillTables | None:
-        """Give each chunk with cached context its block ids (the torch path gathers them). With the
-        CPU kernel, all chunks' tables go in one padded tensor, which the kernel reads in one call
-        and the chunks take views of; else one tensor per chunk."""
-        if self.attention_kernel is None or not prefills:
-            for prefill, table in zip(prefills, tables):
-                if prefill.context_len > prefill.end - prefill.start:
-                    prefill.block_ids = torch.tensor(table, dtype=torch.long, device=self.device)
-            return None
-        width = max(len(t) for t in tables)
-        flat = torch.tensor([block for t in tables for block in t + [0] * (width - len(t))], dtype=torch.long)
-        for i, (prefill, table) in enumerate(zip(prefills, tables)):
-            if prefill.context_len > prefill.end - prefill.start:
-                prefill.block_ids = flat[i * width : i * width + len(table)]
-        return PrefillTables(
-            starts=torch.tensor([p.start for p in prefills] + [prefills[-1].end], dtype=torch.long),
-            ctx_lens=torch.tensor([p.context_len for p in prefills], dtype=torch.long),
+    def _decode_groups(self, rows: StepRows) -> list[DecodeGroup]:
+        n = rows.num_decodes
+        if self.attention_kernel is not None:  # reads each context as it is: one group, no padding
+            groups = [(0, n)] if n else []
+        else:
+            groups = group_by_length([seq.num_computed_tokens + 1 for seq in rows.seqs[:n]])
+        return [self._decode_group(rows.seqs[start:end], start, end) for start, end in groups]
+
+    def _prefill_chunks(self, rows: StepRows) -> tuple[PaddedPrefills | None, PrefillTables | None]:
+        """The step's prompt chunks as the torch path reads them (one padded batch) and, with the CPU
+        kernels, as those read them (PrefillTables: one padded table of every chunk's blocks)."""
+        bs, first = self.block_size, rows.num_decodes
+        seqs, q_lens = rows.seqs[first:], rows.q_lens[first:]
+        if not seqs:
+            return None, None
+        ends = [seq.num_computed_tokens + n for seq, n in zip(seqs, q_lens)]
+        width, qmax = max(-(-end // bs) for end in ends), max(q_lens)
+        table, row_ids, positions = [], [], []
+        start = len(rows.input_ids) - sum(q_lens)  # chunks' rows follow the decodes'
+        for seq, n, end in zip(seqs, q_lens, ends):
+            blocks = seq.block_table[: -(-end // bs)]
+            table.extend(blocks + [0] * (width - len(blocks)))
+            row_ids.append(list(range(start, start + n)) + [0] * (qmax - n))
+            positions.append(list(range(end - n, end)) + [-1] * (qmax - n))
+            start += n
+        dev = self.device
+        q_pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        flat = torch.tensor(table, dtype=torch.long, device=dev)
+        padded = PaddedPrefills(
+            rows=torch.tensor(row_ids, dtype=torch.long, device=dev),
+            valid=q_pos >= 0,
+            q_pos=q_pos,
             block_ids=flat,
             width=width,
         )
+        if self.attention_kernel is None:
+            return padded, None
+        starts = [first_row[0] for first_row in row_ids] + [start]
+        tables = PrefillTables(
+            starts=torch.tensor(starts, dtype=torch.long),
+            ctx_lens=torch.tensor(ends, dtype=torch.long),
+            block_ids=flat,
+            width=width,
+        )
+        return padded, tables
 
-    def _decode_group(self, singles: list[tuple[Sequence, int]], start: int, end: int) -> DecodeGroup:
+    def _decode_group(self, seqs: list[Sequence], start: int, end: int) -> DecodeGroup:
         bs = self.block_size
-        lens = [seq.num_computed_tokens + 1 for seq, _ in singles[start:end]]
+        lens = [seq.num_computed_tokens + 1 for seq in seqs]
         width = -(-max(lens) // bs)
         padded: list[int] = []
-        for seq, _ in singles[start:end]:
+        for seq in seqs:
             table = seq.block_table[:width]
             padded.extend(table)
             padded.extend([0] * (width - len(table)))
@@ -157,6 +262,154 @@ class ModelRunner:
             torch.tensor(padded, dtype=torch.long, device=self.device),
             torch.tensor(lens, device=self.device),
             width,
+        )
+
+
+class MetadataPacker:
+    """The Triton path's step metadata in one int64 buffer: built in (pinned) host memory, sent in one
+    copy, and viewed as every tensor the forward needs.
+
+    Layout: input_ids [T] | positions [T] | slot_mapping [T] | logits rows [N] | q_start [S] | q_len [S]
+    | ctx_len [S] | decode tiles' segment [D] and offset [D] | prefill tiles' segment [P] and offset [P]
+    | block table [S, W]. With `pad_to` (a CUDA graph's batch size), the step is padded with rows that
+    write to the scratch slot and attend over nothing.
+    """
+
+    def __init__(self, device: torch.device, scratch_slot: int):
+        self.device = device
+        self.scratch_slot = scratch_slot  # a KV slot no sequence owns: padded rows write there
+        self.pinned = device.type == "cuda"
+        self._staging = torch.empty(0, dtype=torch.long)
+        self._sent: torch.cuda.Event | None = None  # the last copy out of _staging
+
+    def layout(self, rows: StepRows, block_size: int, pad_to: int | None = None, width: int | None = None):
+        """(host buffer as numpy, {name: (offset, length)}, table width, prefill tiles) for the step."""
+        n_rows, n_logits, n_segs = len(rows.input_ids), len(rows.logits_rows), len(rows.seqs)
+        if pad_to is not None:
+            n_rows = n_logits = n_segs = pad_to
+        n_dec = rows.num_decodes if pad_to is None else pad_to
+        tiles = [
+            (s, off)
+            for s in range(rows.num_decodes, len(rows.seqs))
+            for off in range(0, rows.q_lens[s], PREFILL_TILE)
+        ]
+        contexts = [seq.num_computed_tokens + n for seq, n in zip(rows.seqs, rows.q_lens)]
+        if width is None:
+            width = max(-(-c // block_size) for c in contexts)
+        sizes = dict(
+            input_ids=n_rows,
+            positions=n_rows,
+            slot_mapping=n_rows,
+            logits_rows=n_logits,
+            q_start=n_segs,
+            q_len=n_segs,
+            ctx_len=n_segs,
+            decode_seg=n_dec,
+            decode_off=n_dec,
+            prefill_seg=len(tiles),
+            prefill_off=len(tiles),
+            block_table=n_segs * width,
+        )
+        spans, offset = {}, 0
+        for name, size in sizes.items():
+            spans[name] = (offset, size)
+            offset += size + size % 2  # every tensor 16-byte aligned: Triton compiles per alignment
+        buf = self._host_buffer(offset)
+        view = {name: buf[o : o + n] for name, (o, n) in spans.items()}
+        q_starts = np.cumsum([0, *rows.q_lens[:-1]]) if rows.seqs else np.zeros(0, np.int64)
+        for name, values in (
+            ("input_ids", rows.input_ids),
+            ("positions", rows.positions),
+            ("slot_mapping", rows.slot_mapping),
+            ("logits_rows", rows.logits_rows),
+            ("q_start", q_starts),
+            ("q_len", rows.q_lens),
+            ("ctx_len", contexts),
+            ("decode_seg", range(rows.num_decodes)),
+            ("prefill_seg", [s for s, _ in tiles]),
+            ("prefill_off", [off for _, off in tiles]),
+        ):
+            view[name][: len(values)] = values
+        view["decode_off"][:] = 0
+        table = view["block_table"].reshape(n_segs, width)
+        for i, seq in enumerate(rows.seqs):
+            blocks = seq.block_table[: -(-contexts[i] // block_size)]
+            table[i, : len(blocks)] = blocks
+        if pad_to is not None:  # rows past the step's: no token, the scratch slot, no context
+            real = len(rows.input_ids)
+            view["input_ids"][real:] = 0
+            view["positions"][real:] = 0
+            view["slot_mapping"][real:] = self.scratch_slot
+            view["logits_rows"][:] = np.arange(pad_to)  # a graph computes every row's logits
+            view["q_start"][real:] = np.arange(real, pad_to)
+            view["q_len"][real:] = 1
+            view["ctx_len"][real:] = 0
+            view["decode_seg"][real:] = np.arange(real, pad_to)
+        return buf[:offset], spans, width, len(tiles)
+
+    def _host_buffer(self, size: int) -> np.ndarray:
+        if self._sent is not None:
+            self._sent.synchronize()  # the last step's copy has left the buffer
+            self._sent = None
+        if self._staging.numel() < size:
+            self._staging = torch.empty(
+                max(size, 2 * self._staging.numel()), dtype=torch.long, pin_memory=self.pinned
+            )
+        return self._staging.numpy()
+
+    def send(self, host: np.ndarray, into: torch.Tensor | None = None) -> torch.Tensor:
+        """One copy of the host buffer to the device (into `into` if given); the step's tensors view it."""
+        src = self._staging[: len(host)]
+        if self.device.type == "cpu":
+            return src.clone() if into is None else into.copy_(src)
+        dst = into if into is not None else torch.empty(len(host), dtype=torch.long, device=self.device)
+        dst.copy_(src, non_blocking=True)
+        self._sent = torch.cuda.Event()
+        self._sent.record()
+        return dst
+
+    def pack(self, rows: StepRows, kv_cache: KVCache, block_size: int, mask_patterns: dict) -> ModelInput:
+        host, spans, width, num_prefill_tiles = self.layout(rows, block_size)
+        return self.views(self.send(host), spans, width, num_prefill_tiles, rows, kv_cache, mask_patterns)
+
+    @staticmethod
+    def views(
+        dev: torch.Tensor,
+        spans: dict,
+        width: int,
+        num_prefill_tiles: int,
+        rows: StepRows,
+        kv_cache,
+        mask_patterns,
+    ) -> ModelInput:
+        v = {name: dev[o : o + n] for name, (o, n) in spans.items()}
+        n_dec = spans["decode_seg"][1]
+        segments = PagedSegments(
+            q_start=v["q_start"],
+            q_len=v["q_len"],
+            ctx_len=v["ctx_len"],
+            block_table=v["block_table"].view(-1, width),
+            decode=TileLaunch(v["decode_seg"], v["decode_off"], 1, n_dec) if n_dec else None,
+            prefill=(
+                TileLaunch(v["prefill_seg"], v["prefill_off"], PREFILL_TILE, num_prefill_tiles)
+                if num_prefill_tiles
+                else None
+            ),
+        )
+        attn = AttentionMetadata(
+            kv_cache=kv_cache,
+            slot_mapping=v["slot_mapping"],
+            decodes=[],
+            prefills=None,
+            mask_patterns=mask_patterns,
+            segments=segments,
+        )
+        return ModelInput(
+            input_ids=v["input_ids"].view(1, -1),
+            position_ids=v["positions"].view(1, -1),
+            logits_indices=v["logits_rows"],
+            attn=attn,
+            sample_seqs=rows.sample_seqs,
         )
 
 

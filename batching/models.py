@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from batching import attention_classes
+from batching import attention_classes, state_layers
 from batching.attention import ATTENTION_NAME, paged_attention
 from batching.config import EngineConfig
 from batching.tokenizer import BOS_ID, BUILTIN_MODEL, EOS_ID, load_tokenizer
@@ -22,6 +22,9 @@ TORCH_DTYPES = {
     "float16": torch.float16,
 }
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
+# layers that keep a state instead of (or beside) KV, or none: run from genq's state cache when their
+# code keeps the state through transformers' cache API (state_layers.py), refused otherwise
+STATE_LAYER_TYPES = {"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "mlp", "moe"}
 
 
 def tiny_llama_config():
@@ -136,12 +139,19 @@ def _check_supported(model_config) -> None:
             "attention scores inside its own attention code, which no transformers hook (AttentionInterface "
             f"or an attention-class table) lets genq replace; genq's paged attention takes no ALiBi{rotary}"
         )
+    if getattr(model_config, "languages", None) and not getattr(model_config, "default_language", None):
+        raise ValueError(
+            f"model: genq cannot run {model_config.model_type}: it routes every token through the adapter "
+            "of a language given per request (lang_ids), and its config names no default_language; genq "
+            "carries no language per request (set default_language in the config to run it in one language)"
+        )
     layer_types = set(getattr(model_config, "layer_types", None) or ())
-    unsupported = layer_types - SUPPORTED_LAYER_TYPES
+    unsupported = layer_types - SUPPORTED_LAYER_TYPES - STATE_LAYER_TYPES
     if unsupported:
         raise ValueError(
             f"model: genq cannot run {model_config.model_type}: its layer types {sorted(unsupported)} "
-            f"have no paged attention in genq (only {sorted(SUPPORTED_LAYER_TYPES)})"
+            f"have no paged attention in genq (only {sorted(SUPPORTED_LAYER_TYPES)}, and state layers of "
+            f"types {sorted(STATE_LAYER_TYPES - {'mlp', 'moe'})})"
         )
 
 
@@ -189,11 +199,26 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, m
                 f"{', '.join(sorted(attention_classes.TABLES))}: attention_classes.py)"
             ) from exc
     attention_classes.set_attention(model, ATTENTION_NAME)
+    _install_state_layers(model, model_config)
     if dtype == torch.float64:
         use_eager_experts(model)
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
     return model
+
+
+def _install_state_layers(model, model_config) -> None:
+    """Wrap the layers that keep a state (state_layers.py); refuse a model whose config names state
+    layers that keep it some other way (genq could not give each sequence its own)."""
+    wrapped = state_layers.install(model)
+    layer_types = set(getattr(model_config.get_text_config(decoder=True), "layer_types", None) or ())
+    stateful = layer_types & (STATE_LAYER_TYPES - {"mlp", "moe"})
+    if stateful and not wrapped:
+        raise ValueError(
+            f"model: genq cannot run {model_config.model_type}: its layers of types {sorted(stateful)} keep "
+            "their state outside transformers' cache API (get_conv_state/get_recurrent_state), where genq "
+            "cannot give each sequence its own"
+        )
 
 
 def use_eager_experts(model) -> None:

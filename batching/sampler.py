@@ -1,12 +1,21 @@
-"""Logits rows → next tokens: greedy, temperature, top-k, top-p; seeded per (seed, token index)."""
+"""Logits rows → next tokens, one batched pass over a step's rows: greedy rows take the argmax; sampled rows
+are scaled by their temperature, cut to their top-k and top-p, and drawn by an exponential race whose noise
+comes from a counter-based hash of (the request's seed, the token's index, the vocabulary id). No generator
+object and no tensor operation per row: a step of 256 sampled rows costs the same few kernels as one. A
+request draws the same tokens alone, in any batch, after preemption or a restart."""
 
 from __future__ import annotations
 
 import torch
 
+from batching.grammar import allowed_tokens
 from batching.sequence import Sequence
+from batching.token_counts import TokenCounts
 
 _MASK64 = (1 << 63) - 1
+_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed 64-bit integer (torch has no uint64 math)
+_MIX1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
+_MIX2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
 
 
 def token_seed(seed: int, index: int) -> int:
@@ -17,34 +26,146 @@ def token_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) & _MASK64
 
 
+def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 values (torch's >> is arithmetic)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """keys: [R] int64 (token_seed of each row); returns [R, V] float64 Exp(1) noise, element (r, v) a pure
+    function of (keys[r], v): splitmix64 of key + v * golden ratio, its top 53 bits a uniform in (0, 1)."""
+    ids = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)
+    z = keys[:, None] + ids[None, :] * _GOLDEN  # [R, V], wrapping int64 arithmetic
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    u = (_shr(z, 11).to(torch.float64) + 0.5) * 2.0**-53  # (0, 1), never 0
+    return -torch.log(u)
+
+
+def apply_penalties(
+    logits: torch.Tensor, seqs: list[Sequence], seen: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """logits: [P, V] of rows with penalties; seen: [P, V] bool, the tokens of each row's prompt and output;
+    counts: [P, V], each token's occurrences in its output (token_counts.py). The penalized logits
+    (batching/sampling_params.py), in one pass."""
+    dev = logits.device
+    counts = counts.to(logits.dtype)
+
+    def column(name: str) -> torch.Tensor:  # [P, 1]: each row's value of a parameter
+        return torch.tensor([getattr(s.params, name) for s in seqs], dtype=logits.dtype, device=dev)[:, None]
+
+    repetition, presence, frequency = (
+        column(n) for n in ("repetition_penalty", "presence_penalty", "frequency_penalty")
+    )
+    x = torch.where(seen, torch.where(logits < 0, logits * repetition, logits / repetition), logits)
+    return x - frequency * counts - presence * (counts > 0)
+
+
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits: [N, V] of all rows; a copy with each row's logit_bias added (one scatter for every row's)."""
+    rows = [r for r, s in enumerate(seqs) for _ in s.params.logit_bias]
+    ids = [t for s in seqs for t in s.params.logit_bias]
+    bias = [b for s in seqs for b in s.params.logit_bias.values()]
+    dev = logits.device
+    index = (torch.tensor(rows, device=dev), torch.tensor(ids, device=dev))
+    return logits.index_put(index, torch.tensor(bias, dtype=logits.dtype, device=dev), accumulate=True)
+
+
+def hold_back_stops(logits: torch.Tensor, rows: list[int], stops: list[list[int]]) -> torch.Tensor:
+    """logits: [N, V]; a copy where each row of `rows` cannot draw its stop tokens (`stops`: the end of
+    sequence unless ignored, and stop_token_ids): min_tokens not reached yet (vLLM's MinTokensLogitsProcessor,
+    transformers' MinNewTokensLengthLogitsProcessor)."""
+    dev = logits.device
+    at = torch.tensor([r for r, ids in zip(rows, stops, strict=True) for _ in ids], device=dev)
+    ids = torch.tensor([t for s in stops for t in s], device=dev)
+    return logits.index_put((at, ids), torch.tensor(float("-inf"), dtype=logits.dtype, device=dev))
+
+
+def apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits: [C, V] of rows with a grammar (structured output); the tokens their grammars forbid set to
+    -inf, from one bitmask of all rows (grammar.allowed_tokens) unpacked on the logits' device."""
+    vocab = logits.shape[-1]
+    packed = torch.from_numpy(allowed_tokens([s.grammar for s in seqs if s.grammar is not None], vocab)).to(
+        logits.device
+    )
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((packed[:, :, None] >> bits) & 1).view(len(seqs), -1)[:, :vocab].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 class Sampler:
+    def __init__(self, eos_token_ids: set[int] | frozenset[int] = frozenset()):
+        self.eos_token_ids = sorted(eos_token_ids)  # held back with stop_token_ids before min_tokens
+        self.token_counts = TokenCounts()  # penalized sequences' seen tokens and output counts, on the device
+
+    def forget(self, seq: Sequence) -> None:
+        """`seq` ended: its counts go."""
+        self.token_counts.forget(seq)
+
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits: [N, V], one row per sequence that gets a new token this step."""
+        if any(s.params.logit_bias for s in seqs):  # a copy, as below: before everything else
+            logits = apply_logit_bias(logits, seqs)
+        early = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
+        if early:
+            stops = [self._stop_ids(seqs[i]) for i in early]
+            if any(stops):
+                logits = hold_back_stops(logits, early, stops)
+        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if constrained:  # a copy, as for penalties
+            index = torch.tensor(constrained, device=logits.device)
+            masked = apply_grammars(logits.index_select(0, index), [seqs[i] for i in constrained])
+            logits = logits.index_copy(0, index, masked)
+        penalized = [i for i, s in enumerate(seqs) if s.params.penalized]
+        if penalized:  # a copy: log probabilities are the model's (engine.py takes them from `logits`)
+            at = torch.tensor(penalized, device=logits.device)
+            counted = [seqs[i] for i in penalized]
+            rows, seen, counts = self.token_counts.gather(counted, logits.shape[-1], logits.device)
+            changed = apply_penalties(logits.index_select(0, at), counted, seen, counts)
+            logits = logits.index_copy(0, at, changed)
         tokens = logits.argmax(dim=-1)  # greedy rows done here
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
-            tokens = tokens.clone()
-            for i in sampled:
-                tokens[i] = self._sample_row(logits[i], seqs[i])
+            rows_sampled = [seqs[i] for i in sampled]
+            index = torch.tensor(sampled, device=logits.device)
+            tokens = tokens.index_copy(0, index, self._sample(logits.index_select(0, index), rows_sampled))
+        if penalized:  # this step's tokens join the counts on the device
+            self.token_counts.add(counted, rows, tokens.index_select(0, at))
         return tokens.tolist()
 
-    def _sample_row(self, row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    def _stop_ids(self, seq: Sequence) -> list[int]:
         p = seq.params
-        row = row.float() / p.temperature  # [V]
-        if p.top_k and p.top_k < row.shape[0]:
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(row, descending=True)
-            cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-            drop = (
-                cum - torch.softmax(sorted_logits, dim=-1) >= p.top_p
-            )  # keep the smallest set reaching top_p
-            row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-        probs = torch.softmax(row, dim=-1)
-        # exponential race (equivalent to sampling from probs), with noise from (seed, token index) only,
-        # so a request draws the same tokens alone, in any batch, after preemption or a restart
-        gen = torch.Generator(device=row.device)
-        gen.manual_seed(token_seed(seq.sample_seed, seq.num_output_tokens))
-        noise = torch.empty_like(probs).exponential_(generator=gen)
-        return (probs / noise).argmax()
+        vocab = self.eos_token_ids if not p.ignore_eos else []
+        return [*vocab, *p.stop_token_ids]
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """logits: [R, V] of sampled rows; their tokens [R]."""
+        dev, vocab = logits.device, logits.shape[-1]
+        temperature = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32, device=dev)
+        x = logits.float() / temperature[:, None]  # [R, V]
+        top_k = [s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs]
+        top_p = [s.params.top_p for s in seqs]
+        if min(top_k) < vocab or min(top_p) < 1.0:
+            sorted_x, order = torch.sort(x, dim=-1, descending=True)  # [R, V]
+            ranks = torch.arange(vocab, device=dev)
+            k = torch.tensor(top_k, device=dev)
+            sorted_x = sorted_x.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+            p = torch.tensor(top_p, dtype=torch.float32, device=dev)
+            probs = torch.softmax(sorted_x, dim=-1)
+            # keep the smallest set reaching top_p (rows with top_p 1 keep all)
+            drop = (probs.cumsum(dim=-1) - probs >= p[:, None]) & (p < 1.0)[:, None]
+            x = torch.empty_like(x).scatter_(1, order, sorted_x.masked_fill(drop, float("-inf")))
+        probs = torch.softmax(x, dim=-1).double()
+        min_p = [s.params.min_p for s in seqs]
+        if max(min_p) > 0.0:  # drop what is less likely than min_p times the row's most likely token
+            floor = torch.tensor(min_p, dtype=torch.float64, device=dev)[:, None] * probs.amax(
+                dim=-1, keepdim=True
+            )
+            probs = probs.masked_fill(probs < floor, 0.0)
+        # exponential race (equivalent to sampling from probs), with noise from (seed, token index) only
+        keys = torch.tensor(
+            [token_seed(s.sample_seed, s.num_output_tokens) for s in seqs], dtype=torch.int64, device=dev
+        )
+        return (probs / exponential_noise(keys, vocab)).argmax(dim=-1)

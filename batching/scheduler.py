@@ -39,6 +39,9 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # models with state layers: state slots copied with the blocks (state_cache.py)
+    state_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (slot, host slot)
+    state_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, slot)
     preempted: list[Sequence] = field(default_factory=list)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
@@ -86,9 +89,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=_urgency)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.swapped or self.running)
-
     def live_sequences(self) -> list[Sequence]:
         return self.running + self.swapped + self.waiting
 
@@ -117,6 +117,7 @@ class Scheduler:
         offloads, loads = self.block_manager.take_copies()  # the prefix cache's host tier
         fill.out.swap_out.extend(offloads)
         fill.out.swap_in.extend(loads)
+        fill.out.state_swap_out, fill.out.state_swap_in = self.block_manager.take_state_copies()
         return fill.out
 
     def set_costs(self, costs: StepCosts) -> None:
@@ -185,6 +186,11 @@ class Scheduler:
             if seq.status == SequenceStatus.RUNNING:
                 taken = self._schedule_chunk(seq, fill)
             elif not admitting:
+                continue
+            elif self._waits_for_shared_prefill(seq):
+                # it starts on the blocks that prefill computes, when they are cached; strict order
+                # still: nobody behind it starts meanwhile (a step or so: the prefill computes them now)
+                admitting = False
                 continue
             elif any(_urgency(v) < _urgency(seq) for v in fill.out.preempted):
                 # a sequence preempted in this step keeps its place: nobody behind it starts in the
@@ -295,7 +301,12 @@ class Scheduler:
         the reserve free; whole prompts and swapped-in sequences have all they want or nothing."""
         bm = self.block_manager
         waiting = seq.status == SequenceStatus.WAITING
-        hit = self._usable_cached_prefix(seq, fill.out) if waiting else CachedPrefix()
+        # a sequence lacking log probabilities computes their positions: it starts on no cached prefix
+        hit = (
+            self._usable_cached_prefix(seq, fill.out)
+            if waiting and not seq.lacks_logprobs
+            else CachedPrefix()
+        )
         start = seq.num_computed_tokens + len(hit) * bm.block_size
         budget = self._budget(fill)
         first_prefill = all(k == 1 for k in fill.out.num_scheduled_tokens)
@@ -313,6 +324,29 @@ class Scheduler:
             return hit, want, max(0, min(want, capacity))
         fits = blocks_for(start + want, bm.block_size) - len(hit) <= free
         return hit, want, want if fits else 0
+
+    def _waits_for_shared_prefill(self, seq: Sequence) -> bool:
+        """Whether `seq`, waiting to start, would compute blocks of its prompt that a running prefill as
+        urgent as it computes now (a prompt's n choices, the same system prompt): then it waits, and starts
+        on them from the prefix cache once computed, so a shared prompt is computed once, not once per
+        sequence. Never for a sequence that computes every position anyway (prompt log probabilities)."""
+        bm = self.block_manager
+        if not bm.enable_prefix_caching or seq.status != SequenceStatus.WAITING or seq.lacks_logprobs:
+            return False
+        full = (seq.num_tokens - 1) // bm.block_size  # the blocks it could start on
+        if full == 0 or not self.running:
+            return False
+        cached = len(bm.find_cached_prefix(seq))
+        if cached == full:
+            return False
+        lacking = bm.block_hashes(seq, cached + 1)[cached]  # the first block it would compute
+        return any(
+            not other.is_decoding
+            and other.priority <= seq.priority
+            and other.num_computed_tokens < (cached + 1) * bm.block_size <= other.num_tokens
+            and bm.block_hashes(other, cached + 1)[cached] == lacking
+            for other in self.running
+        )
 
     def _lacks_room(self, seq: Sequence, fill: _Fill) -> bool:
         """Whether `seq` cannot have the first chunk it wants for want of slots or blocks."""

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from batching.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 class SequenceStatus(enum.IntEnum):
@@ -42,6 +46,8 @@ class Sequence:
         "num_computed_tokens",
         "block_table",
         "host_block_table",
+        "state_slot",
+        "host_state_slot",
         "block_hashes",
         "num_cache_offered_blocks",
         "status",
@@ -52,6 +58,11 @@ class Sequence:
         "text",
         "prefix_offset",
         "read_offset",
+        "num_reported_tokens",
+        "num_reported_chars",
+        "logprobs",
+        "prompt_logprobs",
+        "grammar",
     )
 
     def __init__(
@@ -73,6 +84,9 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []  # device blocks, in order
         self.host_block_table: list[int] = []  # host blocks while swapped out
+        # models with state layers (state_cache.py): its state slot while running, its host slot while swapped
+        self.state_slot: int | None = None
+        self.host_state_slot: int | None = None
         # prefix caching (block_manager.py): chained hashes of the full blocks of token_ids, computed as
         # needed, and how many leading blocks of block_table were offered to the cache already
         self.block_hashes: list[bytes] = []
@@ -86,6 +100,17 @@ class Sequence:
         self.text = ""
         self.prefix_offset = self.num_prompt_tokens
         self.read_offset = self.num_prompt_tokens
+        # output_kind "delta": output tokens and text characters reported in earlier outputs
+        self.num_reported_tokens = 0
+        self.num_reported_chars = 0
+        # with params.logprobs: output token j's (TokenLogprob); with params.prompt_logprobs: prompt token
+        # i + 1's (the first has none). A preempted sequence keeps them; a resumed one computes its resumed
+        # tokens' from their prefill
+        self.logprobs: list = []
+        self.prompt_logprobs: list = []
+        # with params.json_schema: its grammar matcher (batching/grammar.py), fed every output token; it
+        # stays with the sequence through preemption and swap
+        self.grammar: LLMatcher | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -107,6 +132,25 @@ class Sequence:
     def is_decoding(self) -> bool:
         """Prefill done: one new token per step."""
         return self.num_computed_tokens == len(self.token_ids) - 1 and self.num_output_tokens > 0
+
+    def logprob_positions(self, start: int, n: int) -> range:
+        """The positions among [start, start + n) whose logits give a log probability this sequence still
+        lacks (position q's logits rank token q + 1): prompt tokens', and resumed output tokens'. The last
+        position is the sampler's row, never one of these."""
+        p, prompt = self.params, self.num_prompt_tokens
+        if p.prompt_logprobs is not None and len(self.prompt_logprobs) < prompt - 1:
+            first = len(self.prompt_logprobs)
+        elif p.logprobs is not None:
+            first = prompt - 1 + len(self.logprobs)
+        else:
+            return range(0)
+        end = self.num_tokens - 1 if p.logprobs is not None else prompt - 1
+        return range(max(first, start), min(end, start + n))
+
+    @property
+    def lacks_logprobs(self) -> bool:
+        """Whether some of its tokens' log probabilities need their positions computed (no cached prefix)."""
+        return bool(self.logprob_positions(0, self.num_tokens))
 
     @property
     def finished(self) -> bool:

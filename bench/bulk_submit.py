@@ -30,27 +30,22 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
 
-import redis
 import requests
-from sqlalchemy import func, select, text
+from sqlalchemy import text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine_throughput import wait_for_quiet  # noqa: E402
+from bench.harness import markdown_table, pct, run_info, wait_for_quiet, write_result  # noqa: E402
 from bench.http_load import _Connection, build_request  # noqa: E402
 from bench.stack import bench_settings, local_stack  # noqa: E402
-from jobstore.db import make_engine, make_session_factory  # noqa: E402
-from jobstore.dispatch import QUEUE, queue_key  # noqa: E402
-from jobstore.models import Job, JobStatus  # noqa: E402
+from jobstore.dispatch import PRIORITIES, QUEUE, queue_key  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 WORDS = "the tea cat sky mud river stone light song road".split()
-ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING)
 TARGET_JOBS_PER_S = 5000
 
 
@@ -88,16 +83,7 @@ class Bench:
         self.content = batch_file(convs, max_tokens)
         self.http = requests.Session()
         self.http.headers.update(stack.headers)
-        self.db = make_engine(stack.settings.database_url)
-        self.sessions = make_session_factory(self.db)
-        self.redis = redis.Redis.from_url(stack.settings.redis_url)
-
-    def close(self) -> None:
-        self.db.dispose()
-        self.redis.close()
-
-    def queued_in_redis(self) -> int:
-        return sum(self.redis.llen(queue_key(self.stack.settings, QUEUE, p)) for p in range(10))
+        self.client = stack.client
 
     def submit_batch(self) -> tuple[str, float, float]:
         """(batch id, upload seconds, create seconds)."""
@@ -153,28 +139,24 @@ class Bench:
 
     def clear(self) -> None:
         """Cancel every queued job and empty the Redis lists (between submission rounds)."""
-        with self.sessions.begin() as s:
+        with self.client.sessions.begin() as s:
             s.execute(
                 text("UPDATE jobs SET status = 'cancelled', finished_at = now() WHERE status = 'queued'")
             )
             s.execute(text("UPDATE batches SET status = 'cancelling' WHERE status = 'in_progress'"))
-        self.redis.delete(*(queue_key(self.stack.settings, QUEUE, p) for p in range(10)))
-
-    def active_jobs(self) -> int:
-        with self.sessions() as s:
-            return s.scalar(select(func.count()).select_from(Job).where(Job.status.in_(ACTIVE)))
+        self.client.redis.delete(*(queue_key(self.stack.settings, QUEUE, p) for p in PRIORITIES))
 
     def submission_round(self, wait_quiet: float, baseline: int | None) -> dict:
         waited = wait_for_quiet(wait_quiet) if wait_quiet else 0.0
         load = os.getloadavg()[0]
-        before = self.queued_in_redis()
+        before = self.client.depth()
         batch_id, upload_s, create_s = self.submit_batch()
-        queued = self.queued_in_redis() - before
+        queued = self.client.depth() - before
         batch_s = upload_s + create_s
         self.clear()
         n, m = len(self.convs), min(baseline or len(self.convs), len(self.convs))
         jobs_s = self.submit_jobs(m) * n / m  # at the rate measured on the first m
-        queued_jobs = self.queued_in_redis()
+        queued_jobs = self.client.depth()
         self.clear()
         return {
             "waited_for_quiet_s": waited,
@@ -203,7 +185,7 @@ class Bench:
             raise RuntimeError(f"batch ended {status['status']}: {status['request_counts']}")
         t0 = time.perf_counter()
         self.submit_jobs()
-        while self.active_jobs():
+        while self.client.active():
             time.sleep(0.5)
         jobs_s = time.perf_counter() - t0
         return {"batch_s": batch_s, "jobs_s": jobs_s, "ratio": jobs_s / batch_s}
@@ -230,41 +212,58 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2,000 requests, submission only")
     args = parser.parse_args()
     n = 2000 if args.quick else args.requests
-    print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs, {n} requests")
-    OUT.mkdir(exist_ok=True)
+    run = run_info()
+    print(f"{run['machine']}; load average {run['load_avg'][0]:.2f}; {n} requests")
     result: dict = {"requests": n, "max_tokens": args.max_tokens, "rounds": []}
     with local_stack(bench_settings(), log_dir=OUT / "bulk-logs") as stack:
         bench = Bench(stack, conversations(n), args.max_tokens, args.connections)
-        try:
-            stack.pause_intake()
-            for i in range(args.repeat):
-                row = bench.submission_round(args.wait_quiet, args.baseline_requests)
-                result["rounds"].append(row)
-                print(
-                    f"round {i + 1}: batch {row['batch_s']:.2f} s (upload {row['batch_upload_s']:.2f} + create "
-                    f"{row['batch_create_s']:.2f}) = {row['batch_jobs_per_s']:.0f} jobs/s, {row['batch_in_redis']} "
-                    f"in Redis; POST /jobs {row['jobs_s']:.2f} s = {row['jobs_jobs_per_s']:.0f} jobs/s; "
-                    f"batch {row['speedup']:.1f}x faster (load average {row['load_average_before']:.1f} "
-                    f"after waiting {row['waited_for_quiet_s']:.0f} s for quiet)"
-                )
-            median = statistics.median(r["batch_jobs_per_s"] for r in result["rounds"])
-            result["batch_jobs_per_s_median"] = median
-            result["speedup_median"] = statistics.median(r["speedup"] for r in result["rounds"])
+        stack.pause_intake()
+        for i in range(args.repeat):
+            row = bench.submission_round(args.wait_quiet, args.baseline_requests)
+            result["rounds"].append(row)
             print(
-                f"batch submission: median {median:.0f} jobs/s (target >= {TARGET_JOBS_PER_S}: "
-                f"{'met' if median >= TARGET_JOBS_PER_S else 'NOT met'}); "
-                f"{result['speedup_median']:.1f}x POST /jobs"
+                f"round {i + 1}: batch {row['batch_s']:.2f} s (upload {row['batch_upload_s']:.2f} + create "
+                f"{row['batch_create_s']:.2f}) = {row['batch_jobs_per_s']:.0f} jobs/s, {row['batch_in_redis']} "
+                f"in Redis; POST /jobs {row['jobs_s']:.2f} s = {row['jobs_jobs_per_s']:.0f} jobs/s; "
+                f"batch {row['speedup']:.1f}x faster (load average {row['load_average_before']:.1f} "
+                f"after waiting {row['waited_for_quiet_s']:.0f} s for quiet)"
             )
-            if not (args.skip_e2e or args.quick):
-                stack.resume_intake()
-                row = result["end_to_end"] = bench.end_to_end()
-                print(
-                    f"end to end: batch {row['batch_s']:.1f} s, POST /jobs {row['jobs_s']:.1f} s "
-                    f"({row['ratio']:.2f}x the batch's time)"
-                )
-        finally:
-            bench.close()
-    (OUT / "bulk_submit.json").write_text(json.dumps(result, indent=2))
+        median = pct((r["batch_jobs_per_s"] for r in result["rounds"]), 50)
+        result["batch_jobs_per_s_median"] = median
+        result["jobs_jobs_per_s_median"] = pct((r["jobs_jobs_per_s"] for r in result["rounds"]), 50)
+        result["speedup_median"] = pct((r["speedup"] for r in result["rounds"]), 50)
+        print(
+            f"batch submission: median {median:.0f} jobs/s (target >= {TARGET_JOBS_PER_S}: "
+            f"{'met' if median >= TARGET_JOBS_PER_S else 'NOT met'}); "
+            f"{result['speedup_median']:.1f}x POST /jobs"
+        )
+        if not (args.skip_e2e or args.quick):
+            stack.resume_intake()
+            row = result["end_to_end"] = bench.end_to_end()
+            print(
+                f"end to end: batch {row['batch_s']:.1f} s, POST /jobs {row['jobs_s']:.1f} s "
+                f"({row['ratio']:.2f}x the batch's time)"
+            )
+    rows = [
+        [
+            "batch, upload to all queued (median of rounds)",
+            f"**{result['batch_jobs_per_s_median']:.0f} jobs/s**",
+            f"POST /jobs {result['jobs_jobs_per_s_median']:.0f} jobs/s ({result['speedup_median']:.1f}x)",
+            f">= {TARGET_JOBS_PER_S} jobs/s: {'met' if median >= TARGET_JOBS_PER_S else 'not met'}",
+        ]
+    ]
+    if "end_to_end" in result:
+        e2e = result["end_to_end"]
+        rows.append(
+            [
+                "end to end, first byte to the batch completed",
+                f"**{e2e['batch_s']:.1f} s**",
+                f"POST /jobs {e2e['jobs_s']:.1f} s ({e2e['ratio']:.2f}x)",
+                "none",
+            ]
+        )
+    table = markdown_table(["measure", "figure", "baseline, same run", "target"], rows)
+    write_result("bulk_submit", result, table, run=run)
 
 
 if __name__ == "__main__":

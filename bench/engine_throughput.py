@@ -39,6 +39,12 @@ on a few short requests before it is timed, each timed from its first request to
    but a KV cache of 2 GiB (its default asks for 90% of the memory);
    `--vllm-args JSON` passes others.
 
+`--hybrid` swaps the model for a hybrid of the same size (HYBRID_MODEL: Qwen3.5's architecture, three
+gated delta net layers for each full-attention layer, 8 layers, hidden 512, vocab 8192): genq runs its
+linear-attention layers from its per-sequence state cache (batching/state_layers.py), transformers'
+continuous batching and generate() with their own caches; the forward-only limit runs the packed
+steps with the state layers seeing each step as one sequence (their cost, not their result).
+
 Workloads (`--workload`): `record`, the one above; `decode` (decode-heavy: 64 prompts of 16-64
 tokens, 256 new tokens each); `prefill` (prefill-heavy: 16 prompts of 1024-2000 tokens, 16 new
 tokens each). `--dtype bfloat16` runs every system in bfloat16 (the checkpoint is saved in float32).
@@ -82,6 +88,7 @@ from transformers import (
     AttentionInterface,
     AttentionMaskInterface,
     AutoConfig,
+    AutoModelForCausalLM,
     ContinuousBatchingConfig,
     GenerationConfig,
     LlamaForCausalLM,
@@ -89,6 +96,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
+from bench.harness import Interference, code_version, tree_cpu_seconds, wait_for_quiet  # noqa: E402
 from bench.vllm_runner import MARK  # noqa: E402
 
 MODEL_KWARGS = dict(
@@ -100,8 +108,45 @@ MODEL_KWARGS = dict(
     vocab_size=8192,
     max_position_embeddings=2048,
 )
-BUDGET = 512  # max_num_batched_tokens for genq, max_batch_tokens for transformers CB
-MAX_NUM_SEQS = 64
+# --model: the saved checkpoint's size. "record" is the workload of record's (above); "1b" a Llama of
+# about a billion parameters (a GPU's size of model: a small one leaves a GPU launch-bound)
+MODEL_SIZES = {
+    "record": MODEL_KWARGS,
+    "1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=5632,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    ),
+}
+# --hybrid: a Qwen3.5-style hybrid of the record model's size: three gated delta net layers (linear
+# attention with a short convolution, state layers genq runs from its state cache) for each layer of
+# full attention, 8 layers in all
+HYBRID_MODEL = dict(
+    model_type="qwen3_5_text",
+    hidden_size=512,
+    num_hidden_layers=8,
+    layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    intermediate_size=1408,
+    vocab_size=8192,
+    max_position_embeddings=2048,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+BUDGET = 512  # max_num_batched_tokens for genq, max_batch_tokens for transformers CB (--budget)
+MAX_NUM_SEQS = 64  # (--max-num-seqs)
 STATIC_BATCH = 16
 NO_CONTEXT = "bench_no_context"
 
@@ -132,17 +177,23 @@ def make_workload(n: int, seed: int, prompt_range=(16, 256), output_range=(16, 1
     return reqs
 
 
-def build_model_dir(path: str, seed: int, **overrides) -> str:
-    """Save a seeded random-weight Llama to `path` (config, safetensors, generation config)."""
+def build_model_dir(path: str, seed: int, size: str = "record", hybrid: bool = False, **overrides) -> str:
+    """Save a seeded random-weight Llama (or, `hybrid`, the HYBRID_MODEL) to `path` (config,
+    safetensors, generation config)."""
     torch.manual_seed(seed)
-    config = AutoConfig.for_model("llama", **{**MODEL_KWARGS, **overrides}, dtype="float32")
+    if hybrid:
+        kwargs = dict(HYBRID_MODEL)
+        config = AutoConfig.for_model(kwargs.pop("model_type"), **{**kwargs, **overrides}, dtype="float32")
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        return path
+    config = AutoConfig.for_model("llama", **{**MODEL_SIZES[size], **overrides}, dtype="float32")
     LlamaForCausalLM(config).save_pretrained(path)
     return path
 
 
-def load_hf_model(path: str, device: str, dtype: str = "float32") -> LlamaForCausalLM:
+def load_hf_model(path: str, device: str, dtype: str = "float32"):
     """A fresh transformers instance of the checkpoint with EOS disabled, so nothing stops early."""
-    model = LlamaForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     model.config.eos_token_id = None
     model.generation_config.eos_token_id = None
     return model
@@ -246,7 +297,7 @@ class GenqSystem:
 
     label = "genq engine"
 
-    def __init__(self, model_dir, reqs, device, warm_reqs, dtype="float32"):
+    def __init__(self, model_dir, reqs, device, warm_reqs, dtype="float32", attention_backend="auto"):
         from batching import Engine, EngineConfig
 
         max_len = max(len(p) + n for p, n in reqs)
@@ -263,8 +314,11 @@ class GenqSystem:
             max_num_seqs=MAX_NUM_SEQS,
             max_num_batched_tokens=BUDGET,
             max_model_len=max(max_len, 1024),
+            attention_backend=attention_backend,
         )
         self.engine = Engine(config)
+        if attention_backend != "auto":
+            self.label = f"genq engine ({self.engine.attention_backend} attention)"
         self.reqs = reqs
         self.list_params = generate_takes_param_list(self.engine)
         genq_run(self.engine, warm_reqs, self.list_params)
@@ -393,8 +447,9 @@ def no_mask(*args, **kwargs):
     return None
 
 
-def simulate_schedule(reqs, budget=BUDGET, max_num_seqs=MAX_NUM_SEQS):
+def simulate_schedule(reqs, budget=None, max_num_seqs=None):
     """[(T, rows)] per step of a stall-free chunked-prefill schedule with ample KV blocks."""
+    budget, max_num_seqs = budget or BUDGET, max_num_seqs or MAX_NUM_SEQS
     waiting = [[len(p), n] for p, n in reqs]  # [uncomputed prompt tokens, tokens still to emit]
     running: list[list[int]] = []
     steps = []
@@ -554,102 +609,6 @@ class VllmSystem:
         self.log.close()
 
 
-# --- timing under a shared machine ------------------------------------------------------------------
-
-
-class Interference:
-    """CPU use while a pass ran (Linux /proc/stat): `share`, the share of the machine's CPU time that
-    other processes used, and `own_cores`, the cores the measured system kept busy on average. `own`
-    returns the CPU seconds of the system's processes (default: this process, all its threads); a
-    system in processes of its own (vLLM) passes the seconds of its process tree (`tree_cpu_seconds`)."""
-
-    def __init__(self, own=None):
-        self.own = own or _own_seconds
-
-    def __enter__(self):
-        self.t0, self.busy0, self.own0 = time.perf_counter(), _busy_seconds(), self.own()
-        return self
-
-    def __exit__(self, *exc):
-        wall = time.perf_counter() - self.t0
-        busy, own = _busy_seconds(), self.own()
-        self.share = self.own_cores = None
-        if wall > 0 and own is not None and self.own0 is not None:
-            self.own_cores = (own - self.own0) / wall
-        if busy is not None and wall > 0 and self.own_cores is not None:
-            self.share = max(0.0, (busy - self.busy0) - (own - self.own0)) / (wall * (os.cpu_count() or 1))
-
-
-def wait_for_quiet(max_wait: float, threshold: float = 0.15, window: float = 3.0) -> float:
-    """Wait (at most max_wait seconds) until other processes use < threshold of the CPU over two windows
-    in a row. Returns the seconds waited. A no-op where /proc/stat is missing or max_wait is 0."""
-    t0, quiet = time.perf_counter(), 0
-    while quiet < 2 and time.perf_counter() - t0 < max_wait:
-        with Interference() as load:
-            time.sleep(window)
-        if load.share is None:
-            break
-        quiet = quiet + 1 if load.share < threshold else 0
-    return time.perf_counter() - t0
-
-
-def code_version() -> dict:
-    """The commit the figures belong to: HEAD, the last commit touching batching/, uncommitted changes."""
-    root = Path(__file__).resolve().parents[1]
-
-    def git(*args):
-        try:
-            return subprocess.run(
-                ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    return dict(
-        head=git("rev-parse", "--short", "HEAD"),
-        batching_commit=git("log", "-1", "--format=%h", "--", "batching"),
-        batching_dirty=bool(git("status", "--porcelain", "--", "batching")),
-    )
-
-
-def _busy_seconds():
-    try:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_seconds():
-    t = os.times()
-    return t.user + t.system
-
-
-def tree_cpu_seconds(root_pid: int) -> float | None:
-    """User + system CPU seconds of `root_pid` and its live descendants, every thread (/proc/PID/stat)."""
-    stats = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:  # gone meanwhile
-                continue
-            fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid ... utime stime
-            stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
-    if root_pid not in stats:
-        return None
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in stats.items():
-        children.setdefault(ppid, []).append(pid)
-    ticks, stack = 0, [root_pid]
-    while stack:
-        pid = stack.pop()
-        ticks += stats[pid][1]
-        stack.extend(children.get(pid, ()))
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 def run_passes(
     systems: dict, repeat: int, useful: int, on_first=None, quiet_wait: float = 0.0, order=None
 ) -> dict:
@@ -703,6 +662,7 @@ def prefix_match(candidates, references):
 
 
 def main(argv=None):
+    global BUDGET, MAX_NUM_SEQS  # --budget and --max-num-seqs set them for every system
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--workload",
@@ -728,7 +688,9 @@ def main(argv=None):
         help="before each pass wait up to S seconds for other processes to leave the CPU idle",
     )
     ap.add_argument("--check", type=int, default=4, help="requests compared with single-request generate()")
-    ap.add_argument("--skip", default="", help="comma-separated systems to skip: genq,static,cb,forward")
+    ap.add_argument(
+        "--skip", default="", help="comma-separated systems to skip: genq,genq_torch,static,cb,forward"
+    )
     ap.add_argument(
         "--vllm-python",
         metavar="PATH",
@@ -738,7 +700,16 @@ def main(argv=None):
         "--vllm-args", default="{}", metavar="JSON", help="extra LLM(...) keyword arguments for vLLM"
     )
     ap.add_argument("--json", help="write the figures to this file")
+    ap.add_argument("--model", choices=sorted(MODEL_SIZES), default="record", help="the checkpoint's size")
+    ap.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS, help="genq's and CB's batch width")
+    ap.add_argument("--budget", type=int, default=BUDGET, help="tokens per step (genq and CB)")
+    ap.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="the model is a Qwen3.5-style hybrid (gated delta nets and attention, 3:1) of the record size",
+    )
     args = ap.parse_args(argv)
+    BUDGET, MAX_NUM_SEQS = args.budget, args.max_num_seqs
 
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
@@ -771,13 +742,14 @@ def main(argv=None):
         repeat=args.repeat,
         code=code_version(),
         quick=args.quick,
-        model=MODEL_KWARGS,
+        model=HYBRID_MODEL if args.hybrid else MODEL_SIZES[args.model],
+        model_size="hybrid" if args.hybrid else args.model,
         budget=BUDGET,
         max_num_seqs=MAX_NUM_SEQS,
     )
     systems = {}
     with tempfile.TemporaryDirectory(prefix="genq-bench-") as model_dir:
-        build_model_dir(model_dir, args.seed)
+        build_model_dir(model_dir, args.seed, args.model, hybrid=args.hybrid)
         hf_model = load_hf_model(model_dir, args.device, args.dtype)
         refs = reference_tokens(hf_model, reqs[: args.check], args.device)
         try:
@@ -792,10 +764,18 @@ def main(argv=None):
                     systems["genq"] = GenqSystem(model_dir, reqs, args.device, warm, args.dtype)
                 except ImportError as exc:
                     print(f"genq engine not available: {exc}")
+            if (
+                "genq_torch" not in skip
+            ):  # the fallback path, beside the default (C++ on the CPU, Triton on CUDA)
+                systems["genq_torch"] = GenqSystem(model_dir, reqs, args.device, warm, args.dtype, "torch")
             if "static" not in skip:
                 systems["hf_generate_static"] = StaticSystem(hf_model, reqs, args.device, warm)
             if "cb" not in skip:
-                systems["hf_generate_batch"] = ContinuousBatchingSystem(hf_model, reqs, warm)
+                try:
+                    systems["hf_generate_batch"] = ContinuousBatchingSystem(hf_model, reqs, warm)
+                except ValueError as exc:  # (its paged cache knows attention layers only: not --hybrid's)
+                    print(f"transformers' generate_batch cannot run this model: {exc}")
+                    fig["hf_generate_batch_error"] = str(exc)
             if "forward" not in skip:
                 systems["forward_only"] = ForwardOnlySystem(model_dir, reqs, args.device, args.dtype)
 
@@ -823,14 +803,19 @@ def main(argv=None):
             own_cores_passes=res["own_cores"],
         )
         system = systems[key]
-        if key in ("genq", "hf_generate_batch", "vllm"):
+        if key in ("genq", "genq_torch", "hf_generate_batch", "vllm"):
             match, equal = prefix_match(res["tokens"][: args.check], refs)
             got = sum(len(t) for t in res["tokens"])
             entry.update(prefix_match=match, exact_requests=f"{equal}/{len(refs)}", generated=got)
             if got != useful:
                 print(f"  WARNING: {system.label} generated {got} tokens, the workload asked for {useful}")
-        if key == "genq":
-            entry.update(api=system.api, steps=len(system.steps), stats=_jsonable(system.stats))
+        if key in ("genq", "genq_torch"):
+            entry.update(
+                api=system.api,
+                steps=len(system.steps),
+                stats=_jsonable(system.stats),
+                attention=system.engine.attention_backend,
+            )
         elif key == "vllm":
             entry.update(version=system.version, config=system.config, warm_up_seconds=system.warm_up_seconds)
         elif key == "hf_generate_static":
@@ -855,6 +840,7 @@ def main(argv=None):
 def report(fig):
     names = [
         ("genq", "genq engine"),
+        ("genq_torch", "genq (torch attention)"),
         ("vllm", "vLLM CPU"),
         ("hf_generate_static", f"HF generate() static x{STATIC_BATCH}"),
         ("hf_generate_batch", "HF generate_batch (CB)"),
@@ -882,12 +868,14 @@ def report(fig):
             ("hf_generate_batch", "genq / generate_batch"),
             ("forward_only", "genq / forward-only"),
             ("hf_generate_static", "genq / static generate()"),
+            ("genq_torch", "genq / genq on torch attention"),
         ):
             if key in fig:
                 ratios[label] = fig["genq"]["tok_s"] / fig[key]["tok_s"]
                 print(f"{label:<30}{ratios[label]:>10.2f}x")
         print(
-            f"genq API: {fig['genq']['api']}; {fig['genq']['steps']} steps; greedy prefix match vs "
+            f"genq API: {fig['genq']['api']}; {fig['genq']['attention']} attention; {fig['genq']['steps']} steps "
+            f"observed ({fig['genq']['stats'].get('num_graph_steps', 0)} more replayed as CUDA graphs); greedy prefix match vs "
             f"generate(): {fig['genq']['prefix_match']:.1%} ({fig['genq']['exact_requests']} requests exact)"
         )
     if "vllm" in fig:

@@ -24,10 +24,8 @@ the cost of genq's block copies (gather/scatter of the evicted blocks), not of a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -38,7 +36,8 @@ from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 
-from bench.engine_throughput import BUDGET, Interference, build_model_dir, code_version  # noqa: E402
+from bench.engine_throughput import BUDGET, build_model_dir  # noqa: E402
+from bench.harness import Interference, markdown_table, pct, run_info, write_result  # noqa: E402
 
 VOCAB = 8192
 BLOCK = 16
@@ -78,13 +77,14 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", help="write the figures to this file")
+    ap.add_argument("--json", help="write the figures to this file (default bench/out/host_tier.json)")
     args = ap.parse_args(argv)
     if args.prefix % BLOCK:
         ap.error(f"--prefix must be a multiple of the block size ({BLOCK}), got {args.prefix}")
 
     from batching import Engine, EngineConfig
 
+    run = run_info()
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
     rng = random.Random(args.seed)
@@ -152,7 +152,7 @@ def main(argv=None):
             print(f"round {r + 1}: {line}  (others {others[-1]:.0%} of the CPU)")
         if len({frozenset(o) for o in outputs.values()}) != 1:
             sys.exit(f"B's first token differs between modes: {outputs}")
-        med = {m: statistics.median(times[m]) for m in MODES}
+        med = {m: pct(times[m], 50) for m in MODES}
         fig = dict(
             prefix_tokens=args.prefix,
             rounds=args.rounds,
@@ -162,7 +162,6 @@ def main(argv=None):
             device_over_recompute=med["device"] / med["recompute"],
             others_cpu_share_max=max(others),
             threads=torch.get_num_threads(),
-            code=code_version(),
         )
     print(
         f"\nB's time to first token, median of {args.rounds}: device hit {med['device'] * 1e3:.1f} ms, "
@@ -170,10 +169,19 @@ def main(argv=None):
         f"host-tier hit / recompute = {fig['host_over_recompute']:.1%}, "
         f"device hit / recompute = {fig['device_over_recompute']:.1%}; same first token in all three"
     )
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(fig, indent=2, default=str) + "\n")
-        print(f"wrote {args.json}")
+    table = markdown_table(
+        ["prefix found", "TTFT median", "/ recompute (the baseline)"],
+        [
+            ["on the device", f"{med['device'] * 1e3:.1f} ms", f"{fig['device_over_recompute']:.1%}"],
+            [
+                "on the host tier (copied back)",
+                f"{med['host'] * 1e3:.1f} ms",
+                f"**{fig['host_over_recompute']:.1%}**",
+            ],
+            ["nowhere (recomputed)", f"{med['recompute'] * 1e3:.1f} ms", "100%"],
+        ],
+    )
+    write_result("host_tier", fig, table, args.json, run=run)
     return fig
 
 

@@ -33,7 +33,6 @@ compared with single-request `model.generate()`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -52,13 +51,13 @@ from bench.engine_throughput import (  # noqa: E402
     MAX_NUM_SEQS,
     ContinuousBatchingSystem,
     build_model_dir,
-    code_version,
     genq_run,
     load_hf_model,
     prefix_match,
     reference_tokens,
     run_passes,
 )
+from bench.harness import markdown_table, run_info, write_result  # noqa: E402
 
 VOCAB = 8192
 
@@ -148,9 +147,10 @@ def main(argv=None):
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S")
     ap.add_argument("--check", type=int, default=2, help="jobs per workload compared with generate()")
     ap.add_argument("--skip-cb", action="store_true", help="leave out transformers' continuous batching")
-    ap.add_argument("--json", help="write the figures to this file")
+    ap.add_argument("--json", help="write the figures to this file (default bench/out/prefix_cache.json)")
     args = ap.parse_args(argv)
 
+    run = run_info()
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
     n = args.jobs or (8 if args.quick else 32)
@@ -169,8 +169,8 @@ def main(argv=None):
         new_tokens=shape[2],
         repeat=args.repeat,
         threads=torch.get_num_threads(),
-        code=code_version(),
-        load_avg_start=os.getloadavg(),
+        code=run["code"],
+        load_avg_start=run["load_avg"],
     )
     with tempfile.TemporaryDirectory(prefix="genq-bench-") as model_dir:
         build_model_dir(model_dir, args.seed)
@@ -207,11 +207,40 @@ def main(argv=None):
                 fig[name][key] = entry
     fig["load_avg_end"] = os.getloadavg()
     report(fig)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(fig, indent=2, default=str) + "\n")
-        print(f"wrote {args.json}")
+    write_result("prefix_cache", fig, headline(fig), args.json, run=run)
     return fig
+
+
+def headline(fig) -> str:
+    """The table bench/RESULTS.md keeps: tok/s per workload, cached / uncached and its target."""
+    targets = {"shared": 3.0, "unshared": 0.97}
+    rows = []
+    for name, target in targets.items():
+        f, ratio = fig[name], fig["ratios"][name]["cached / uncached"]
+        cb = f.get("hf_generate_batch")
+        rows.append(
+            [
+                name,
+                f"{f['genq_cached']['tok_s']:.1f} tok/s",
+                f"{f['genq_uncached']['tok_s']:.1f} tok/s",
+                f"**{ratio:.2f}x**",
+                f">= {target}x: {'met' if ratio >= target else 'not met'}",
+                "-" if cb is None else f"{cb['tok_s']:.1f} tok/s",
+                "-" if cb is None else f"{f['genq_cached']['tok_s'] / cb['tok_s']:.2f}x",
+            ]
+        )
+    return markdown_table(
+        [
+            "workload",
+            "caching on",
+            "caching off",
+            "on / off",
+            "target",
+            "`generate_batch`",
+            "on / generate_batch",
+        ],
+        rows,
+    )
 
 
 LABELS = {

@@ -11,8 +11,8 @@ request that arrives during a step waits for that step, as it would in a server.
 - bursts of long prompts: every `--burst-every` seconds (default 5), 4 prompts of ~1500 tokens
   (1400-1600), 16 output tokens, priority 9.
 
-Configurations (same model, block size 16, budget 256 tokens (`--budget`; see bench/RESULTS.md for
-512), 64 sequences, a device pool of 192
+Configurations (same model, block size 16, budget 256 tokens (`--budget`; 512 gave a 4.3x urgent
+TTFT ratio against 2.3x at 256 on the same trace), 64 sequences, a device pool of 192
 blocks (3072 tokens: half a burst) so that saturation forces preemption, a host pool of 2048
 blocks, enough for every swapped sequence):
 
@@ -25,7 +25,9 @@ blocks, enough for every swapped sequence):
 
 Per request we record its arrival (trace time), the time of the step output that carried each of
 its tokens, its priority and `num_preemptions`, plus the RequestOutput timing fields. TTFT = first
-token - arrival. TBT = the gaps between consecutive tokens of a request; a gap during which the
+token - arrival, as the engine's caller sees it: the request's arrival to the end of the step whose
+output carried its first token (this bench measures the scheduler; bench/e2e.py and bench/backlog.py
+time a client over HTTP, from its send to the first streamed token). TBT = the gaps between consecutive tokens of a request; a gap during which the
 request was preempted (its `num_preemptions` grew) is a "resume gap": it is reported apart and left
 out of TBT (it measures preemption, not batching). "During bursts" = gaps that overlap a burst
 window, from the burst's arrival to the first token of its last long prompt.
@@ -34,7 +36,7 @@ Threads: by default the engine gets one core less than the machine has (1 of 2 h
 intra-op threads meet at a barrier after every op, so one that loses its core for a moment (to the
 trace driver, the OS, another tenant) stretches the whole step; with a core left over, step times are
 steadier. The trace is open-loop and the engine keeps up with it either way (the same ~555 tok/s with
-1 or 2 threads); `--threads 2` gives the all-cores figures (bench/RESULTS.md has both).
+1 or 2 threads); `--threads 2` gives the all-cores figures.
 
 Each run also records the share of the machine's CPU used by other processes while it ran
 ("others" column; near 0% = undisturbed): the machine these run on may be shared. `--wait-quiet S`
@@ -63,7 +65,6 @@ latency distributions in bench/out/serving.png (copied to bench/serving.png for 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -80,7 +81,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 
 from batching import Engine, EngineConfig, SamplingParams  # noqa: E402
-from bench.engine_throughput import Interference, build_model_dir, code_version, wait_for_quiet  # noqa: E402
+from bench.engine_throughput import build_model_dir  # noqa: E402
+from bench.harness import Interference, markdown_table, pct, run_info, wait_for_quiet, write_result  # noqa: E402
 from workers.process_tuning import settle_for_serving  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -320,10 +322,6 @@ def idle_full_steps(engine: Engine, vocab: int, n_chunks: int = 3) -> list[float
 
 
 # --- analysis ---------------------------------------------------------------------------------------
-
-
-def pct(xs, q):
-    return float(np.percentile(xs, q)) if len(xs) else None
 
 
 def burst_windows(records) -> list[tuple[float, float]]:
@@ -601,12 +599,17 @@ def main(argv=None):
     )
     ap.add_argument("--budget", type=int, default=BUDGET, help=f"token budget per step (default {BUDGET})")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", help="write the figures to this file")
+    ap.add_argument(
+        "--json",
+        help="write the figures with every request's token times and every step to this file "
+        "(default: the figures alone to bench/out/serving.json)",
+    )
     ap.add_argument(
         "--png", default=DEFAULT_PNG, help="where the plot goes (the default is copied to bench/)"
     )
     args = ap.parse_args(argv)
     BUDGET = args.budget
+    run = run_info()
 
     torch.set_num_threads(args.threads)
     duration = args.duration or (10.0 if args.quick else 45.0)
@@ -623,7 +626,6 @@ def main(argv=None):
     )
 
     results, idle, idle_full, stats, idle_load = {}, [], [], {}, None
-    load_start = os.getloadavg()
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="genq-serving-") as model_dir:
         build_model_dir(model_dir, args.seed, **model_kwargs)
@@ -652,9 +654,7 @@ def main(argv=None):
     targets = check_targets(results, idle)
     targets["idle_others_cpu_share"] = idle_load.share if idle_load is not None else None
     print_report(results, targets, idle_full)
-    load = (load_start, os.getloadavg())
-    code = code_version()
-    print(f"code: {code}")
+    load = (run["load_avg"], os.getloadavg())
     print(
         "load average (1/5/15 min) at start {:.1f}/{:.1f}/{:.1f}, at end {:.1f}/{:.1f}/{:.1f}".format(
             *load[0], *load[1]
@@ -672,34 +672,64 @@ def main(argv=None):
     if not args.quick and args.png == DEFAULT_PNG:
         shutil.copyfile(png, BENCH_DIR / "serving.png")
         print(f"wrote {BENCH_DIR / 'serving.png'}")
+    fig = dict(
+        duration=duration,
+        rate=args.rate,
+        burst_every=args.burst_every,
+        requests=counts,
+        model=model_kwargs,
+        budget=BUDGET,
+        block_size=BLOCK_SIZE,
+        device_blocks=args.device_blocks,
+        host_blocks=args.host_blocks,
+        threads=torch.get_num_threads(),
+        device=args.device,
+        load_avg=load,
+        idle_ttft=idle,
+        idle_full_steps=idle_full,
+        targets=targets,
+        configs={
+            k: {kk: vv for kk, vv in v.items() if kk not in ("_raw", "requests", "steps")}
+            for k, v in results.items()
+        },
+        engine_stats=stats,
+    )
     if args.json:
-        fig = dict(
-            duration=duration,
-            rate=args.rate,
-            burst_every=args.burst_every,
-            requests=counts,
-            model=model_kwargs,
-            budget=BUDGET,
-            block_size=BLOCK_SIZE,
-            device_blocks=args.device_blocks,
-            host_blocks=args.host_blocks,
-            threads=torch.get_num_threads(),
-            device=args.device,
-            load_avg=load,
-            code=code,
-            idle_ttft=idle,
-            idle_full_steps=idle_full,
-            targets=targets,
-            configs={
-                k: {kk: vv for kk, vv in v.items() if kk not in ("_raw", "requests", "steps")}
-                for k, v in results.items()
-            },
-            trace={k: dict(requests=v["requests"], steps=v["steps"]) for k, v in results.items()},
-            engine_stats=stats,
-        )
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(fig, indent=2, default=str) + "\n")
-        print(f"wrote {args.json}")
+        fig["trace"] = {k: dict(requests=v["requests"], steps=v["steps"]) for k, v in results.items()}
+    write_result("serving", fig, headline(targets), args.json, run=run)
+
+
+def headline(targets: dict) -> str:
+    """The issue-3 checks as bench/RESULTS.md keeps them."""
+
+    def row(label: str, key: str, target: str, met: str) -> list[str]:
+        value = targets.get(key)
+        verdict = "-" if met not in targets else ("met" if targets[met] else "not met")
+        return [label, "-" if value is None else f"**{value:.2f}x**", target, verdict]
+
+    return markdown_table(
+        ["check", "figure", "target", "met"],
+        [
+            row(
+                "urgent p99 TTFT under saturation / idle p99 (priority + swap)",
+                "prio_swap_urgent_p99_over_idle",
+                "<= 2x",
+                "urgent_ttft_target_met",
+            ),
+            row(
+                "p99 time between tokens during bursts / median full-budget step (chunked)",
+                "chunked_burst_tbt_p99_over_full_step",
+                "<= 1.25x",
+                "chunked_tbt_target_met",
+            ),
+            row(
+                "p99 time between tokens during bursts, chunking off / on",
+                "nochunk_over_chunked_burst_tbt_p99",
+                ">= 3x",
+                "chunking_gain_target_met",
+            ),
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,11 @@
     with local_stack(bench_settings(), log_dir=Path("bench/out/logs")) as stack:
         requests.post(stack.url + "/jobs", json=..., headers=stack.headers)
         requests.get(stack.worker_metrics_url)
+        seen = stack.run_job({"prompt": "Hi", "max_tokens": 8})  # timed as its client sees it
+
+`Stack.run_job` is how a latency bench times a job: from the client's send of `POST /jobs` to the first
+token it receives on the job's event stream (`GET /jobs/<id>/events`), and to the result event; the
+job rows' own timestamps (created_at, first_token_at) leave out the HTTP round trips and the delivery.
 
 Everything listens on 127.0.0.1 only; the database (genq_bench_<random>) and the Redis keys (a random
 prefix) are removed at the end. Uses the local Postgres and Redis (`make services`), as the tests do.
@@ -11,25 +16,40 @@ prefix) are removed at the end. Uses the local Postgres and Redis (`make service
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import redis
 import requests
+from sqlalchemy import func, select
 
 from jobstore.db import create_database_if_missing, drop_database, make_engine, make_session_factory
-from jobstore.dispatch import make_celery
+from jobstore.dispatch import PRIORITIES, QUEUE, make_celery, queue_key
 from jobstore.keys import create_key
+from jobstore.models import Job, JobStatus
 from jobstore.settings import Settings
 from tests.conftest import BIN, POSTGRES, REDIS, ROOT, free_port, settings_env, worker_command
+
+
+@dataclasses.dataclass
+class ClientTimes:
+    """A job as its client saw it: seconds from sending `POST /jobs` to the first streamed token and to
+    the result, and the job as the result event carried it (GET /jobs/<id>'s body)."""
+
+    first_token_s: float | None  # None: the job ended without a token
+    latency_s: float
+    job: dict
 
 
 @dataclasses.dataclass
@@ -40,6 +60,8 @@ class Stack:
     worker_metrics_urls: list[str]
     log_dir: Path
     workers: list[subprocess.Popen]
+    api_pid: int = 0  # gunicorn's master; its workers share its session id (bench/job_cpu.py)
+    client: StackClient = dataclasses.field(init=False, repr=False)  # set by local_stack, closed at its end
 
     @property
     def headers(self) -> dict[str, str]:
@@ -48,6 +70,36 @@ class Stack:
     @property
     def worker_metrics_url(self) -> str:
         return self.worker_metrics_urls[0]
+
+    def run_job(
+        self, body: dict, session: requests.Session | None = None, timeout: float = 600
+    ) -> ClientTimes:
+        """Submit `body` with POST /jobs and follow the job's server-sent events to its result, timing both
+        from the moment the request is sent. Pass a `session` per thread to reuse its connection."""
+        http = session or requests.Session()
+        sent = time.perf_counter()
+        r = http.post(self.url + "/jobs", json=body, headers=self.headers, timeout=30)
+        if r.status_code != 202:
+            raise RuntimeError(f"POST /jobs answered {r.status_code}: {r.text}")
+        first = None
+        events = http.get(
+            f"{self.url}/jobs/{r.json()['id']}/events", headers=self.headers, stream=True, timeout=timeout
+        )
+        with events:
+            events.raise_for_status()
+            name, data = None, []
+            for line in events.iter_lines(chunk_size=None, decode_unicode=True):
+                if line.startswith("event:"):
+                    name = line[6:].strip()
+                elif line.startswith("data:"):
+                    data.append(line[5:].strip())
+                elif line == "":  # an event ends at a blank line
+                    if name == "delta" and first is None and json.loads("\n".join(data))["token_ids"]:
+                        first = time.perf_counter() - sent
+                    elif name == "result":
+                        return ClientTimes(first, time.perf_counter() - sent, json.loads("\n".join(data)))
+                    name, data = None, []
+        raise RuntimeError(f"the event stream of job {r.json()['id']} ended without a result")
 
     def pause_intake(self) -> None:
         """The workers stop taking messages (Celery's cancel_consumer): submitted jobs wait in Redis."""
@@ -102,13 +154,16 @@ def local_stack(
     concurrency: int = 8,
     worker_env: dict | None = None,
     log_dir: Path,
+    app: str = "webapi:create_app()",
 ) -> Iterator[Stack]:
     """Build the database, start gunicorn (gunicorn.conf.py, unless `api_workers` / `api_threads` say
     otherwise) and `workers` Celery workers (each its own engine, metrics port and `-n` name; `worker_env`
     is added to their environment), wait until all answer; tear all down after."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    if threading.current_thread() is threading.main_thread():  # a SIGTERM (timeout, kill) still cleans up
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     api_port = free_port()
-    env = settings_env(settings)
+    env = {**settings_env(settings), "PYTHONPATH": str(ROOT)}  # this tree's code, whatever the venv installed
     with ExitStack() as cleanup:
         create_database_if_missing(settings.database_url)
         cleanup.callback(drop_database, settings.database_url)
@@ -136,13 +191,15 @@ def local_stack(
                 *sizes,
                 "--log-level",
                 "warning",
-                "webapi:create_app()",
+                app,
             ],
             {**env, "API_ACCESS_LOG": "-" if access_log else ""},
             log_dir / "api.log",
         )
         cleanup.callback(_stop, api)
-        stack = Stack(settings, f"http://127.0.0.1:{api_port}", key, [], log_dir, [])
+        stack = Stack(settings, f"http://127.0.0.1:{api_port}", key, [], log_dir, [], api.pid)
+        stack.client = StackClient(stack)
+        cleanup.callback(stack.client.close)
         cleanup.callback(stack.stop_worker)
         for i in range(workers):
             port = free_port()
@@ -164,6 +221,107 @@ def local_stack(
             _wait_for(url, worker, log_dir / f"worker{i}.log")
         _wait_until_engine_ready(stack)
         yield stack
+
+
+FINISHED = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+class StackClient:
+    """A bench's hands on a stack besides timing jobs: submitting and cancelling many over HTTP (a session
+    per thread), and reading what the stack holds: the job rows (Postgres), the queue depth (Redis), the
+    jobs the workers hold (their /metrics)."""
+
+    def __init__(self, stack: Stack):
+        self.stack = stack
+        self.db = make_engine(stack.settings.database_url)
+        self.sessions = make_session_factory(self.db)
+        self.redis = redis.Redis.from_url(stack.settings.redis_url)
+        self.local = threading.local()
+
+    def close(self) -> None:
+        self.db.dispose()
+        self.redis.close()
+
+    def http(self) -> requests.Session:
+        if not hasattr(self.local, "session"):
+            self.local.session = requests.Session()
+        return self.local.session
+
+    def submit(self, body: dict) -> str:
+        r = self.http().post(self.stack.url + "/jobs", json=body, headers=self.stack.headers, timeout=30)
+        if r.status_code != 202:
+            raise RuntimeError(f"POST /jobs answered {r.status_code}: {r.text}")
+        return r.json()["id"]
+
+    def submit_all(self, bodies: list[dict]) -> list[str]:
+        with ThreadPoolExecutor(8) as pool:
+            return list(pool.map(self.submit, bodies))
+
+    def cancel_all(self, ids: list[str]) -> None:
+        def cancel(job_id: str) -> None:
+            self.http().post(f"{self.stack.url}/jobs/{job_id}/cancel", headers=self.stack.headers, timeout=30)
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(cancel, ids))
+
+    def rows(self, ids: list[str]) -> list[dict]:
+        """The jobs' rows (status, timestamps, hand-backs, output tokens), in the order of `ids`."""
+        wanted = [uuid.UUID(i) for i in ids]
+        with self.sessions() as s:
+            found = {
+                r.id: r._asdict()
+                for r in s.execute(
+                    select(
+                        Job.id,
+                        Job.status,
+                        Job.created_at,
+                        Job.started_at,
+                        Job.first_token_at,
+                        Job.finished_at,
+                        Job.handbacks,
+                        func.cardinality(Job.output_token_ids).label("tokens"),
+                    ).where(Job.id.in_(wanted))
+                )
+            }
+        return [found[i] for i in wanted]
+
+    def wait(self, ids: list[str], timeout: float = 1800, poll: float = 0.01) -> list[dict]:
+        """The rows of `ids` once every one has ended."""
+        deadline = time.monotonic() + timeout
+        wanted = [uuid.UUID(i) for i in ids]
+        while True:
+            with self.sessions() as s:
+                left = s.scalar(select(func.count()).where(Job.id.in_(wanted), Job.status.not_in(FINISHED)))
+            if not left:
+                return self.rows(ids)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{left} of {len(ids)} jobs not finished after {timeout}s")
+            time.sleep(poll)
+
+    def active(self) -> int:
+        """Jobs queued or running, of every tenant."""
+        with self.sessions() as s:
+            return s.scalar(select(func.count()).select_from(Job).where(Job.status.not_in(FINISHED)))
+
+    def depth(self, priority: int | None = None) -> int:
+        """Messages waiting in Redis at `priority`, or at every priority."""
+        priorities = PRIORITIES if priority is None else [priority]
+        return sum(self.redis.llen(queue_key(self.stack.settings, QUEUE, p)) for p in priorities)
+
+    def held(self) -> int:
+        """Jobs the workers hold (claimed, in their engines or reserve), from their gauges."""
+        total = 0
+        for url in self.stack.worker_metrics_urls:
+            found = re.search(r"^genq_worker_held_jobs (\S+)", self.http().get(url, timeout=5).text, re.M)
+            total += int(float(found.group(1))) if found else 0
+        return total
+
+    def wait_held(self, at_least: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while self.held() < at_least:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the workers hold {self.held()} jobs, not {at_least}, after {timeout}s")
+            time.sleep(0.05)
 
 
 def _start(command: list, env: dict, log: Path) -> subprocess.Popen:

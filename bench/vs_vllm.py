@@ -1,7 +1,7 @@
 """genq against vLLM's CPU build on every workload and dtype of bench/engine_throughput.py, in one command.
 
 For each workload (record, decode, prefill) and dtype (float32, bfloat16) it runs
-`engine_throughput.py --vllm-python PATH --skip static,cb,forward` (genq and vLLM only: alternating
+`engine_throughput.py --vllm-python PATH --skip genq_torch,static,cb,forward` (genq and vLLM only: alternating
 passes, the fastest of each counts; vLLM restarted per run on that run's workload and dtype), writes
 each run's JSON to `--out`, and ends with one table: tok/s of both, genq / vLLM (target >= 1.1x),
 each system's own CPU use and others' share in its best pass, the greedy prefix match, and the load.
@@ -13,13 +13,13 @@ each system's own CPU use and others' share in its best pass, the greedy prefix 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 from bench import engine_throughput  # noqa: E402
+from bench.harness import markdown_table, run_info, write_result  # noqa: E402
 
 TARGET = 1.1
 
@@ -36,6 +36,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--vllm-args", default="{}", metavar="JSON")
     ap.add_argument("--out", default="bench/out", help="folder for each run's JSON and the summary")
     args = ap.parse_args(argv)
+    info = run_info()
 
     rows = []
     for workload in args.workloads.split(","):
@@ -47,7 +48,7 @@ def main(argv=None) -> list[dict]:
                 "--vllm-args",
                 args.vllm_args,
                 "--skip",
-                "static,cb,forward",
+                "genq_torch,static,cb,forward",
                 "--workload",
                 workload,
                 "--dtype",
@@ -85,18 +86,12 @@ def main(argv=None) -> list[dict]:
                     vllm_version=vllm["version"],
                 )
             )
-    print_table(rows)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "vs_vllm.json").write_text(json.dumps(rows, indent=2, default=str) + "\n")
+    write_result("vs_vllm", {"rows": rows}, table(rows), Path(args.out) / "vs_vllm.json", run=info)
     return rows
 
 
 def _share(x):
     return "-" if x is None else f"{x:.0%}"
-
-
-def _cores(x):
-    return "-" if x is None else f"{x:.2f}"
 
 
 def _per_core(row: dict, system: str) -> str:
@@ -106,23 +101,39 @@ def _per_core(row: dict, system: str) -> str:
     return "-" if not cores else f"{row[f'{system}_tok_s'] / cores:.0f}"
 
 
-def print_table(rows: list[dict]) -> None:
-    print(
-        "\n| workload | dtype | genq tok/s | vLLM tok/s | genq / vLLM | own cores genq / vLLM "
-        "| per own core genq / vLLM | others' CPU genq / vLLM | prefix match genq / vLLM |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        verdict = "met" if r["ratio"] >= TARGET else "not met"
-        print(
-            f"| {r['workload']} | {r['dtype']} | {r['genq_tok_s']:.1f} | {r['vllm_tok_s']:.1f} "
-            f"| **{r['ratio']:.2f}x** ({verdict}) | {_cores(r['genq_own_cores'])} / {_cores(r['vllm_own_cores'])} "
-            f"| {_per_core(r, 'genq')} / {_per_core(r, 'vllm')} "
-            f"| {_share(r['genq_others'])} / {_share(r['vllm_others'])} "
-            f"| {r['genq_prefix_match']:.0%} / {r['vllm_prefix_match']:.0%} |"
+def table(rows: list[dict]) -> str:
+    """The figures as bench/RESULTS.md keeps them: tok/s of both, the ratio and its target, per own core."""
+    note = f"\n\nvLLM {rows[0]['vllm_version']}; target genq / vLLM >= {TARGET}x" if rows else ""
+    return (
+        markdown_table(
+            [
+                "workload",
+                "dtype",
+                "genq tok/s",
+                "vLLM tok/s",
+                "genq / vLLM",
+                f"target >= {TARGET}x",
+                "tok/s per own core genq / vLLM",
+                "others' CPU genq / vLLM",
+                "prefix match genq / vLLM",
+            ],
+            [
+                [
+                    r["workload"],
+                    r["dtype"],
+                    f"{r['genq_tok_s']:.1f}",
+                    f"{r['vllm_tok_s']:.1f}",
+                    f"**{r['ratio']:.2f}x**",
+                    "met" if r["ratio"] >= TARGET else "not met",
+                    f"{_per_core(r, 'genq')} / {_per_core(r, 'vllm')}",
+                    f"{_share(r['genq_others'])} / {_share(r['vllm_others'])}",
+                    f"{r['genq_prefix_match']:.0%} / {r['vllm_prefix_match']:.0%}",
+                ]
+                for r in rows
+            ],
         )
-    if rows:
-        print(f"vLLM {rows[0]['vllm_version']}; code {rows[0]['code']}; target genq / vLLM >= {TARGET}x")
+        + note
+    )
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from jobstore.batch_output import output_line
 from jobstore.files import FileWriter
 from jobstore.jobs import ACTIVE
 from jobstore.models import Batch, BatchStatus, Job, JobStatus
+from jobstore.requests import options_of
 
 LIVE = (BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING)
 # the columns a batch's jobs are COPYed with, in this order (the rest take their defaults)
@@ -53,6 +54,7 @@ JOB_COLUMNS = (
     "top_k",
     "seed",
     "stop",
+    "options",
     "metadata",
     "prompt_tokens",
     "output_token_ids",
@@ -97,6 +99,7 @@ def job_row(
         request["top_k"],
         request["seed"],
         list(request["stop"]) or EMPTY_ARRAY,
+        Jsonb(options_of(request)),
         Jsonb(request["metadata"]),
         prompt_tokens,
         EMPTY_ARRAY,
@@ -202,7 +205,7 @@ def expiring_batches(db: Session, limit: int = 100) -> list[str]:
     )
 
 
-def expire_batch(db: Session, batch_id: str, model: str) -> int | None:
+def expire_batch(db: Session, batch_id: str, model: str, tokenizer=None) -> int | None:
     """in_progress past expires_at → expired: its unfinished jobs cancelled (code `batch_expired`), its
     output and error files written; returns how many jobs were cancelled, None if the batch is not due
     (not in progress, not past its expires_at, or another process holds it)."""
@@ -215,7 +218,7 @@ def expire_batch(db: Session, batch_id: str, model: str) -> int | None:
         return None
     cancelled = _cancel_jobs(db, batch_id, error_code=EXPIRED_CODE, error_message=EXPIRED_MESSAGE)
     batch.finalizing_at = func.now()
-    _write_results(db, batch, model)
+    _write_results(db, batch, model, tokenizer=tokenizer)
     batch.status, batch.expired_at = BatchStatus.EXPIRED, func.now()
     db.flush()
     return cancelled
@@ -227,7 +230,7 @@ def ready_batches(db: Session, limit: int = 100) -> list[str]:
     return list(db.scalars(select(Batch.id).where(Batch.status.in_(LIVE), ~active).limit(limit)))
 
 
-def finalize_batch(db: Session, batch_id: str, model: str) -> bool:
+def finalize_batch(db: Session, batch_id: str, model: str, tokenizer=None) -> bool:
     """Write the output file (one line per succeeded request) and the error file (one per failed or
     cancelled request), in input order, and end the batch; False if it is not ready or another process is
     finalizing it. Holds one page of jobs and one file chunk in memory at a time."""
@@ -238,7 +241,7 @@ def finalize_batch(db: Session, batch_id: str, model: str) -> bool:
         return False
     batch.finalizing_at = func.now()
     cancelled = batch.status == BatchStatus.CANCELLING
-    _write_results(db, batch, model, batch_cancelled=cancelled)
+    _write_results(db, batch, model, batch_cancelled=cancelled, tokenizer=tokenizer)
     batch.status = BatchStatus.CANCELLED if cancelled else BatchStatus.COMPLETED
     if cancelled:
         batch.cancelled_at = func.now()
@@ -248,7 +251,9 @@ def finalize_batch(db: Session, batch_id: str, model: str) -> bool:
     return True
 
 
-def _write_results(db: Session, batch: Batch, model: str, batch_cancelled: bool = False) -> None:
+def _write_results(
+    db: Session, batch: Batch, model: str, batch_cancelled: bool = False, tokenizer=None
+) -> None:
     """Write the batch's output file (its succeeded requests) and error file (the rest), in input order,
     and its request counts; every job of the batch has ended."""
     files: dict[bool, FileWriter] = {}
@@ -259,7 +264,7 @@ def _write_results(db: Session, batch: Batch, model: str, batch_cancelled: bool 
         if succeeded not in files:
             name = f"{batch.id}_{'output' if succeeded else 'error'}.jsonl"
             files[succeeded] = FileWriter(db, batch.tenant_id, "batch_output", name)
-        line = output_line(row, batch.endpoint, model, batch_cancelled=batch_cancelled)
+        line = output_line(row, batch.endpoint, model, batch_cancelled=batch_cancelled, tokenizer=tokenizer)
         files[succeeded].write(json.dumps(line).encode() + b"\n")  # ASCII: any text survives
     for writer in files.values():
         writer.close()
@@ -282,6 +287,10 @@ def _batch_jobs(db: Session, batch_id: str):
         Job.error_code,
         Job.error_message,
         Job.finished_at,
+        Job.options,
+        Job.logprobs,
+        Job.prompt,
+        Job.input_ids,
     )
     last = -1
     while True:

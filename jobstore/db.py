@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from sqlalchemy import Connection, Engine, create_engine, text
+from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import InvalidatePoolError
 from sqlalchemy.orm import Session, sessionmaker
 
 
@@ -18,16 +20,44 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def make_engine(url: str, connect_timeout: float = 3.0, **kwargs) -> Engine:
+def make_engine(
+    url: str, connect_timeout: float = 3.0, *, ping_idle_seconds: float | None = None, **kwargs
+) -> Engine:
     """A pooled engine that checks connections before use (Postgres may have restarted) and gives up
-    connecting after `connect_timeout` seconds, so a down database is an error at once, never a hang."""
+    connecting after `connect_timeout` seconds, so a down database is an error at once, never a hang.
+
+    With `ping_idle_seconds`, only a connection that waited in the pool longer than that is checked (a
+    `SELECT 1` round trip), not every one (pool_pre_ping): a busy API reuses its connections within
+    milliseconds and pays no ping per request. Should Postgres go away in that window, the statement fails
+    on its dead connection and SQLAlchemy empties the pool (its "optimistic" handling)."""
     kwargs.setdefault("pool_timeout", max(connect_timeout, 1.0))
-    return create_engine(
+    kwargs.setdefault("pool_pre_ping", ping_idle_seconds is None)
+    engine = create_engine(
         normalize_url(url),
-        pool_pre_ping=True,
         connect_args={"connect_timeout": max(1, round(connect_timeout))},
         **kwargs,
     )
+    if ping_idle_seconds is not None:
+        _ping_when_idle(engine, ping_idle_seconds)
+    return engine
+
+
+def _ping_when_idle(engine: Engine, seconds: float) -> None:
+    """SQLAlchemy's custom pessimistic disconnect handling (a `checkout` listener), for idle connections."""
+
+    @event.listens_for(engine, "checkin")
+    def _checked_in(dbapi_connection, record) -> None:
+        record.info["idle_since"] = time.monotonic()  # `info` goes with the DBAPI connection
+
+    @event.listens_for(engine, "checkout")
+    def _checked_out(dbapi_connection, record, proxy) -> None:
+        since = record.info.pop("idle_since", None)
+        if since is None or time.monotonic() - since < seconds:  # new, or back in the pool just now
+            return
+        try:
+            engine.dialect.do_ping(dbapi_connection)
+        except engine.dialect.loaded_dbapi.Error as exc:  # the pool reconnects, as pool_pre_ping does
+            raise InvalidatePoolError() from exc
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import re
 import uuid
 from collections.abc import Iterable
 
@@ -60,6 +61,20 @@ def send_job(app: Celery, job_id: uuid.UUID, priority: int) -> None:
     app.send_task(TASK, args=[str(job_id)], exchange="", routing_key=QUEUE, priority=priority)
 
 
+def send_to_head(
+    app: Celery, client: redis.Redis, settings: StoreSettings, job_id: uuid.UUID, priority: int
+) -> bool:
+    """Send job `job_id` and put its message at the head of its priority's list (`move_to_head`): a job taken
+    from the queue before and back in it (handed back, declined, or recovered from a dead worker) is taken
+    before the jobs of its priority that waited behind it. False if Redis failed the move (it waits at the tail)."""
+    send_job(app, job_id, priority)
+    try:
+        move_to_head(client, settings, job_id, priority)  # False: a worker took it already
+    except redis.RedisError:
+        return False
+    return True
+
+
 # Kombu LPUSHes a message and consumers BRPOP, so the right end of a list is its head. This moves the
 # message naming ARGV[1] (the job id, plain in its headers' argsrepr) from near the left end, where a
 # send just put it, to the head. Returns 1 if it was found among the first ARGV[2] messages.
@@ -84,6 +99,91 @@ def move_to_head(client: redis.Redis, settings: StoreSettings, job_id: uuid.UUID
     return bool(client.eval(_TO_HEAD, 1, queue_key(settings, QUEUE, priority), str(job_id), 64))
 
 
+# the job id in a message's headers, where Celery (and BulkSender) put the task's args: "argsrepr": "['<id>']"
+_ARGSREPR = re.compile(rb'"argsrepr": "\[\'([0-9a-f-]{36})\'\]"')
+
+
+def take_messages(
+    client: redis.Redis, settings: StoreSettings, count: int, timeout: float
+) -> list[tuple[uuid.UUID | None, int]]:
+    """Take up to `count` messages from the most urgent non-empty priority list, at its head (one BLMPOP;
+    it waits up to `timeout` seconds for a message when every list is empty): (job id, priority) of each,
+    in the order a consumer takes them; a message naming no job gives None. What Celery's consumer does per
+    message, for many at once: a worker's intake pulls a backlog this way (workers/intake.py)."""
+    keys = [queue_key(settings, QUEUE, p) for p in PRIORITIES]
+    reply = client.blmpop(timeout, len(keys), *keys, direction="RIGHT", count=count)
+    if not reply:
+        return []
+    key, messages = reply
+    priority = keys.index(key.decode() if isinstance(key, bytes) else key)
+    return [(job_of(message), priority) for message in messages]
+
+
+def job_of(message: bytes) -> uuid.UUID | None:
+    """The job a `generate` message names (its headers' argsrepr), None if it names none."""
+    found = _ARGSREPR.search(message)
+    return uuid.UUID(found.group(1).decode()) if found else None
+
+
+def waiting_jobs(
+    client: redis.Redis, settings: StoreSettings, limit: int
+) -> dict[int, tuple[int, list[uuid.UUID]]]:
+    """For each priority: how many messages wait in its list, and the jobs named by the `limit` messages at
+    its head (the next to be taken, next first), all read in one MULTI, so the lists are seen at one moment."""
+    with client.pipeline(transaction=True) as pipe:
+        for p in PRIORITIES:
+            key = queue_key(settings, QUEUE, p)
+            pipe.llen(key)
+            pipe.lrange(key, -limit, -1)
+        replies = pipe.execute()
+    waiting = {}
+    for p, length, messages in zip(PRIORITIES, replies[::2], replies[1::2], strict=True):
+        ids = [
+            uuid.UUID(m.group(1).decode())
+            for message in reversed(messages)
+            if (m := _ARGSREPR.search(message))
+        ]
+        waiting[p] = (length, ids)
+    return waiting
+
+
+# Which of ARGV[3..] (job ids) the messages KEYS[1][ARGV[1] .. ARGV[1] + ARGV[2] - 1] name.
+_FIND = r"""
+local sought = {}
+for i = 3, #ARGV do sought[ARGV[i]] = true end
+local found = {}
+local first = tonumber(ARGV[1])
+for _, message in ipairs(redis.call('LRANGE', KEYS[1], first, first + tonumber(ARGV[2]) - 1)) do
+  local id = string.match(message, '"argsrepr": "%[\'([%x%-]+)\'%]"')
+  if id and sought[id] then
+    found[#found + 1] = id
+    sought[id] = nil
+  end
+end
+return found
+"""
+
+
+def jobs_in_queue(
+    client: redis.Redis,
+    settings: StoreSettings,
+    priority: int,
+    job_ids: Iterable[uuid.UUID],
+    chunk: int = 1000,
+) -> set[uuid.UUID]:
+    """Which of `job_ids` a message waiting in `priority`'s list names. The list is read `chunk` messages per
+    call (each a short script in Redis, so a long list never blocks Redis for long), from its tail: a message
+    pushed meanwhile shifts the rest towards the head, where they are still read."""
+    sought = {str(job_id) for job_id in job_ids}
+    key, found, first = queue_key(settings, QUEUE, priority), set(), 0
+    while sought and first < client.llen(key):
+        hits = {hit.decode() for hit in client.eval(_FIND, 1, key, first, chunk, *sought)}
+        found |= hits
+        sought -= hits
+        first += chunk
+    return {uuid.UUID(job_id) for job_id in found}
+
+
 def queue_key(settings: StoreSettings, queue: str, priority: int) -> str:
     """The Redis list holding `queue`'s messages of `priority` (kombu's naming: the plain name for 0)."""
     return (
@@ -93,9 +193,24 @@ def queue_key(settings: StoreSettings, queue: str, priority: int) -> str:
     )
 
 
+def bounded_redis(url: str, *, timeout: float, max_connections: int = 64) -> redis.Redis:
+    """A Redis client whose callers share at most `max_connections` connections, waiting for one when all are
+    busy. redis-py's default pool opens one per concurrent caller and keeps it: 1,000 calls arriving at once
+    on a gevent API process opened 1,000 connections, each costing more CPU (its handshake, the client's
+    driver-info lookup) than the command it ran."""
+    pool = redis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=timeout,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+    )
+    return redis.Redis(connection_pool=pool)
+
+
 class BulkSender:
-    """Sends "run job X" for many jobs at once (a batch's): the messages `send_job` would send, built here
-    from one template and LPUSHed many per command, `pipeline_size` per round trip.
+    """Sends "run job X" for one job (POST /jobs) or many at once (a batch's): the messages `send_job` would
+    send, built here from one template and LPUSHed many per command, `pipeline_size` per round trip.
 
     Celery's own send_task costs ~0.5 ms of Python per message on a small machine, more than 10,000 jobs
     per batch can afford; a message is a header dict and a base64 body, so this builds each one from a
@@ -103,7 +218,7 @@ class BulkSender:
 
     def __init__(self, app: Celery, settings: StoreSettings, pipeline_size: int = 2000):
         self.settings, self.pipeline_size = settings, pipeline_size
-        self.redis = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        self.redis = bounded_redis(settings.redis_url, timeout=5)
         template = app.amqp.as_task_v2("", TASK, args=["-"], kwargs={}, ignore_result=None)
         self._embed = json.dumps(template.body[2])
         # the message as JSON once, with a {slot} where each message differs (json.dumps of the whole
@@ -145,6 +260,11 @@ class BulkSender:
             priority=int(priority),
             tag=uuid.uuid4(),
         )
+
+    def send_one(self, job_id: uuid.UUID, priority: int) -> None:
+        """Send "run job `job_id`" at `priority`: one LPUSH of the message `send_job` would send, built from
+        the template (Celery's send_task costs ~10x the CPU: a third of POST /jobs' in the API)."""
+        self.redis.lpush(queue_key(self.settings, QUEUE, priority), self.message(job_id, priority))
 
     def send(self, jobs: Iterable[tuple[uuid.UUID, int]]) -> int:
         """Send every (job id, priority), in order; returns how many were sent. Consecutive jobs of one

@@ -19,11 +19,23 @@ import functools
 import hashlib
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import Connection, Interval, bindparam, delete, func, inspect, select, text, tuple_, update
+from sqlalchemy import (
+    Connection,
+    Interval,
+    bindparam,
+    delete,
+    func,
+    inspect,
+    or_,
+    select,
+    text,
+    tuple_,
+    update,
+)
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -67,8 +79,10 @@ def create_job(
     `db` may be a Session or a Core Connection (the API uses an autocommit connection: no BEGIN, no
     COMMIT round trip). The returned Job is a plain object, attached to no session.
     """
+    from jobstore.requests import job_columns
+
     values = dict(
-        request,
+        job_columns(request),
         tenant_id=tenant_id,
         status=JobStatus.QUEUED,
         prompt_tokens=prompt_tokens,
@@ -123,16 +137,14 @@ def check_job_row(job: Job, max_model_len: int | None = None) -> None:
     max_tokens within `max_model_len`; a text prompt's length is checked by the engine, which tokenizes it)."""
     from pydantic import ValidationError
 
-    from jobstore.requests import JobCreate
+    from jobstore.requests import JobCreate, request_fields
 
     if job.prompt is not None:
         try:
             job.prompt.encode("utf-8")
         except UnicodeEncodeError:
             raise ValueError("prompt: the stored bytes are not valid UTF-8") from None
-    fields = {
-        name: getattr(job, "metadata_" if name == "metadata" else name) for name in JobCreate.model_fields
-    }
+    fields = request_fields(job)
     fields["stop"] = list(fields["stop"] or [])
     if fields["input_ids"] is not None:
         fields["input_ids"] = list(fields["input_ids"])
@@ -205,6 +217,33 @@ def claim_job(
     return None if row is None else _job_from_row(row)
 
 
+def claim_jobs(
+    db: Session | Connection, claims: Sequence[tuple[uuid.UUID, str]], lease_seconds: float
+) -> list[Job]:
+    """claim_job for many jobs in one statement: each (job id, worker_id) whose job is queued becomes running
+    under that lease; the claimed jobs (plain Jobs, in no particular order). A worker's intake claims what
+    it took from Redis in one pull this way."""
+    if not claims:
+        return []
+    rows = db.execute(
+        _CLAIM_MANY,
+        {"ids": [c[0] for c in claims], "workers": [c[1] for c in claims], "lease": lease_seconds},
+    )
+    return [_job_from_row(row) for row in rows]
+
+
+_CLAIM_MANY = text(
+    "UPDATE jobs AS j SET status = 'running', worker_id = v.worker, "
+    "lease_expires_at = now() + make_interval(secs => CAST(:lease AS double precision)), "
+    "started_at = coalesce(j.started_at, now()), attempts = j.attempts + 1 "
+    "FROM unnest(CAST(:ids AS uuid[]), CAST(:workers AS varchar[])) AS v(id, worker) "
+    "WHERE j.id = v.id AND j.status = 'queued' "
+    # the columns by name, in the model's order: `.columns()` maps them by position, and a table grown by
+    # migrations (ADD COLUMN goes last) has another physical order than the model declares
+    "RETURNING " + ", ".join(f'j."{c.name}"' for c in JOBS.c)
+).columns(*JOBS.c)
+
+
 @functools.cache
 def _claim_statement():
     """Built once: the claim is on every job's path from the queue to the engine."""
@@ -239,6 +278,7 @@ class Output:
     first_token_at: datetime | None = None
     finish_reason: str | None = None  # with prompt_tokens: the final write
     prompt_tokens: int | None = None
+    logprobs: dict | None = None  # the final write of a job that asked for log probabilities
 
 
 def save_progress(
@@ -261,7 +301,9 @@ def finish_jobs(db: Session | Connection, outputs: Sequence[Output]) -> set[tupl
         return set()
     params = _output_params(outputs)
     params.update(
-        reasons=[o.finish_reason for o in outputs], prompt_counts=[o.prompt_tokens for o in outputs]
+        reasons=[o.finish_reason for o in outputs],
+        prompt_counts=[o.prompt_tokens for o in outputs],
+        logprobs=[None if o.logprobs is None else json.dumps(o.logprobs) for o in outputs],
     )
     return set(map(tuple, db.execute(_FINISH, params)))
 
@@ -323,11 +365,11 @@ _PROGRESS = text(f"""UPDATE jobs AS j SET {_APPENDED},
     FROM {_OUTPUT_ROWS.format(extra="", extra_names="")} {_LEASED}""")
 _FINISH = text(f"""UPDATE jobs AS j SET {_APPENDED},
     status = 'succeeded', finished_at = now(), lease_expires_at = NULL,
-    finish_reason = v.reason, prompt_tokens = v.prompt_count
+    finish_reason = v.reason, prompt_tokens = v.prompt_count, logprobs = v.logprobs
     FROM {
     _OUTPUT_ROWS.format(
-        extra=", CAST(:reasons AS varchar[]), CAST(:prompt_counts AS integer[])",
-        extra_names=", reason, prompt_count",
+        extra=", CAST(:reasons AS varchar[]), CAST(:prompt_counts AS integer[]), CAST(:logprobs AS jsonb[])",
+        extra_names=", reason, prompt_count, logprobs",
     )
 } {_LEASED}""")
 
@@ -359,8 +401,9 @@ def fail_job(db: Session | Connection, job_id: uuid.UUID, worker_id: str, *, cod
     )
 
 
-def cancel_job(db: Session | Connection, job_id: uuid.UUID, tenant_id: uuid.UUID) -> Job | None:
-    """queued/running → cancelled; returns the job as it now is (any status), None if not the tenant's."""
+def cancel_job(db: Session | Connection, job_id: uuid.UUID, tenant_id: uuid.UUID) -> tuple[Job | None, bool]:
+    """queued/running → cancelled. Returns the job as it now is (any status; None if not the tenant's) and
+    whether this call cancelled it (False for a job already cancelled or ended: count a cancel once)."""
     row = db.execute(
         update(JOBS)
         .where(JOBS.c.id == job_id, JOBS.c.tenant_id == tenant_id, JOBS.c.status.in_(ACTIVE))
@@ -372,7 +415,9 @@ def cancel_job(db: Session | Connection, job_id: uuid.UUID, tenant_id: uuid.UUID
         )
         .returning(*JOBS.c)
     ).one_or_none()
-    return _job_from_row(row) if row is not None else get_job(db, job_id, tenant_id)
+    if row is not None:
+        return _job_from_row(row), True
+    return get_job(db, job_id, tenant_id), False
 
 
 def release_job(
@@ -468,6 +513,40 @@ def unsent_jobs(session: Session, grace_seconds: float, limit: int = 1000) -> li
     return [(row.id, row.priority) for row in rows]
 
 
+def sent_at(db: Session | Connection, job_ids: Collection[uuid.UUID]) -> dict[uuid.UUID, datetime]:
+    """When the message of each of these jobs that is queued and recorded as sent went to Redis."""
+    if not job_ids:
+        return {}
+    rows = db.execute(
+        select(JOBS.c.id, JOBS.c.enqueued_at).where(
+            JOBS.c.id.in_(job_ids), JOBS.c.status == JobStatus.QUEUED, JOBS.c.enqueued_at.is_not(None)
+        )
+    )
+    return {row.id: row.enqueued_at for row in rows}
+
+
+def sent_before(
+    db: Session | Connection,
+    cutoffs: Mapping[int, datetime | None],
+    excluded: Collection[uuid.UUID] = (),
+    limit: int = 1000,
+) -> list[tuple[uuid.UUID, int]]:
+    """(id, priority) of queued jobs of each priority in `cutoffs` recorded as sent before its cutoff (None:
+    before this transaction began), leaving out `excluded`; the longest sent first."""
+    if not cutoffs:
+        return []
+    before = [
+        (JOBS.c.priority == p) & (JOBS.c.enqueued_at < (func.now() if cutoff is None else cutoff))
+        for p, cutoff in cutoffs.items()
+    ]
+    stmt = select(JOBS.c.id, JOBS.c.priority).where(
+        JOBS.c.status == JobStatus.QUEUED, JOBS.c.enqueued_at.is_not(None), or_(*before)
+    )
+    if excluded:
+        stmt = stmt.where(JOBS.c.id.not_in(excluded))
+    return [(row.id, row.priority) for row in db.execute(stmt.order_by(JOBS.c.enqueued_at).limit(limit))]
+
+
 def try_reconciler_lock(session: Session) -> bool:
     """Take the reconciler's transaction-scoped lock; False if another reconciler holds it."""
     return session.scalar(select(func.pg_try_advisory_xact_lock(RECONCILER_LOCK)))
@@ -485,12 +564,22 @@ def queued_by_tenant(db: Session | Connection) -> dict[uuid.UUID, int]:
 
 
 def _job_from_row(row) -> Job:
-    """A Job (transient, in no session) from a row of all the jobs table's columns."""
-    return Job(**{_ATTRIBUTE.get(key, key): value for key, value in row._mapping.items()})
+    """A Job (transient, in no session) from a row of all the jobs table's columns.
+
+    Built as the ORM's own loading builds an instance (the class manager's `new_instance`, values put in
+    its `__dict__`), not through the constructor: that fires an attribute event per column, a third of a
+    POST /jobs' database work for an object that is only read."""
+    job = _new_job()
+    job.__dict__.update(zip(_attribute_names(row._fields), row))
+    return job
 
 
-def _lease(lease_seconds: float):
-    return func.now() + timedelta(seconds=lease_seconds)
+_new_job = inspect(Job).class_manager.new_instance
+
+
+@functools.lru_cache(maxsize=16)
+def _attribute_names(fields: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(_ATTRIBUTE.get(key, key) for key in fields)
 
 
 def _update_leased(db: Session | Connection, job_id: uuid.UUID, worker_id: str, /, **values) -> bool:

@@ -136,6 +136,8 @@ class Job(Base):
     top_k: Mapped[int] = mapped_column(Integer)
     seed: Mapped[int | None] = mapped_column(BigInteger)
     stop: Mapped[list[str]] = mapped_column(ARRAY(Text), default=list)
+    # the other sampling fields (jobstore/requests.py OPTIONS), those that differ from their defaults
+    options: Mapped[dict] = mapped_column(JSONB, default=dict, server_default=text("'{}'::jsonb"))
     metadata_: Mapped[dict] = mapped_column("metadata", JSONB, default=dict)
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     request_hash: Mapped[str | None] = mapped_column(String(64))
@@ -145,6 +147,7 @@ class Job(Base):
     output_token_ids: Mapped[list[int]] = mapped_column(ARRAY(Integer), default=list)
     output_text: Mapped[str] = mapped_column(Utf8Text, default="")
     finish_reason: Mapped[str | None] = mapped_column(String(16))
+    logprobs: Mapped[dict | None] = mapped_column(JSONB)  # when the request asked for them
     error_code: Mapped[str | None] = mapped_column(String(64))
     error_message: Mapped[str | None] = mapped_column(Text)
 
@@ -190,6 +193,13 @@ class Job(Base):
             "ix_jobs_queued_unsent",
             "created_at",
             postgresql_where=text("status = 'queued' AND enqueued_at IS NULL"),
+        ),
+        # reconciler: queued jobs sent before the messages still waiting in their priority's list (workers/unclaimed.py)
+        Index(
+            "ix_jobs_queued_sent",
+            "priority",
+            "enqueued_at",
+            postgresql_where=text("status = 'queued' AND enqueued_at IS NOT NULL"),
         ),
         # POST /jobs: the queued-job caps count this (small) index, not the whole table; a batch's jobs
         # are not counted (a batch has limits of its own, and must not lock its tenant out of /jobs)

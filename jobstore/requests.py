@@ -1,65 +1,156 @@
 """What a job asks for. The API validates each request body with `JobCreate`, and the worker validates
-the stored job row with it again before use: the worker trusts nothing a row says beyond this schema."""
+the stored job row with it again before use: the worker trusts nothing a row says beyond this schema.
+Each field's rule (type, limits) is declared once, in jobstore/fields.py."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Mapping
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from jobstore.dispatch import DEFAULT_PRIORITY
+from jobstore.fields import (
+    JsonSchema,
+    LogitBias,
+    MaxTokens,
+    MetadataKey,
+    MetadataValue,
+    MinP,
+    MinTokens,
+    Penalty,
+    Priority,
+    PromptText,
+    RepetitionPenalty,
+    RequestBody,
+    Seed,
+    Stop,
+    StopTokenIds,
+    Temperature,
+    TokenIds,
+    TopK,
+    TopLogprobs,
+    TopP,
+    no_nul,
+)
 
-StopString = Annotated[str, StringConstraints(min_length=1, max_length=128)]
-MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]
-MetadataValue = Annotated[str, StringConstraints(max_length=512)] | int | float | bool | None
+__all__ = ["OPTIONS", "JobCreate", "MetadataValue", "job_columns", "options_of", "request_fields"]
 
 
-class JobCreate(BaseModel):
+class JobCreate(RequestBody):
     """A generation job: a prompt (text or token ids) and how to sample its continuation."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    prompt: str | None = Field(None, min_length=1, description="Text to continue. Give this or input_ids.")
-    input_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] | None = Field(
-        None, min_length=1, description="Token ids to continue, used as they are. Give this or prompt."
+    prompt: PromptText | None = Field(None, description="Text to continue. Give this or input_ids.")
+    input_ids: TokenIds | None = Field(
+        None, description="Token ids to continue, used as they are. Give this or prompt."
     )
-    max_tokens: int = Field(
-        64, ge=1, description="Most tokens to generate; prompt + max_tokens <= max_model_len."
+    max_tokens: MaxTokens = 64
+    min_tokens: MinTokens = 0
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    seed: Seed | None = None
+    stop: Stop = Field(default_factory=list)
+    stop_token_ids: StopTokenIds = Field(default_factory=list)
+    ignore_eos: bool = Field(False, description="Generate past the end-of-sequence token, up to max_tokens.")
+    include_stop_str_in_output: bool = Field(
+        False, description="The stop string (or stop token) that ended the job stays at the end of the text."
     )
-    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False, description="0 samples greedily.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling; 1 is off.")
-    top_k: int = Field(0, ge=0, lt=2**31, description="Sample from the k most likely tokens; 0 is off.")
-    seed: int | None = Field(
-        None, ge=0, le=2**63 - 1, description="Same seed, same tokens, whatever the batch."
+    skip_special_tokens: bool = Field(
+        True, description="False keeps special tokens (BOS, EOS, ...) in the text."
     )
-    stop: list[StopString] = Field(
-        default_factory=list, max_length=8, description="Stop before these strings."
+    min_p: MinP = Field(0.0, description="Drop tokens less likely than min_p times the most likely one.")
+    presence_penalty: Penalty = Field(0.0, description="Subtracted from each generated token's logit, once.")
+    frequency_penalty: Penalty = Field(0.0, description="Subtracted per occurrence of each generated token.")
+    repetition_penalty: RepetitionPenalty = Field(
+        1.0,
+        description="Divides (multiplies, if negative) the logit of every token of the prompt and output.",
     )
-    priority: int = Field(DEFAULT_PRIORITY, ge=0, le=9, description="0 is the most urgent, 9 the least.")
+    logit_bias: LogitBias = Field(default_factory=dict)
+    logprobs: TopLogprobs | None = Field(
+        None, description="Each output token's log probability and its this many most likely alternatives."
+    )
+    prompt_logprobs: TopLogprobs | None = Field(
+        None, description="Each prompt token's (but the first) log probability, and this many alternatives."
+    )
+    json_schema: JsonSchema | None = None
+    echo: bool = Field(
+        False, description="/v1/completions: the reply's text and log probabilities begin with the prompt's."
+    )
+    echo_only: bool = Field(
+        False,
+        description="/v1/completions' echo with max_tokens 0: the reply is the prompt alone (the job draws one "
+        "token, as vLLM does, and the reply leaves it out).",
+    )
+    priority: Priority = DEFAULT_PRIORITY
     metadata: dict[MetadataKey, MetadataValue] = Field(
         default_factory=dict, max_length=16, description="Your own labels, returned with the job."
     )
 
-    @field_validator("stop", "metadata")
+    @field_validator("metadata")
     @classmethod
     def no_nul(cls, value):
-        """Postgres text and JSON cannot hold NUL characters; refuse them rather than fail later."""
-        if _has_nul(value):
-            raise ValueError("NUL characters are not supported")
+        return no_nul(value)
+
+    @field_validator("min_tokens")
+    @classmethod
+    def at_most_max_tokens(cls, value: int, info: ValidationInfo) -> int:
+        max_tokens = info.data.get("max_tokens")
+        if max_tokens is not None and value > max_tokens:
+            raise ValueError(f"must be at most max_tokens ({max_tokens}), got {value}")
         return value
 
     @model_validator(mode="after")
     def prompt_xor_input_ids(self) -> JobCreate:
         if (self.prompt is None) == (self.input_ids is None):
             raise ValueError("give exactly one of `prompt` or `input_ids`")
+        if self.echo_only and not (self.echo and self.max_tokens == 1):
+            raise ValueError("echo_only: send it with echo=true and max_tokens=1")
         return self
 
 
-def _has_nul(value) -> bool:
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, list):
-        return any(map(_has_nul, value))
-    if isinstance(value, dict):
-        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
-    return False
+# JobCreate's fields stored together in the job's `options` column (JSONB), those that differ from their
+# defaults: the sampling controls beyond the columns every job has
+OPTIONS = (
+    "min_tokens",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "logprobs",
+    "prompt_logprobs",
+    "json_schema",
+    "echo",
+    "echo_only",
+)
+
+
+def job_columns(request: Mapping[str, Any]) -> dict[str, Any]:
+    """A validated request (JobCreate's fields) as the job row's columns: OPTIONS in `options`."""
+    columns = {name: value for name, value in request.items() if name not in OPTIONS}
+    columns["options"] = options_of(request)
+    return columns
+
+
+def options_of(request: Mapping[str, Any]) -> dict[str, Any]:
+    """The job's `options` column: the request's OPTIONS that differ from their defaults."""
+    return {name: request[name] for name in OPTIONS if name in request and request[name] != _DEFAULTS[name]}
+
+
+def request_fields(row: Any) -> dict[str, Any]:
+    """The request a stored job holds (JobCreate's fields), from its columns."""
+    options = getattr(row, "options", None) or {}
+    return {
+        name: options.get(name, _DEFAULTS[name])
+        if name in OPTIONS
+        else getattr(row, "metadata_" if name == "metadata" else name)
+        for name in JobCreate.model_fields
+    }
+
+
+_DEFAULTS = {name: JobCreate.model_fields[name].get_default(call_default_factory=True) for name in OPTIONS}

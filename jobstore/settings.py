@@ -36,6 +36,9 @@ class StoreSettings(BaseSettings):
     # prompt tokens + max_tokens must fit (also the engine's limit); tiny-llama's own is 2048
     max_model_len: int = 2048
 
+    # --- token events (jobstore/events.py): seconds of live output Redis keeps for streaming readers
+    events_retention_seconds: float = Field(60.0, gt=0)
+
     @classmethod
     def from_env(cls, **overrides: Any) -> Self:
         """This component's settings from os.environ (overrides win); a bad value names its variable."""
@@ -56,11 +59,14 @@ class WorkerSettings(StoreSettings):
     # --- engine sizes (None: the engine's own default)
     dtype: str = "auto"
     device: str = "auto"
-    max_num_seqs: int | None = None  # None: the engine's default (64)
+    max_num_seqs: int | None = None  # None: the engine's default (256)
     max_num_batched_tokens: int | None = None
     block_size: int | None = None
     num_device_blocks: int | None = None
     num_host_blocks: int | None = None
+    # auto: Triton on CUDA, the C++ kernels on the CPU; or triton, cpu_kernel, torch
+    attention_backend: str = "auto"
+    cuda_graphs: bool = True  # CUDA: decode steps replay captured graphs of the forward
     # torch threads of the worker's engine process. None: OMP_NUM_THREADS if set, else cores - 1, leaving one
     # core to the worker's job I/O, Postgres and Redis (on 2 cores, 2 threads stepped slower than 1 under load)
     engine_threads: int | None = None
@@ -77,6 +83,8 @@ class WorkerSettings(StoreSettings):
     # --- a worker's intake (workers/intake.py)
     worker_reserve: int | None = None  # jobs held beyond max_num_seqs; None: max(2, max_num_seqs // 8)
     queue_watch_interval: float = 0.05  # seconds between looks at Redis for more urgent work, while full
+    # messages a worker with room takes from Redis at once (one BLMPOP, one claim); 0: one at a time, by Celery
+    intake_pull: int = 64
     max_handbacks: int = 3  # a job is handed back for more urgent work at most this often
 
     # --- a worker's metrics (workers/metrics.py)
@@ -95,6 +103,8 @@ class WorkerSettings(StoreSettings):
             block_size=self.block_size,
             num_device_blocks=self.num_device_blocks,
             num_host_blocks=self.num_host_blocks,
+            attention_backend=self.attention_backend,
+            cuda_graphs=self.cuda_graphs,
         )
         return {k: v for k, v in options.items() if v is not None}
 
@@ -114,6 +124,9 @@ class WorkerSettings(StoreSettings):
 
 class ApiSettings(StoreSettings):
     # --- the API
+    # other names a /v1 request's `model` may give for MODEL (comma-separated); any other name answers 404
+    # model_not_found. Replies name MODEL.
+    model_aliases: str = ""
     max_body_bytes: int = 1 << 20  # larger request bodies answer 413
     max_queued_per_tenant: int = 1000  # a tenant with this many queued jobs gets 429 on POST /jobs
     max_queued_jobs: int = 20000  # all tenants together: beyond this many queued jobs, POST /jobs answers 429
@@ -132,8 +145,15 @@ class ApiSettings(StoreSettings):
     # gunicorn.conf.py sets it from its threads (gthread: threads - 2; sync: 0, a wait would hold the process)
     completion_slots: int = Field(4, ge=0)
     completion_timeout_seconds: float = Field(600.0, gt=0)  # a completion not done by then is cancelled (503)
-    completion_poll_seconds: float = Field(0.1, gt=0)  # how often a waiting completion reads its job's row
+    # a call following a job (a stream, ?wait) reads its row again after this long without an event of it
+    events_resync_seconds: float = Field(10.0, gt=0)
     log_level: str = "INFO"
+
+    def served_models(self) -> frozenset[str]:
+        """The names a request's `model` may give: MODEL and its MODEL_ALIASES."""
+        return frozenset(
+            [self.model, *(name.strip() for name in self.model_aliases.split(",") if name.strip())]
+        )
 
 
 class Settings(WorkerSettings, ApiSettings):

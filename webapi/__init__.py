@@ -7,7 +7,7 @@ import logging
 from flask import Flask
 
 from jobstore.settings import ApiSettings
-from webapi import batches, completions, docs, files, jobs, ops
+from webapi import batches, completions, docs, files, jobs, ops, served_models, tokens
 from webapi.cli import keys
 from webapi.errors import init_errors
 from webapi.extensions import init_extensions
@@ -27,6 +27,8 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
     app.register_blueprint(files.bp)
     app.register_blueprint(batches.bp)
     app.register_blueprint(completions.bp)
+    app.register_blueprint(served_models.bp)
+    app.register_blueprint(tokens.bp)
     app.register_blueprint(ops.bp)
     app.register_blueprint(docs.bp)
     app.cli.add_command(keys)

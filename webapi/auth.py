@@ -16,20 +16,36 @@ def require_api_key() -> None:
     """before_request hook: 401 unless `Authorization: Bearer <key>` names a live key; sets g.tenant.
 
     A key found in the last AUTH_CACHE_SECONDS is trusted without a query (webapi/key_cache.py)."""
-    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not key.strip():
+    header = request.headers.get("Authorization", "").strip()
+    scheme, _, key = header.partition(" ")
+    if not header:
         raise APIError(401, "unauthorized", "missing API key: send `Authorization: Bearer <key>`", CHALLENGE)
+    if scheme.lower() != "bearer":  # the scheme is not echoed: a key sent alone would be
+        raise APIError(
+            401,
+            "unauthorized",
+            "Authorization: use the Bearer scheme, `Authorization: Bearer <key>`",
+            CHALLENGE,
+            param=None,
+        )
+    if not key.strip():
+        raise APIError(
+            401,
+            "unauthorized",
+            "missing API key after `Bearer`: send `Authorization: Bearer <key>`",
+            CHALLENGE,
+        )
     key_hash = hash_key(key.strip())
-    cache = services().key_cache
-    caller = cache.get(key_hash)
+    caller = services().key_cache.get_or_load(key_hash, lambda: _look_up(key_hash))
     if caller is None:
-        with services().sessions() as session:  # its own short session: the connection goes back at once
-            tenant = tenant_for_key_hash(session, key_hash)
-            caller = tenant and Caller(tenant.id, tenant.name)
-        if caller is None:
-            raise APIError(401, "unauthorized", "unknown or revoked API key", CHALLENGE)
-        cache.put(key_hash, caller)
+        raise APIError(401, "unauthorized", "unknown or revoked API key", CHALLENGE)
     g.tenant = caller
+
+
+def _look_up(key_hash: str) -> Caller | None:
+    with services().sessions() as session:  # its own short session: the connection goes back at once
+        tenant = tenant_for_key_hash(session, key_hash)
+        return tenant and Caller(tenant.id, tenant.name)
 
 
 def current_tenant() -> Caller:

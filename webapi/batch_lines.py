@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from pydantic import ValidationError
 
 from jobstore.batches import job_row
+from jobstore.fields import SERVED_MODELS, VOCAB_SIZE
 from jobstore.requests import JobCreate
 from webapi.openai_schemas import (
     CHAT_ENDPOINT,
@@ -25,7 +26,8 @@ from webapi.openai_schemas import (
     CompletionBatchLine,
     CompletionRequest,
 )
-from webapi.prompts import PromptError, check_length, check_token_ids, count_texts, render_chats
+from webapi.prompts import PromptError, check_length, check_token_ids, count_texts, render_chats, vocab_size
+from webapi.validation import parsed, problems
 
 MAX_REPORTED_ERRORS = 1000  # a file with more invalid lines reports its first this many
 
@@ -64,6 +66,7 @@ class BatchBuilder:
     model: str
     max_model_len: int
     tokenizer: object
+    served_models: frozenset[str] | None = None  # the names a body's `model` may give (None: any)
     errors: list[LineError] = field(default_factory=list)
     error_count: int = 0
     requests: int = 0  # valid lines so far
@@ -89,14 +92,14 @@ class BatchBuilder:
 
     def _parse(self, number: int, raw: bytes) -> _Request | None:
         model = ChatBatchLine if self.endpoint == CHAT_ENDPOINT else CompletionBatchLine
-        try:
-            line = model.model_validate_json(raw)  # parsed and checked in one pass, body included
+        try:  # parsed and checked in one pass, body included
+            line = model.model_validate_json(raw, context=self._context)
         except ValidationError as exc:
             first = exc.errors(include_url=False)[0]
             if first["type"] == "json_invalid":
                 self._error(number, "invalid_json_line", f"line {number} is not valid JSON: {first['msg']}")
             else:
-                self._validation_error(number, exc)
+                self._validation_error(number, exc, parsed(raw))
             return None
         if line.url != self.endpoint:
             self._error(
@@ -118,11 +121,16 @@ class BatchBuilder:
         index, self.requests = self.requests, self.requests + 1
         return _Request(number, index, line.custom_id, line.body)
 
-    def _validation_error(self, number: int, exc: ValidationError, prefix: str = "") -> None:
-        for e in exc.errors(include_url=False)[:1]:  # the first problem of a line is enough to fix it
-            param = prefix + ".".join(str(p) for p in e["loc"]) if e["loc"] else prefix.rstrip(".") or None
-            message = e["msg"].removeprefix("Value error, ")
-            self._error(number, "invalid_request", f"{param}: {message}" if param else message, param)
+    @property
+    def _context(self) -> dict:
+        return {SERVED_MODELS: self.served_models, VOCAB_SIZE: vocab_size(self.model)}
+
+    def _validation_error(self, number: int, exc: ValidationError, document, prefix: str = "") -> None:
+        """The line's first problem (enough to fix it), worded as POST /jobs and /v1 word it."""
+        found = problems(exc, document)
+        problem = next((p for p in found if p.status != 422), found[0])  # an unknown model first
+        param = prefix + problem.param if problem.param else prefix.rstrip(".") or None
+        self._error(number, problem.code, f"{param}: {problem.text}" if param else problem.text, param)
 
     def _prepare_prompts(self, requests: list[_Request]) -> None:
         """Render chats, and count text prompts, in one call per group of lines."""
@@ -163,7 +171,12 @@ class BatchBuilder:
         if max_tokens is None:  # OpenAI's chat default: as much as the context leaves
             max_tokens = max(1, self.max_model_len - request.prompt_tokens)
         error = check_length(
-            request.prompt_tokens, max_tokens, self.max_model_len, "messages" if chat else "prompt"
+            request.prompt_tokens,
+            max_tokens,
+            self.max_model_len,
+            "messages" if chat else "prompt",
+            body.max_tokens_field(),
+            defaulted=getattr(body, body.max_tokens_field()) is None,
         )
         if error is not None:
             self._error(request.line, "context_length_exceeded", f"body.{error}", f"body.{error.field}")
@@ -181,7 +194,7 @@ class BatchBuilder:
         try:
             job = JobCreate.model_validate(fields).model_dump()
         except ValidationError as exc:
-            self._validation_error(request.line, exc, prefix="body.")
+            self._validation_error(request.line, exc, fields, prefix="body.")
             return None
         job_id, row = job_row(
             self.tenant_id, self.batch_id, request.index, job, request.prompt_tokens, self.sent_at

@@ -114,6 +114,7 @@ def validate_and_insert(session, batch: Batch, file_id: str) -> BatchBuilder:
         settings.model,
         settings.max_model_len,
         tokenizer,
+        settings.served_models(),
     )
     savepoint = session.begin_nested()
     try:  # the file is read on a connection of its own: the session's carries the COPY
@@ -153,7 +154,9 @@ def get_batch(batch_id: str):
     batch = owned_batch(batch_id)
     if batch.status in batches.LIVE:
         with services().sessions.begin() as session:
-            finalized = batches.finalize_batch(session, batch.id, services().settings.model)
+            finalized = batches.finalize_batch(
+                session, batch.id, services().settings.model, tokenizer_for(services().settings.model)
+            )
         if finalized:
             db().expire_all()
             batch = owned_batch(batch_id)

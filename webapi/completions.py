@@ -1,23 +1,23 @@
 """/v1/chat/completions and /v1/completions: OpenAI's synchronous calls. The request becomes a genq job at
 priority 0 unless its `priority` says otherwise (the same caps, rate limit and cancel as POST /jobs), and
-the API process waits for it, reading the job's row every COMPLETION_POLL_SECONDS: the answer is OpenAI's
-chat.completion / text_completion. With `stream: true` it is server-sent events of the text as the worker
-writes it (every PROGRESS_INTERVAL), then `data: [DONE]`.
+the API process follows it (webapi/events.py): subscribed to its token events before the job is sent, it
+answers OpenAI's chat.completion / text_completion once the job's row holds the result, or, with
+`stream: true`, sends each engine step's new text as a server-sent event as the worker publishes it, then
+`data: [DONE]`.
 
-Waiting holds a thread of the API process for the job's length: gunicorn's gthread workers
-(gunicorn.conf.py) give each process API_THREADS threads, at most COMPLETION_SLOTS of which wait at once
-(threads - 2, so that quick calls always find a thread); a call beyond that answers 429 with Retry-After,
-which OpenAI's clients wait out and retry. A waiting thread sleeps between reads: it holds no database
-connection and no CPU. A streamed call whose client goes away cancels its job (noticed at the next
-write: text, or a keep-alive comment every KEEPALIVE_SECONDS); a call not done in
-COMPLETION_TIMEOUT_SECONDS cancels its job and answers 503.
+A waiting call holds one of the process's COMPLETION_SLOTS (beyond them: 429 with Retry-After, which
+OpenAI's clients wait out and retry); under gunicorn's gevent workers (gunicorn.conf.py) it is a greenlet
+waiting on a queue: no thread, no database connection, no read of its own. A streamed call whose client goes
+away cancels its job (noticed at the next write: text, or a heartbeat, a blank line, every KEEPALIVE_SECONDS); a
+call not done in COMPLETION_TIMEOUT_SECONDS cancels its job and answers 503.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
+import queue
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,15 +25,21 @@ from types import SimpleNamespace
 
 from flask import Blueprint, Response
 from pydantic import ValidationError
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from jobstore import jobs
-from jobstore.batch_output import response_body
+from jobstore.batch_output import echoed_prompt, response_body
+from jobstore.deltas import Delta
+from jobstore.logprob_shapes import chat_logprobs, completion_logprobs
 from jobstore.models import Job, JobStatus
 from jobstore.requests import JobCreate
 from webapi.auth import current_tenant, require_api_key
 from webapi.errors import APIError, from_validation_error
+from webapi.events import HEARTBEAT, Ended, Tick, acquire_slot, follow, read_job
 from webapi.extensions import Services, services
 from webapi.jobs import submit_job
+from webapi.metrics import JOBS_CANCELLED
 from webapi.openai_schemas import (
     CHAT_ENDPOINT,
     COMPLETIONS_ENDPOINT,
@@ -42,28 +48,24 @@ from webapi.openai_schemas import (
     Completion,
     CompletionCreate,
 )
-from webapi.prompts import NoChatTemplate, check_length, prepare_prompt
+from webapi.prompts import NoChatTemplate, check_length, prepare_prompt, tokenizer_for
 from webapi.spec import endpoint
 
 log = logging.getLogger(__name__)
 bp = Blueprint("completions", __name__, url_prefix="/v1")
 bp.before_request(require_api_key)
-KEEPALIVE_SECONDS = 1.0  # a streamed call with no new text writes an SSE comment this often
-
-
-class CompletionTimeout(Exception):
-    """The job did not finish in COMPLETION_TIMEOUT_SECONDS (it has been cancelled)."""
+KEEPALIVE_SECONDS = 1.0  # a streamed call with no new text writes a HEARTBEAT (a blank line) this often
 
 
 @bp.post("/chat/completions")
-@endpoint(body=ChatCompletionCreate, responses={200: ChatCompletion}, errors=(409,))
+@endpoint(body=ChatCompletionCreate, responses={200: ChatCompletion}, errors=(404, 409))
 def chat_completion(body: ChatCompletionCreate):
     """Answer a chat now: waits for its job (priority 0 unless `priority`), or streams it (`stream`)."""
     return complete(body, CHAT_ENDPOINT)
 
 
 @bp.post("/completions")
-@endpoint(body=CompletionCreate, responses={200: Completion}, errors=(409,))
+@endpoint(body=CompletionCreate, responses={200: Completion}, errors=(404, 409))
 def text_completion(body: CompletionCreate):
     """Continue a prompt now: waits for its job (priority 0 unless `priority`), or streams it (`stream`)."""
     return complete(body, COMPLETIONS_ENDPOINT)
@@ -71,58 +73,110 @@ def text_completion(body: CompletionCreate):
 
 def complete(body: ChatCompletionCreate | CompletionCreate, endpoint: str):
     """Submit the job, hold a waiting slot, and answer when it ends (or stream it)."""
-    request, prompt_tokens = completion_job(body)
+    prompts = body.prompts() if isinstance(body, CompletionCreate) else [None]
+    if len(prompts) > 1 or body.choices() > 1:  # choice i * n + j: prompt i's j-th (seed + j when seeded)
+        requests = [completion_job(body, p, j) for p in prompts for j in range(body.choices())]
+        if body.stream:
+            return stream_many(body, endpoint, requests)
+        return complete_many(body, endpoint, requests)
+    request, prompt_tokens = completion_job(body, prompts[0])
     found = services()
-    slots = found.completion_slots
-    if slots is None:
-        raise APIError(
-            503,
-            "unavailable",
-            "synchronous completions are off on this server (COMPLETION_SLOTS=0, or a sync gunicorn worker): "
-            "use the Batch API, or POST /jobs and poll",
-            {"Retry-After": "60"},
-        )
-    if not slots.acquire(blocking=False):
-        raise APIError(
-            429,
-            "too_many_waiting_completions",
-            f"this server process already waits on {found.settings.completion_slots} completions, the most "
-            "it holds (COMPLETION_SLOTS); retry after Retry-After seconds",
-            {"Retry-After": "1"},
-        )
+    release = acquire_slot(found)
     streaming = False
+    subscribed: list = []  # to the job's events, before the job is sent: none can come before
     try:
-        job = submit_job(request, prompt_tokens)
-        log.info("completion job %s for tenant %s, priority %d", job.id, current_tenant().name, job.priority)
+        job = submit_job(
+            request,
+            prompt_tokens,
+            on_created=lambda job: subscribed.append((job.id.hex, found.hub.subscribe(job.id.hex))),
+        )
+        log.debug("completion job %s for tenant %s, priority %d", job.id, current_tenant().name, job.priority)
+        if not subscribed:  # an existing job (not sent by this call): follow it from its row
+            subscribed.append((job.id.hex, found.hub.subscribe(job.id.hex)))
+        # a job just created is queued with no output: no need to read its row to start
+        events = follow_job(found, job, subscribed[0][1], row=job if job.status == JobStatus.QUEUED else None)
         if body.stream:
             streaming = True
-            return stream(found, job, endpoint, body, slots.release)
-        try:
-            done = last(follow(found, job.id))
-        except CompletionTimeout:
-            raise timeout_error(found) from None
+            return stream(found, job, endpoint, body, events, prompt_tokens, release, subscribed[0])
+        done = next((item.job for item in events if isinstance(item, Ended)), None)
+        if done is None:
+            cancel(found, job)
+            raise timeout_error(found)
     finally:
         if not streaming:
-            slots.release()
+            release()
+            for key, inbox in subscribed:
+                found.hub.unsubscribe(key, inbox)
     if done.status == JobStatus.SUCCEEDED:
         return answer(done, endpoint, found.settings.model)
     raise ended_error(done)
 
 
-def completion_job(body: ChatCompletionCreate | CompletionCreate) -> tuple[dict, int]:
-    """The job's fields (JobCreate's) and its prompt token count; 400 naming the field when the prompt
-    cannot run (no chat template, unknown token ids, too long for MAX_MODEL_LEN)."""
+def complete_many(
+    body: ChatCompletionCreate | CompletionCreate, endpoint: str, requests: list[tuple[dict, int]]
+) -> dict:
+    """Several choices (a list of prompts, n > 1): every job submitted, then one answer with a choice per
+    job, in order. With prefix caching, a prompt's later choices start on the blocks its first computed."""
+    found = services()
+    release = acquire_slot(found)
+    subscribed: list = []
+    try:
+        submitted = submit_followed(found, requests, subscribed)
+        ended = []
+        for job, (_, inbox) in zip(submitted, subscribed, strict=True):
+            done = next(
+                (item.job for item in follow_job(found, job, inbox, row=job) if isinstance(item, Ended)), None
+            )
+            if done is None:
+                for other in submitted:
+                    cancel(found, other)
+                raise timeout_error(found)
+            if done.status != JobStatus.SUCCEEDED:
+                raise ended_error(done)
+            ended.append(done)
+    finally:
+        release()
+        for key, inbox in subscribed:
+            found.hub.unsubscribe(key, inbox)
+    answers = [answer(job, endpoint, found.settings.model) for job in ended]
+    reply = answers[0]
+    reply["choices"] = [dict(a["choices"][0], index=i) for i, a in enumerate(answers)]
+    reply["usage"] = {name: sum(a["usage"][name] for a in answers) for name in reply["usage"]}
+    return reply
+
+
+def submit_followed(found: Services, requests: list[tuple[dict, int]], subscribed: list) -> list[Job]:
+    """Submit each choice's job, following its events from the moment it exists (before it can make a
+    token); the (key, inbox) of each goes into `subscribed` as it is made, for the caller to unsubscribe
+    even when a later submission fails."""
+    return [
+        submit_job(
+            request,
+            tokens,
+            on_created=lambda job: subscribed.append((job.id.hex, found.hub.subscribe(job.id.hex))),
+        )
+        for request, tokens in requests
+    ]
+
+
+def completion_job(
+    body: ChatCompletionCreate | CompletionCreate, prompt=None, choice: int = 0
+) -> tuple[dict, int]:
+    """The job's fields (JobCreate's) and its prompt token count (for `prompt`, one of a completion's, and its
+    `choice`-th sample: seed + choice); 400 naming the field when the prompt cannot run."""
     settings = services().settings
     chat = isinstance(body, ChatCompletionCreate)
-    fields = dict(body.sampling(), priority=body.priority)
+    fields = dict(body.sampling(), priority=body.priority or 0)
+    if choice and body.seed is not None:
+        fields["seed"] = (body.seed + choice) % 2**63
     try:
         if isinstance(body, ChatCompletionCreate):
             messages = [m.for_template() for m in body.messages]
             ids, prompt_tokens, error = prepare_prompt(settings.model, messages=messages)
-        elif isinstance(body.prompt, list):
-            ids, prompt_tokens, error = prepare_prompt(settings.model, input_ids=body.prompt)
+        elif isinstance(prompt, list):
+            ids, prompt_tokens, error = prepare_prompt(settings.model, input_ids=prompt)
         else:
-            ids, prompt_tokens, error = prepare_prompt(settings.model, text=body.prompt)
+            ids, prompt_tokens, error = prepare_prompt(settings.model, text=prompt)
     except NoChatTemplate as exc:
         raise APIError(422, "invalid_request", str(exc)) from None
     if error is not None:  # OpenAI's field for token ids is `prompt`
@@ -130,52 +184,56 @@ def completion_job(body: ChatCompletionCreate | CompletionCreate) -> tuple[dict,
     if ids is not None:
         fields["input_ids"] = ids
     else:
-        fields["prompt"] = body.prompt
+        fields["prompt"] = prompt
     max_tokens = body.requested_max_tokens()
     if max_tokens is None:  # OpenAI's chat default: as much as the context leaves
         max_tokens = max(1, settings.max_model_len - prompt_tokens)
-    error = check_length(prompt_tokens, max_tokens, settings.max_model_len, "messages" if chat else "prompt")
+    error = check_length(
+        prompt_tokens,
+        max_tokens,
+        settings.max_model_len,
+        "messages" if chat else "prompt",
+        body.max_tokens_field(),
+        defaulted=getattr(body, body.max_tokens_field()) is None,
+    )
     if error is not None:
         raise APIError(422, "context_length_exceeded", str(error))
     fields["max_tokens"] = max_tokens
     try:  # the job as the worker will check it (and genq's defaults for what the body left out)
         return JobCreate.model_validate(fields).model_dump(), prompt_tokens
     except ValidationError as exc:
-        raise from_validation_error(exc) from None
+        raise from_validation_error(exc, document=fields) from None
 
 
-def follow(found: Services, job_id: uuid.UUID) -> Iterator[Job]:
-    """The job's row every COMPLETION_POLL_SECONDS until it ends (the last one yielded is ended); cancels
-    the job and raises CompletionTimeout after COMPLETION_TIMEOUT_SECONDS."""
-    settings = found.settings
-    deadline = time.monotonic() + settings.completion_timeout_seconds
-    while True:
-        with found.autocommit.connect() as conn:  # a connection per read: none held while sleeping
-            job = jobs.get_job(conn, job_id)
-        if job is None:  # deleted under us (its tenant was removed)
-            raise APIError(404, "not_found", "the job of this completion is gone")
-        yield job
-        if JobStatus(job.status).finished:
-            return
-        if time.monotonic() > deadline:
-            cancel(found, job)
-            raise CompletionTimeout
-        time.sleep(settings.completion_poll_seconds)
-
-
-def last(rows: Iterator[Job]) -> Job:
-    """The last row: the ended job."""
-    return collections.deque(rows, maxlen=1)[0]
+def follow_job(found: Services, job: Job, inbox, row: Job | None) -> Iterator:
+    """The job's events (webapi/events.follow) until it ends or COMPLETION_TIMEOUT_SECONDS pass."""
+    return follow(
+        found.hub,
+        read_job(found.autocommit, job.id),
+        job.id,
+        inbox=inbox,
+        row=row,
+        tick_seconds=KEEPALIVE_SECONDS,
+        resync_seconds=found.settings.events_resync_seconds,
+        deadline=time.monotonic() + found.settings.completion_timeout_seconds,
+    )
 
 
 def cancel(found: Services, job: Job) -> None:
-    with found.autocommit.connect() as conn:
-        jobs.cancel_job(conn, job.id, job.tenant_id)
+    try:
+        with found.autocommit.connect() as conn:
+            _, cancelled = jobs.cancel_job(conn, job.id, job.tenant_id)
+    except (OperationalError, InterfaceError, PoolTimeout) as exc:  # it runs to its end, unread
+        log.warning("completion job %s not cancelled, database unavailable (%s)", job.id, exc)
+        return
+    if cancelled:  # counted and published once
+        JOBS_CANCELLED.labels(str(job.priority)).inc()
+        found.hub.publish_status([(job.id.hex, JobStatus.CANCELLED.value)])
 
 
 def answer(job: Job, endpoint: str, model: str) -> dict:
     """The endpoint's response body for a succeeded job (the Batch API's output lines hold the same)."""
-    body = response_body(_row(job), endpoint, model)
+    body = response_body(_row(job), endpoint, model, tokenizer_for(model))
     return (ChatCompletion if endpoint == CHAT_ENDPOINT else Completion).model_validate(body).model_dump()
 
 
@@ -188,6 +246,10 @@ def _row(job: Job) -> SimpleNamespace:
         output_text=job.output_text,
         finish_reason=job.finish_reason,
         finished_at=job.finished_at,
+        options=job.options,
+        logprobs=job.logprobs,
+        prompt=job.prompt,
+        input_ids=job.input_ids,
     )
 
 
@@ -208,53 +270,49 @@ def timeout_error(found: Services) -> APIError:
     )
 
 
-def stream(found: Services, job: Job, endpoint: str, body, release) -> Response:
-    """Server-sent events of the job's text as it grows; `release` frees the slot when the response closes
-    (all sent, or the client went away: then the job is cancelled)."""
+def stream(
+    found: Services, job: Job, endpoint: str, body, events, prompt_tokens: int, release, subscription
+) -> Response:
+    """Server-sent events of the job's text, each step's piece as the worker sends it; `release` frees the
+    slot when the response closes (all sent, or the client went away: then the job is cancelled)."""
     ended = False
 
-    def events() -> Iterator[bytes]:
+    def chunks_of_events() -> Iterator[bytes]:
         nonlocal ended
-        chunks = Chunks(endpoint, found.settings.model, job.id)
-        stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
-        holdback = max(map(len, stops), default=1) - 1
-        sent, quiet_since = "", time.monotonic()
-        if endpoint == CHAT_ENDPOINT:
-            yield chunks.event(delta={"role": "assistant", "content": ""})
-        try:
-            for row in follow(found, job.id):
-                finished = JobStatus(row.status).finished
-                # while it runs, the text's last characters may yet be cut by a stop string: keep them back
-                text = row.output_text if finished else row.output_text[: len(row.output_text) - holdback]
-                if len(text) > len(sent) and text.startswith(sent):
-                    yield chunks.text(text[len(sent) :])
-                    sent, quiet_since = text, time.monotonic()
-                elif time.monotonic() - quiet_since >= KEEPALIVE_SECONDS:
-                    yield b": keep-alive\n\n"  # a client gone is noticed at a write
-                    quiet_since = time.monotonic()
-        except CompletionTimeout:
-            error = timeout_error(found)
-            yield chunks.error(error.code, error.message)
-            ended = True
-            return
-        if row.status != JobStatus.SUCCEEDED:
-            error = ended_error(row)
-            yield chunks.error(error.code, error.message)
-        else:
-            yield chunks.finish(row.finish_reason)
-            if body.stream_options and body.stream_options.include_usage:
-                yield chunks.usage(row.prompt_tokens or 0, len(row.output_token_ids))
-            yield b"data: [DONE]\n\n"
+        chunks = Chunks(endpoint, found.settings.model, job.id, job)
+        yield from chunks.opening()
+        tokens = 0
+        for item in events:
+            if isinstance(item, Delta):
+                tokens = chunks.completion_tokens(item)
+                yield from chunks.step(item)
+                if item.finish_reason in ("stop", "length"):
+                    if body.stream_options and body.stream_options.include_usage:
+                        yield chunks.usage(prompt_tokens, tokens)
+                    yield b"data: [DONE]\n\n"
+                    ended = True
+                    return
+            elif isinstance(item, Ended):  # it ended without a finish of its own: cancelled or failed
+                error = ended_error(item.job)
+                yield chunks.error(error.code, error.message)
+                ended = True
+                return
+            elif isinstance(item, Tick):
+                yield HEARTBEAT  # a client gone is noticed at a write
+        cancel(found, job)  # COMPLETION_TIMEOUT_SECONDS passed
+        error = timeout_error(found)
+        yield chunks.error(error.code, error.message)
         ended = True
 
     def close() -> None:
         release()
+        found.hub.unsubscribe(*subscription)  # also when the generator never started
         if not ended:  # the client went away before the end: nobody will read the rest
             log.info("completion job %s: the client went away; cancelling it", job.id)
             cancel(found, job)
 
     response = Response(
-        events(),
+        chunks_of_events(),
         mimetype="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},  # no proxy buffering
     )
@@ -262,27 +320,175 @@ def stream(found: Services, job: Job, endpoint: str, body, release) -> Response:
     return response
 
 
-class Chunks:
-    """The events of a streamed completion, in OpenAI's chunk shapes."""
+def stream_many(
+    body: ChatCompletionCreate | CompletionCreate, endpoint: str, requests: list[tuple[dict, int]]
+) -> Response:
+    """Several choices streamed (n > 1, a list of prompts): every job submitted, then their events as they
+    come, each chunk with its choice's `index`, each choice ending with its own finish_reason; [DONE] once
+    all have. A follower per job (a greenlet under gevent) feeds one queue; a failed or cancelled choice,
+    the timeout, or the client going away cancels every job still running."""
+    found = services()
+    release = acquire_slot(found)
+    subscribed: list = []
+    try:
+        submitted = submit_followed(found, requests, subscribed)
+    except BaseException:
+        release()
+        for key, inbox in subscribed:
+            found.hub.unsubscribe(key, inbox)
+        raise
+    merged: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    open_choices = set(range(len(submitted)))
 
-    def __init__(self, endpoint: str, model: str, job_id: uuid.UUID):
+    def pump(index: int, job: Job, inbox) -> None:
+        events = follow_job(found, job, inbox, row=job)  # unsubscribes when closed
+        try:
+            for item in events:
+                if stop.is_set():
+                    return
+                if isinstance(item, Delta) or isinstance(item, Ended):
+                    merged.put((index, item))
+                    if isinstance(item, Ended) or item.finish_reason is not None:
+                        return
+        finally:
+            events.close()
+            merged.put((index, None))  # this choice's events are over (at its end, or the timeout)
+
+    def chunks_of_events() -> Iterator[bytes]:
+        model = found.settings.model
+        chunks = [Chunks(endpoint, model, submitted[0].id, job, i) for i, job in enumerate(submitted)]
+        for choice in chunks:
+            yield from choice.opening()
+        tokens = [0] * len(chunks)
+        while open_choices:
+            try:
+                index, item = merged.get(timeout=KEEPALIVE_SECONDS)
+            except queue.Empty:
+                yield HEARTBEAT  # a client gone is noticed at a write
+                continue
+            if item is None:
+                if index in open_choices:  # its follower gave up: COMPLETION_TIMEOUT_SECONDS passed
+                    error = timeout_error(found)
+                    yield chunks[index].error(error.code, error.message)
+                    return
+                continue
+            if isinstance(item, Ended):  # it ended without a finish of its own: cancelled or failed
+                error = ended_error(item.job)
+                yield chunks[index].error(error.code, error.message)
+                return
+            tokens[index] = chunks[index].completion_tokens(item)
+            yield from chunks[index].step(item)
+            if item.finish_reason in ("stop", "length"):
+                open_choices.discard(index)
+        if body.stream_options and body.stream_options.include_usage:
+            yield chunks[0].usage(sum(tokens for _, tokens in requests), sum(tokens))
+        yield b"data: [DONE]\n\n"
+
+    def close() -> None:
+        stop.set()
+        release()
+        if open_choices:  # the client went away, a choice failed, or the time ran out: nobody reads the rest
+            log.info("completion jobs %s: the stream ended early; cancelling them", [j.id for j in submitted])
+            for job in submitted:
+                cancel(found, job)
+
+    for index, (job, (_, inbox)) in enumerate(zip(submitted, subscribed, strict=True)):
+        threading.Thread(target=pump, args=(index, job, inbox), name=f"follow-{job.id}", daemon=True).start()
+    response = Response(
+        chunks_of_events(),
+        mimetype="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+    response.call_on_close(close)
+    return response
+
+
+_MARK = "\x00genq-text\x00"  # stands for the text while a text chunk's template is rendered
+
+
+class Chunks:
+    """The events of one choice of a streamed completion (its `index`: several choices of a call share the
+    `id` of the first's job), in OpenAI's chunk shapes."""
+
+    def __init__(self, endpoint: str, model: str, job_id: uuid.UUID, job: Job, index: int = 0):
         self.chat = endpoint == CHAT_ENDPOINT
+        self.model, self.job, self.index = model, job, index
+        self.text_offset = 0  # completions' logprobs: characters of the token strings sent
+        options = job.options or {}
+        self.echo, self.alone = options.get("echo", False), options.get("echo_only", False)
+        self.tokenizer = tokenizer_for(model) if options.get("logprobs") is not None else None
         self.base = {
             "id": ("chatcmpl-" if self.chat else "cmpl-") + job_id.hex,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": int(time.time()),
             "model": model,
         }
+        self._text_template: tuple[bytes, bytes] | None = None  # a text chunk's bytes around its text
 
-    def event(self, *, delta: dict | None = None, text: str = "", finish_reason: str | None = None) -> bytes:
+    def opening(self) -> Iterator[bytes]:
+        """What a choice begins with: chat's role; an echoed prompt (the first chunk carries it, as vLLM's;
+        with logprobs, it waits for the first step's event, which brings the prompt's)."""
         if self.chat:
-            choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish_reason}
+            yield self.event(delta={"role": "assistant", "content": ""})
+        elif self.echo and self.tokenizer is None:
+            yield self.text(echoed_prompt(self.job, tokenizer_for(self.model)))
+            self.echo = False
+
+    def step(self, item: Delta) -> Iterator[bytes]:
+        """One step's chunk (its text may be empty: a character not complete yet), as vLLM sends one a step,
+        and the choice's finish. With `echo_only` (max_tokens 0) the token drawn is left out."""
+        if self.echo and not self.chat:  # the echoed prompt with its log probabilities (null if missed)
+            self.echo = False
+            prompt = (item.fields or {}).get("prompt_logprobs")
+            text = echoed_prompt(self.job, tokenizer_for(self.model))
+            yield self.text(text, prompt and self.logprobs(prompt, self.tokenizer))
+        logprobs = (item.fields or {}).get("logprobs") if self.tokenizer is not None else None
+        if not self.alone and (item.token_ids and (not item.finish_reason or logprobs) or item.text):
+            yield self.text(item.text, logprobs and self.logprobs(logprobs, self.tokenizer))
+        if item.finish_reason in ("stop", "length"):
+            yield self.finish("length" if self.alone else item.finish_reason)
+
+    def completion_tokens(self, item: Delta) -> int:
+        return 0 if self.alone else item.end.tokens
+
+    def event(
+        self,
+        *,
+        delta: dict | None = None,
+        text: str = "",
+        finish_reason: str | None = None,
+        logprobs: dict | None = None,
+    ) -> bytes:
+        if self.chat:
+            choice = {
+                "index": self.index,
+                "delta": delta or {},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._data(dict(self.base, choices=[choice]))
 
-    def text(self, text: str) -> bytes:
-        return self.event(delta={"content": text}, text=text)
+    def text(self, text: str, logprobs: dict | None = None) -> bytes:
+        if logprobs is None:  # a step's text alone, the chunk of nearly every event: from a template
+            if self._text_template is None:
+                marked = self.event(delta={"content": _MARK}, text=_MARK)
+                head, _, tail = marked.partition(json.dumps(_MARK).encode())
+                self._text_template = (head, tail)
+            head, tail = self._text_template
+            return head + json.dumps(text).encode() + tail
+        return self.event(delta={"content": text}, text=text, logprobs=logprobs)
+
+    def logprobs(self, entries: list, tokenizer) -> dict:
+        """The log probabilities of a step's tokens, in the endpoint's shape (completions: text offsets
+        counted over the token strings so far, as in the reply that does not stream)."""
+        if self.chat:
+            return chat_logprobs(entries, tokenizer)
+        shaped = completion_logprobs(entries, tokenizer, self.text_offset)
+        self.text_offset += sum(map(len, shaped["tokens"]))
+        return shaped
 
     def finish(self, finish_reason: str | None) -> bytes:
         return self.event(finish_reason=finish_reason)

@@ -1,7 +1,9 @@
 """The one error shape, `{"error": {"code", "message"}}`, for every failure the API answers; under /v1
 (the OpenAI-compatible surface) the same errors take OpenAI's shape, `{"error": {"message", "type",
 "param", "code"}}`, and invalid requests answer 400 as OpenAI's do, so OpenAI's clients raise their usual
-exceptions (BadRequestError, AuthenticationError, NotFoundError, RateLimitError)."""
+exceptions (BadRequestError, AuthenticationError, NotFoundError, RateLimitError). A message starts with the
+field at fault (`max_tokens: ...`), which /v1 also gives as `param`; webapi/validation.py words a request
+that fails validation."""
 
 from __future__ import annotations
 
@@ -14,15 +16,29 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from werkzeug.exceptions import HTTPException
 
+from webapi.validation import MISSING, problems
+
 log = logging.getLogger(__name__)
+FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")  # "messages[0].role: ..." names the field at fault
+FROM_MESSAGE = "from the message"
 
 
 class APIError(Exception):
-    """A failure to report to the client with `status`, a stable `code` and a readable `message`."""
+    """A failure to report to the client with `status`, a stable `code` and a readable `message`; `param`
+    names the field at fault (by default, the one the message starts with: "max_tokens: ...")."""
 
-    def __init__(self, status: int, code: str, message: str, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        headers: dict | None = None,
+        param: str | None = FROM_MESSAGE,
+    ):
         super().__init__(message)
         self.status, self.code, self.message, self.headers = status, code, message, headers or {}
+        field = FIELD.match(message)
+        self.param = (field and field.group(1)) if param is FROM_MESSAGE else param
 
 
 OPENAI_PREFIX = "/v1/"
@@ -32,35 +48,40 @@ OPENAI_TYPES = {
     404: "invalid_request_error",
     429: "rate_limit_error",
 }
-FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")  # "messages.0.role: ..." names the field at fault
 
 
-def error_response(status: int, code: str, message: str, headers: dict | None = None):
+def error_response(
+    status: int, code: str, message: str, headers: dict | None = None, param: str | None = None
+):
     if has_request_context() and request.path.startswith(OPENAI_PREFIX):
-        return openai_error_response(status, code, message, headers)
+        return openai_error_response(status, code, message, headers, param)
     return jsonify(error={"code": code, "message": message}), status, headers or {}
 
 
-def openai_error_response(status: int, code: str, message: str, headers: dict | None = None):
+def openai_error_response(
+    status: int, code: str, message: str, headers: dict | None = None, param: str | None = None
+):
     """The error in OpenAI's shape; 422 becomes 400, as OpenAI answers an invalid request."""
     status = 400 if status == 422 else status
     kind = OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    field = FIELD.match(message)
-    body = {"message": message, "type": kind, "param": field and field.group(1), "code": code}
+    if param is None and (field := FIELD.match(message)):
+        param = field.group(1)
+    body = {"message": message, "type": kind, "param": param, "code": code}
     return jsonify(error=body), status, headers or {}
 
 
-def from_validation_error(exc: ValidationError, where: str = "body") -> APIError:
-    """400 for a body that is not JSON, else 422 naming each offending field."""
+def from_validation_error(exc: ValidationError, where: str = "body", document=MISSING) -> APIError:
+    """400 for a body that is not JSON; 404 model_not_found for a model this server does not serve; else
+    422 naming each offending field (webapi/validation.py). `document`: the request as parsed JSON."""
     errors = exc.errors(include_url=False)
     if any(e["type"] == "json_invalid" for e in errors):
         return APIError(400, "malformed_json", f"{where} is not valid JSON: {errors[0]['msg']}")
-    parts = []
-    for e in errors:
-        field = ".".join(str(p) for p in e["loc"]) or where
-        message = e["msg"].removeprefix("Value error, ")
-        parts.append(f"{field}: {message}")
-    return APIError(422, "invalid_request", "; ".join(parts))
+    found = problems(exc, document)
+    first = next((p for p in found if p.status != 422), found[0])  # an unknown model is the answer
+    if first.status != 422:
+        return APIError(first.status, first.code, str(first), param=first.param)
+    text = "; ".join(str(p) if p.param else f"{where}: {p}" for p in found)
+    return APIError(422, "invalid_request", text, param=first.param)
 
 
 def init_errors(app: Flask) -> None:
@@ -68,14 +89,20 @@ def init_errors(app: Flask) -> None:
 
     @app.errorhandler(APIError)
     def api_error(exc: APIError):
-        return error_response(exc.status, exc.code, exc.message, exc.headers)
+        return error_response(exc.status, exc.code, exc.message, exc.headers, exc.param)
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException):
         code = (exc.name or "error").lower().replace(" ", "_")
         headers = dict(exc.get_headers())
         headers.pop("Content-Type", None)
-        return error_response(exc.code or 500, code, exc.description or exc.name, headers)
+        message = exc.description or exc.name
+        if exc.code == 413 and request.max_content_length:
+            message = (
+                f"the request body is larger than {request.max_content_length:,} bytes, the most this server "
+                "takes (MAX_BODY_BYTES)"
+            )
+        return error_response(exc.code or 500, code, message, headers)
 
     @app.errorhandler(OperationalError)
     @app.errorhandler(InterfaceError)

@@ -15,9 +15,10 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobstore.db import make_engine, make_session_factory
-from jobstore.dispatch import BulkSender, make_celery
+from jobstore.dispatch import BulkSender, bounded_redis, make_celery
 from jobstore.settings import ApiSettings
 from webapi.errors import error_response
+from webapi.events import Hub
 from webapi.key_cache import KeyCache
 from webapi.queue_size import QueueSize
 from webapi.sent_marks import SentMarks
@@ -41,8 +42,9 @@ class Services:
     key_cache: KeyCache  # API keys looked up in the last few seconds
     sent_marks: SentMarks  # jobs sent to Redis, recorded in Postgres in batches
     queue_size: QueueSize  # queued jobs per tenant and in all, counted at most once a second
-    bulk_sender: BulkSender  # a batch's jobs to Redis, in pipelines
-    completion_slots: threading.BoundedSemaphore | None  # synchronous completions waiting in this process
+    bulk_sender: BulkSender  # jobs to Redis: one LPUSH for POST /jobs, pipelines for a batch's
+    completion_slots: threading.BoundedSemaphore | None  # calls waiting on a job in this process
+    hub: Hub  # this process's reader of token events (webapi/events.py)
 
     def close(self) -> None:
         """Record the pending "sent" marks, then close every database connection (tests, shutdown)."""
@@ -52,7 +54,13 @@ class Services:
 
 
 def init_extensions(app: Flask, settings: ApiSettings) -> None:
-    engine = make_engine(settings.database_url, settings.db_connect_timeout)
+    # a gevent process serves thousands of calls at once: in a burst they wait their turn for a connection,
+    # as long as it takes (on 2 busy cores, 1,000 streams opened at once waited over 30 s); a database that
+    # is down is found by the connection attempt (DB_CONNECT_TIMEOUT), not by this wait. A connection idle
+    # over a second is pinged before use; one reused at once is not (a round trip a request)
+    engine = make_engine(
+        settings.database_url, settings.db_connect_timeout, pool_timeout=120, ping_idle_seconds=1.0
+    )
     limiter = Limiter(
         rate_limit_key,
         app=app,
@@ -60,7 +68,8 @@ def init_extensions(app: Flask, settings: ApiSettings) -> None:
         key_prefix=f"{settings.redis_key_prefix}ratelimit",
         default_limits=[settings.rate_limit],
         default_limits_exempt_when=lambda: request.blueprint not in LIMITED_BLUEPRINTS,
-        storage_options={"socket_timeout": 2, "socket_connect_timeout": 2},
+        # a bounded pool, waited on: a burst of calls shares a few connections (jobstore.dispatch.bounded_redis)
+        storage_options={"connection_pool": bounded_redis(settings.redis_url, timeout=2).connection_pool},
         headers_enabled=False,  # X-RateLimit-* on every answer would cost a second Redis call per request
         swallow_errors=True,
         in_memory_fallback_enabled=True,  # Redis down: count in memory, never a 500
@@ -79,6 +88,7 @@ def init_extensions(app: Flask, settings: ApiSettings) -> None:
         QueueSize(engine),
         BulkSender(celery, settings),
         threading.BoundedSemaphore(settings.completion_slots) if settings.completion_slots else None,
+        Hub(settings.redis_url, settings.redis_key_prefix),
     )
     app.teardown_appcontext(_close_session)
     app.register_error_handler(RateLimitExceeded, _rate_limited)

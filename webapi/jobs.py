@@ -6,22 +6,26 @@ import base64
 import binascii
 import json
 import logging
+import time
 import uuid
+from collections.abc import Callable, Iterator
 from datetime import datetime
 
-from flask import Blueprint, request, url_for
+from flask import Blueprint, Response, request, url_for
 from kombu.exceptions import KombuError
 from redis.exceptions import RedisError
 
 from jobstore import jobs
-from jobstore.dispatch import send_job
+from jobstore.deltas import Delta, Position
+from jobstore.events import Status
 from jobstore.models import Job, JobStatus
 from webapi.auth import current_tenant, require_api_key
 from webapi.errors import APIError
+from webapi.events import HEARTBEAT, RETRY, Ended, acquire_slot, follow, read_job
 from webapi.extensions import db, services
 from webapi.metrics import JOBS_CANCELLED, JOBS_SUBMITTED
 from webapi.prompts import NoChatTemplate, check_length, prepare_prompt
-from webapi.schemas import JobOut, JobPage, JobSubmit, ListQuery
+from webapi.schemas import JobOut, JobPage, JobQuery, JobSubmit, ListQuery
 from webapi.spec import endpoint
 
 log = logging.getLogger(__name__)
@@ -29,6 +33,8 @@ bp = Blueprint("jobs", __name__, url_prefix="/jobs")
 bp.before_request(require_api_key)
 
 IDEMPOTENCY_HELP = "Retrying with the same key returns the same job (a different body is a 422)."
+LAST_EVENT_ID_HELP = "The id of the last event received: the stream goes on after it, nothing sent twice."
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
 
 
 @bp.post("")
@@ -44,14 +50,19 @@ def create_job(body: JobSubmit):
     )
 
 
-def submit_job(request: dict, prompt_tokens: int, key: str | None = None) -> Job:
+def submit_job(
+    request: dict, prompt_tokens: int, key: str | None = None, on_created: Callable[[Job], None] | None = None
+) -> Job:
     """Insert the caller's job (JobCreate's fields) and send it to Redis; 429 over the queued-job caps, 422
-    for an Idempotency-Key reused with another body. POST /jobs and /v1's synchronous completions."""
+    for an Idempotency-Key reused with another body. POST /jobs and /v1's synchronous completions.
+    `on_created(job)` runs between the two (a caller following the job subscribes to its events there)."""
     tenant_id, cap = current_tenant().id, services().settings.max_queued_per_tenant
+    # counted apart (webapi/queue_size.py), before taking a connection: a count never waits on a second one
+    near_cap = services().queue_size.of(tenant_id) >= cap // 2  # below: see webapi/queue_size.py
+    overloaded = overloaded_error()
     with services().autocommit.connect() as conn:  # one INSERT; near its cap, the tenant's count is inside it
-        if key is None or jobs.job_for_key(conn, tenant_id, key) is None:  # a retry is not a new job
-            check_not_overloaded()
-        near_cap = services().queue_size.of(tenant_id) >= cap // 2  # below: see webapi/queue_size.py
+        if overloaded and (key is None or jobs.job_for_key(conn, tenant_id, key) is None):
+            raise overloaded  # a retry of a job is answered, not a new job
         try:
             job, created = jobs.create_job(
                 conn,
@@ -73,15 +84,53 @@ def submit_job(request: dict, prompt_tokens: int, key: str | None = None) -> Job
             {"Retry-After": "5"},
         )
     if created:
+        if on_created is not None:
+            on_created(job)
         enqueue(job)
     return job
 
 
 @bp.get("/<uuid:job_id>")
-@endpoint(responses={200: JobOut})
-def get_job(job_id: uuid.UUID):
-    """Read a job: its status, and its output so far."""
-    return JobOut.from_job(owned_job(jobs.get_job(db(), job_id, current_tenant().id))).model_dump(mode="json")
+@endpoint(query=JobQuery, responses={200: JobOut})
+def get_job(job_id: uuid.UUID, query: JobQuery):
+    """Read a job: its status, and its output so far; with `wait`, once it ends or the wait runs out."""
+    job = find_job(job_id)
+    if query.wait and not JobStatus(job.status).finished:
+        job = wait_for(job, query.wait)
+    return JobOut.from_job(job).model_dump(mode="json")
+
+
+@bp.get("/<uuid:job_id>/events")
+@endpoint(responses={200: None}, headers={"Last-Event-ID": LAST_EVENT_ID_HELP})
+def job_events(job_id: uuid.UUID):
+    """Follow a job as server-sent events: status changes, text deltas as they are made, the result."""
+    job = find_job(job_id)
+    since = last_event_id()
+    found = services()
+    release = acquire_slot(found)
+    read = read_job(found.autocommit, job.id, job.tenant_id)
+
+    def stream() -> Iterator[bytes]:
+        held = since
+        yield b"retry: 1000\n\n"
+        for item in follow(
+            found.hub, read, job.id, since, resync_seconds=found.settings.events_resync_seconds
+        ):
+            if isinstance(item, Delta):
+                held = item.end
+                data = {"token_ids": item.token_ids, "text": item.text, "finish_reason": item.finish_reason}
+                yield sse("delta", data | (item.fields or {}), held)
+            elif isinstance(item, Status):
+                yield sse("status", {"status": item.status}, held)
+            elif isinstance(item, Ended):
+                yield sse("result", JobOut.from_job(item.job).model_dump(mode="json"), held)
+                return
+            else:
+                yield HEARTBEAT
+
+    response = Response(stream(), mimetype="text/event-stream", headers=SSE_HEADERS)
+    response.call_on_close(release)
+    return response
 
 
 @bp.get("")
@@ -105,13 +154,55 @@ def list_jobs(query: ListQuery):
 @endpoint(responses={200: JobOut}, errors=(409,))
 def cancel_job(job_id: uuid.UUID):
     """Cancel a queued or running job; a running one leaves the batch within a second."""
-    job = owned_job(jobs.cancel_job(db(), job_id, current_tenant().id))
+    found, cancelled = jobs.cancel_job(db(), job_id, current_tenant().id)
+    job = owned_job(found)
     db().commit()
     if job.status != JobStatus.CANCELLED:
         raise APIError(409, "conflict", f"job already {JobStatus(job.status).value}; it cannot be cancelled")
-    log.info("job %s cancelled by tenant %s", job.id, current_tenant().name)
-    JOBS_CANCELLED.labels(str(job.priority)).inc()
+    if cancelled:  # a repeated cancel answers the same, and is not counted or published again
+        services().hub.publish_status([(job.id.hex, JobStatus.CANCELLED.value)])
+        log.info("job %s cancelled by tenant %s", job.id, current_tenant().name)
+        JOBS_CANCELLED.labels(str(job.priority)).inc()
     return JobOut.from_job(job).model_dump(mode="json")
+
+
+def wait_for(job: Job, seconds: float) -> Job:
+    """The job once it ends, or as it is after `seconds`; holds a waiting slot meanwhile."""
+    found = services()
+    release = acquire_slot(found)
+    read = read_job(found.autocommit, job.id, job.tenant_id)
+    try:
+        deadline = time.monotonic() + seconds
+        for item in follow(found.hub, read, job.id, row=job, deadline=deadline):
+            if isinstance(item, Ended):
+                return item.job
+    finally:
+        release()
+    now = read()
+    return job if now is RETRY else owned_job(now)
+
+
+def sse(event: str, data: dict, position: Position) -> bytes:
+    """One server-sent event; its id is the position in the output after it (resume with Last-Event-ID)."""
+    return f"id: {position.id}\nevent: {event}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def last_event_id() -> Position:
+    """Where a reconnecting client stopped: the Last-Event-ID header (or `last_event_id` in the query)."""
+    value = request.headers.get("Last-Event-ID", request.args.get("last_event_id"))
+    if value is None:
+        return Position()
+    position = Position.parse(value)
+    if position is None:
+        raise APIError(422, "invalid_request", "Last-Event-ID: not an event id this API gave out")
+    return position
+
+
+def find_job(job_id: uuid.UUID) -> Job:
+    """The caller's job, read on an autocommit connection given back at once: a call that then waits or
+    streams holds no database connection (a request's session would hold one until the response ends)."""
+    with services().autocommit.connect() as conn:
+        return owned_job(jobs.get_job(conn, job_id, current_tenant().id))
 
 
 def owned_job(job: Job | None) -> Job:
@@ -121,12 +212,13 @@ def owned_job(job: Job | None) -> Job:
     return job
 
 
-def check_not_overloaded() -> None:
+def overloaded_error() -> APIError | None:
     """429 with Retry-After when all tenants together have MAX_QUEUED_JOBS queued (counted once a second)."""
     if services().queue_size.total() >= services().settings.max_queued_jobs:
-        raise APIError(
+        return APIError(
             429, "overloaded", "the service has too many jobs queued; retry later", {"Retry-After": "10"}
         )
+    return None
 
 
 def job_request(body: JobSubmit) -> tuple[dict, int]:
@@ -141,8 +233,11 @@ def job_request(body: JobSubmit) -> tuple[dict, int]:
         raise APIError(422, "invalid_request", str(exc)) from None
     if messages is not None and error is None:
         request["input_ids"] = ids
-    field = "messages" if body.messages is not None else "prompt"
-    error = error or check_length(prompt_tokens, body.max_tokens, settings.max_model_len, field)
+    field = "messages" if body.messages is not None else "prompt" if body.prompt is not None else "input_ids"
+    defaulted = "max_tokens" not in body.model_fields_set
+    error = error or check_length(
+        prompt_tokens, body.max_tokens, settings.max_model_len, field, defaulted=defaulted
+    )
     if error is not None:
         raise APIError(422, "invalid_request", str(error))
     return request, prompt_tokens
@@ -153,14 +248,14 @@ def enqueue(job: Job) -> None:
 
     The send is recorded (enqueued_at) in batches, off the request path: webapi/sent_marks.py."""
     try:
-        send_job(services().celery, job.id, job.priority)
+        services().bulk_sender.send_one(job.id, job.priority)
     except (KombuError, RedisError, OSError) as exc:
         log.warning("job %s stays queued unsent (the reconciler will send it): %s", job.id, exc)
         return
     services().sent_marks.add(job.id)
     services().queue_size.accepted(job.tenant_id)
     JOBS_SUBMITTED.labels(priority=str(job.priority)).inc()
-    log.info("job %s queued for tenant %s with priority %d", job.id, current_tenant().name, job.priority)
+    log.debug("job %s queued for tenant %s with priority %d", job.id, current_tenant().name, job.priority)
 
 
 def idempotency_key() -> str | None:

@@ -1,7 +1,9 @@
-"""Operations endpoints: /healthz, /metrics and /openapi.json. No API key needed."""
+"""Operations endpoints: /healthz (and vLLM's /health), /version, /metrics and /openapi.json. No API key
+needed."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 
 import redis
@@ -12,7 +14,7 @@ from sqlalchemy import text
 from webapi.errors import APIError
 from webapi.extensions import db, services
 from webapi.metrics import exposition
-from webapi.schemas import Health
+from webapi.schemas import Health, Version
 from webapi.spec import endpoint, openapi
 
 log = logging.getLogger(__name__)
@@ -20,9 +22,10 @@ bp = Blueprint("ops", __name__)
 
 
 @bp.get("/healthz")
+@bp.get("/health")
 @endpoint(responses={200: Health}, errors=(503,), auth=False)
 def healthz():
-    """Liveness and readiness: 200 when Postgres and Redis answer, else 503."""
+    """Liveness and readiness: 200 when Postgres and Redis answer, else 503 (/health: vLLM's name)."""
     for name, check in (("database", check_database), ("broker", check_broker)):
         try:
             check()
@@ -30,6 +33,13 @@ def healthz():
             log.warning("healthz: %s unavailable: %s", name, exc)
             raise APIError(503, "unavailable", f"{name} unavailable", {"Retry-After": "5"}) from None
     return Health(status="ok", database="ok", broker="ok").model_dump()
+
+
+@bp.get("/version")
+@endpoint(responses={200: Version}, auth=False)
+def version():
+    """genq's version (vLLM's /version)."""
+    return Version(version=importlib.metadata.version("genq")).model_dump()
 
 
 @bp.get("/metrics")

@@ -42,6 +42,13 @@ def tokenizer_for(model: str):
     return load_tokenizer(model)
 
 
+@lru_cache(maxsize=8)
+def vocab_size(model: str) -> int | None:
+    """Token ids the model's tokenizer knows (ids are below it), or None without a tokenizer."""
+    tokenizer = tokenizer_for(model)
+    return None if tokenizer is None else len(tokenizer)
+
+
 def warm_up(model: str) -> None:
     """Load the model's tokenizer and compile its chat template now (an API process calls this as it
     starts), so that the first request, or a 10,000-line batch, does not pay for them."""
@@ -164,16 +171,28 @@ def prepare_prompt(
 
 
 def check_length(
-    prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_field: str
+    prompt_tokens: int,
+    max_tokens: int,
+    max_model_len: int,
+    prompt_field: str,
+    max_tokens_field: str = "max_tokens",
+    defaulted: bool = False,
 ) -> PromptError | None:
-    """None if prompt tokens + max_tokens fit the model, else the error naming the field at fault."""
+    """None if prompt tokens + max_tokens fit the model, else the error naming the field at fault: the
+    prompt when it leaves no room for one token, else max_tokens (`defaulted`: the caller left it out)."""
     if prompt_tokens + max_tokens <= max_model_len:
         return None
-    field = "max_tokens" if max_tokens >= max_model_len else prompt_field
+    limit = f"max_model_len {max_model_len} (MAX_MODEL_LEN)"
+    if prompt_tokens >= max_model_len:
+        return PromptError(
+            prompt_field,
+            f"prompt too long for the model: its {prompt_tokens} tokens leave no room to generate within {limit}",
+        )
+    asked = f"{max_tokens}{' (the default)' if defaulted else ''}"
     return PromptError(
-        field,
-        f"prompt too long for the model: {prompt_tokens} prompt tokens + max_tokens {max_tokens} > "
-        f"max_model_len {max_model_len}",
+        max_tokens_field,
+        f"{asked} tokens to generate + {prompt_tokens} prompt tokens is more than {limit}; with this prompt, "
+        f"ask for at most {max_model_len - prompt_tokens}",
     )
 
 

@@ -27,6 +27,7 @@ class QueueSize:
         self._by_tenant: Counter[uuid.UUID] = Counter()
         self._counted_at = float("-inf")
         self._lock = threading.Lock()
+        self._counting = False
 
     def total(self) -> int:
         """All tenants' queued jobs (counted within `max_age` seconds, plus this process's since)."""
@@ -46,10 +47,16 @@ class QueueSize:
             self._by_tenant[tenant_id] += 1
 
     def _refresh(self) -> None:
+        """Count again if the count is stale; one caller counts, the others meanwhile use the stale count
+        (a burst of calls never queues for connections to count the same thing)."""
         with self._lock:
-            if time.monotonic() - self._counted_at < self.max_age:
+            if self._counting or time.monotonic() - self._counted_at < self.max_age:
                 return
-        with self.engine.connect() as conn:
-            counts = Counter(jobs.queued_by_tenant(conn))
-        with self._lock:
-            self._by_tenant, self._counted_at = counts, time.monotonic()
+            self._counting = True
+        try:
+            with self.engine.connect() as conn:
+                counts = Counter(jobs.queued_by_tenant(conn))
+            with self._lock:
+                self._by_tenant, self._counted_at = counts, time.monotonic()
+        finally:
+            self._counting = False

@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from jobstore.fields import drop_nulls
 from jobstore.models import Job, JobStatus
 from jobstore.requests import JobCreate, MetadataValue
 from webapi.openai_schemas import ChatMessage
@@ -17,7 +18,8 @@ __all__ = ["JobCreate"]  # defined in jobstore (the worker validates stored jobs
 
 class JobSubmit(JobCreate):
     """Body of POST /jobs: a job whose prompt is text, token ids, or chat messages. Messages are rendered
-    with the model's chat template (add_generation_prompt) and stored as the job's input_ids."""
+    with the model's chat template (add_generation_prompt) and stored as the job's input_ids. A field given
+    as null takes its default, as on /v1."""
 
     messages: list[ChatMessage] | None = Field(
         None,
@@ -25,6 +27,11 @@ class JobSubmit(JobCreate):
         max_length=1024,
         description="Chat messages (OpenAI's format), rendered by the server. Give this, prompt or input_ids.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_unset(cls, data):
+        return drop_nulls(data)
 
     @model_validator(mode="after")
     def prompt_xor_input_ids(self) -> JobSubmit:  # replaces JobCreate's: a third way to give the prompt
@@ -45,6 +52,22 @@ class ListQuery(BaseModel):
     status: Status | None = Field(None, description="Only jobs with this status.")
     limit: int = Field(20, ge=1, le=100, description="Jobs per page.")
     cursor: str | None = Field(None, max_length=200, description="`next_cursor` of the previous page.")
+
+
+MAX_WAIT_SECONDS = 60
+
+
+class JobQuery(BaseModel):
+    """Query string of GET /jobs/<id>."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    wait: float | None = Field(
+        None,
+        ge=0,
+        le=MAX_WAIT_SECONDS,
+        description=f"Answer when the job ends, or after this many seconds at most ({MAX_WAIT_SECONDS}).",
+    )
 
 
 class JobOutput(BaseModel):
@@ -83,6 +106,11 @@ class JobOut(BaseModel):
     usage: Usage
     error: ErrorInfo | None
     metadata: dict[str, MetadataValue]
+    logprobs: dict[str, list | None] | None = Field(
+        None,
+        description='With `logprobs` / `prompt_logprobs`, once the job succeeded: {"tokens": [...], "prompt": [...]}, '
+        "each entry [token_id, logprob, [[id, logprob], ...]] (the prompt's first token's logprob is null).",
+    )
 
     @classmethod
     def from_job(cls, job: Job) -> JobOut:
@@ -101,6 +129,7 @@ class JobOut(BaseModel):
             usage=Usage(prompt_tokens=job.prompt_tokens, completion_tokens=len(job.output_token_ids)),
             error=error,
             metadata=job.metadata_,
+            logprobs=job.logprobs,
         )
 
 
@@ -115,3 +144,7 @@ class Health(BaseModel):
     status: Literal["ok"]
     database: Literal["ok"]
     broker: Literal["ok"]
+
+
+class Version(BaseModel):
+    version: str

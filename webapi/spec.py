@@ -22,18 +22,22 @@ from flask import Flask, request
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 
+from jobstore.fields import SERVED_MODELS, VOCAB_SIZE
 from webapi.errors import OPENAI_PREFIX, APIError, from_validation_error
+from webapi.extensions import services
 from webapi.openai_schemas import OpenAIError
+from webapi.prompts import vocab_size
 from webapi.schemas import ErrorResponse
+from webapi.validation import parsed
 
 REF = "#/components/schemas/{model}"
 PATH_ARG = re.compile(r"<(?:([^:<>]+):)?([^<>]+)>")  # werkzeug's <converter:name>
 ERROR_STATUSES = {
     400: "Malformed JSON",
     401: "Missing or unknown API key",
-    404: "Not found (or another tenant's)",
+    404: "Not found (or another tenant's); a `model` this server does not serve (model_not_found)",
     409: "Conflict",
-    413: "Body too large",
+    413: "Body too large (over MAX_BODY_BYTES)",
     415: "Body is not JSON",
     422: "Invalid field or limit",
     429: "Too many requests for this key (RATE_LIMIT), or too many queued jobs (for this tenant or in all); "
@@ -109,10 +113,18 @@ def parse_body(model: type[BaseModel]) -> BaseModel:
         raise APIError(
             415, "unsupported_media_type", "send the body as JSON with Content-Type: application/json"
         )
+    data = request.get_data(cache=False)
     try:
-        return model.model_validate_json(request.get_data(cache=False))
+        return model.model_validate_json(data, context=validation_context())
     except ValidationError as exc:
-        raise from_validation_error(exc) from None
+        raise from_validation_error(exc, document=parsed(data)) from None
+
+
+def validation_context() -> dict:
+    """What request bodies are checked against beyond their schema: the models this server serves, and the
+    vocabulary of its model (logit_bias's token ids)."""
+    settings = services().settings
+    return {SERVED_MODELS: settings.served_models(), VOCAB_SIZE: vocab_size(settings.model)}
 
 
 def parse_query(model: type[BaseModel]) -> BaseModel:
@@ -121,10 +133,11 @@ def parse_query(model: type[BaseModel]) -> BaseModel:
     repeated = [name for name, values in args.items() if len(values) > 1]
     if repeated:
         raise APIError(422, "invalid_request", f"{repeated[0]}: give this parameter once")
+    document = {name: values[0] for name, values in args.items()}
     try:
-        return model.model_validate({name: values[0] for name, values in args.items()})
+        return model.model_validate(document)
     except ValidationError as exc:
-        raise from_validation_error(exc, where="query") from None
+        raise from_validation_error(exc, where="query", document=document) from None
 
 
 def openapi(app: Flask, title: str, version: str) -> dict:

@@ -1,8 +1,8 @@
 """The Celery app.
 
     celery -A workers worker --pool threads --concurrency N -Q generate   # runs jobs on one engine
-    celery -A workers beat                                                # schedules the reconciler
-    celery -A workers flower --conf=workers/flowerconfig.py               # dashboard
+    celery -A workers beat                                                # runs the reconciler (workers/beat.py)
+    celery -A workers flower                                              # dashboard (workers/flowerconfig.py)
 
 The broker settings every process shares (Redis priority emulation: ten steps, `generate:N` lists,
 0 first; default priority 5) come from jobstore.dispatch, so the API files messages exactly where
@@ -13,14 +13,19 @@ load it too.
 from __future__ import annotations
 
 import os
-import tempfile
+from pathlib import Path
 
 from celery import Celery
 
-from jobstore.dispatch import QUEUE, celery_config
+from jobstore.dispatch import celery_config
 from jobstore.settings import WorkerSettings
 
 settings = WorkerSettings.from_env()  # the worker's settings, read once for the process
+
+# `celery -A workers flower` reads workers/flowerconfig.py (basic auth always, queue lengths per priority)
+# from any directory, without --conf: Flower takes its options from FLOWER_* variables, read after the
+# app module is imported. An explicit --conf or FLOWER_CONF still wins.
+os.environ.setdefault("FLOWER_CONF", str(Path(__file__).with_name("flowerconfig.py")))
 
 app = Celery("genq", include=["workers.tasks"])
 app.conf.update(
@@ -35,14 +40,10 @@ app.conf.update(
     # on, a 128-wide tiny-llama batch through the stack ran ~10% fewer tokens/s on 2 cores.
     worker_send_task_events=False,
     task_send_sent_event=True,
+    # beat runs recovery in its own process (workers/beat.py), where no backlog of jobs can delay it
+    beat_scheduler="workers.beat:RecoveryScheduler",
     beat_schedule={
-        "reconcile": {
-            "task": "reconcile",
-            "schedule": settings.reconcile_interval,
-            # most urgent, so it overtakes waiting jobs; a run not started in time is dropped
-            "options": {"queue": QUEUE, "priority": 0, "expires": settings.reconcile_interval},
-        },
+        "recover": {"task": "genq.recover", "schedule": settings.reconcile_interval},
+        "maintain": {"task": "genq.maintain", "schedule": settings.reconcile_interval},
     },
-    # the schedule is a fixed interval: nothing worth keeping in the working directory
-    beat_schedule_filename=os.path.join(tempfile.gettempdir(), "genq-celerybeat-schedule"),
 )

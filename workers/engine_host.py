@@ -1,14 +1,15 @@
 """EngineHost: a worker's one batching.Engine, run in a process of its own (workers/engine_process.py).
 
-Why a process: a small model's step is mostly Python between kernels, and a worker holding hundreds of
-jobs runs plenty of Python of its own (Celery's deliveries, claims, batched writes, metrics). In one
-process they share one GIL, and the engine's steps ran 1.5-1.8x slower inside the worker than alone
-(bench/RESULTS.md). In its own process the engine steps at its own pace; this process imports no torch.
+Why a process: a small model's step is mostly Python between kernels, and a worker holding hundreds of jobs
+runs plenty of Python of its own (Celery's deliveries, claims, batched writes, metrics). In one process they
+share one GIL, and the engine's steps ran 1.5-1.8x slower inside the worker than alone (bench/backlog.py at
+code 84ff309; the run is in bench/RESULTS.md's git history). In its own process the engine steps at its own
+pace; this process imports no torch.
 
 Task threads call `submit()` / `abort()` / `stats()`; a sender thread writes those commands to the engine
 process, and a reader thread applies what comes back (per step, each changed request's new tokens) to
-the requests' handles (at once for a first token or an end, else every `report_interval`), on which the
-job book waits:
+the requests' handles as each step ends (and hands the step's new output to `on_step`: token events),
+on which the job book waits:
 
     JobBook ─submit/abort─▶ outbox ─▶ sender ─pipe─▶ engine process: apply, step(), send deltas
     RequestHandle ◀─ reader ◀─pipe─────────────────┘                 ─on_done─▶ JobBook
@@ -21,6 +22,7 @@ process starts; commands sent meanwhile wait for it. Should it die `max_losses` 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -32,8 +34,9 @@ from concurrent.futures import Future
 from datetime import datetime, timezone
 
 from batching import EngineConfig, RequestOutput, SamplingParams
+from jobstore.deltas import Delta, Gap, Transcript
 from workers import engine_process, metrics
-from workers.engine_process import Delta
+from workers.engine_process import StepReport, Update
 
 log = logging.getLogger(__name__)
 
@@ -47,71 +50,70 @@ class EngineLost(HostStopped):
 
 
 class RequestHandle:
-    """A request in the engine, as other threads see it: the latest output, and an event when done.
+    """A request in the engine, as other threads see it: its transcript so far, and an event when done.
 
-    Written by the reader thread only. Tokens and text parts are append-only lists, and `_state` (how
-    many of each belong to the latest output, and its other fields) is replaced in one assignment, so
-    `output` read from any thread is one step's consistent snapshot.
-    """
+    Written by the reader thread only; the transcript (jobstore.deltas) lets other threads read a consistent
+    prefix of it at any time. `tag` is the caller's name for the request (the job book's: the job id)."""
 
     def __init__(
-        self, request_id: str, priority: int, on_done: Callable[[RequestHandle], None] | None = None
+        self,
+        request_id: str,
+        priority: int,
+        on_done: Callable[[RequestHandle], None] | None = None,
+        transcript: Transcript | None = None,
+        tag: str | None = None,
     ):
         self.request_id = request_id
         self.priority = priority
+        self.tag = tag
+        self.transcript = transcript if transcript is not None else Transcript()
         self.first_token_at: datetime | None = None  # wall clock of the first token (the engine's clock)
+        self.prompt_token_ids: list[int] = []  # known from the request's first update
+        self.prompt_logprobs: list | None = None  # likewise, when the request asked for them
+        self.num_preemptions = 0
+        self.updated = False  # the engine reported on it at least once
         self.error: Exception | None = None
         self.done = threading.Event()
         self._on_done = on_done
         self._arrival_time = time.time()
-        self._prompt_token_ids: list[int] = []
-        self._token_ids: list[int] = []
-        self._text_parts: list[str] = []
-        self._state: tuple | None = (
-            None  # (tokens, text parts list, parts, finished, reason, preemptions, finish time)
-        )
 
     @property
     def output(self) -> RequestOutput | None:
         """The request's output as of the latest step that changed it (None before its first)."""
-        state = self._state
-        if state is None:
+        if not self.updated:
             return None
-        n, parts, k, finished, reason, preemptions, finish_time = state
+        t = self.transcript
+        at = t.position
         first = self.first_token_at.timestamp() if self.first_token_at is not None else None
         return RequestOutput(
             self.request_id,
-            self._prompt_token_ids,
-            self._token_ids[:n],
-            "".join(parts[:k]),
-            finished,
-            reason,
-            preemptions,
+            self.prompt_token_ids,
+            t.token_ids[: at.tokens],
+            t.text_since(0, at.chars),
+            t.finished,
+            t.finish_reason,
+            self.num_preemptions,
             self._arrival_time,
             first,
-            finish_time,
+            None,
             self.priority,
         )
 
-    def _apply(self, delta: Delta) -> None:
-        if delta.prompt_token_ids is not None:
-            self._prompt_token_ids = delta.prompt_token_ids
-        if self.first_token_at is None and delta.first_token_time is not None:
-            self.first_token_at = datetime.fromtimestamp(delta.first_token_time, timezone.utc)
-        self._token_ids.extend(delta.new_token_ids)
-        if delta.text_reset:
-            self._text_parts = []
-        if delta.text_tail:
-            self._text_parts.append(delta.text_tail)
-        self._state = (
-            len(self._token_ids),
-            self._text_parts,
-            len(self._text_parts),
-            delta.finished,
-            delta.finish_reason,
-            delta.num_preemptions,
-            delta.finish_time,
-        )
+    def _apply(self, update: Update) -> Delta | None:
+        """The update's delta, trimmed to what this handle lacked (None: nothing new)."""
+        if update.prompt_token_ids is not None:
+            self.prompt_token_ids = update.prompt_token_ids
+        if update.prompt_logprobs is not None:
+            self.prompt_logprobs = update.prompt_logprobs
+        if self.first_token_at is None and update.first_token_time is not None:
+            self.first_token_at = datetime.fromtimestamp(update.first_token_time, timezone.utc)
+        self.num_preemptions = update.num_preemptions
+        self.updated = True
+        try:
+            return self.transcript.add(update.delta)
+        except Gap:  # cannot happen: the engine reports every step of every request, in order
+            log.error("request %s: %s", self.request_id, update.delta)
+            return None
 
     def _fail(self, error: Exception) -> None:
         self.error = error
@@ -131,22 +133,25 @@ class EngineHost:
         config: EngineConfig,
         *,
         threads: int | None = None,
-        report_interval: float = 0.05,
+        on_step: Callable[[list[tuple[RequestHandle, Delta]]], None] | None = None,
         on_give_up: Callable[[], None] | None = None,
         max_losses: int = 3,
         loss_window: float = 300.0,
     ):
         self.config = config  # the engine's own (resolved) config once it is built
-        self.info: dict = {}  # device, dtype, KV blocks, decode attention path (for logs and stats)
+        self.info: dict = {}  # device, dtype, KV blocks, attention path, CUDA graphs (for logs and stats)
         self.pid: int | None = None  # the engine process's
         self.losses: list[float] = []  # monotonic times the engine process died
-        self._requested, self._threads, self._report_interval = config, threads, report_interval
+        self._requested, self._threads = config, threads
+        self.on_step = on_step  # each step's new output of each request, as the step ends (token events)
         self._on_give_up, self._max_losses, self._loss_window = on_give_up, max_losses, loss_window
         self._lock = threading.Condition()
         self._handles: dict[str, RequestHandle] = {}  # requests in the engine (or on their way)
         self._commands = None  # the pipe to the engine process; None while it (re)starts
         self._process: multiprocessing.Process | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._send_lock = threading.Lock()  # one writer of the command pipe at a time
+        self._queued = 0  # commands in the outbox or being sent by the sender thread
         self._stats: dict[int, Future] = {}
         self._tickets = itertools.count()
         self._stopping = False
@@ -168,7 +173,7 @@ class EngineHost:
         with self._lock:
             self._stopping = True
             self._lock.notify_all()
-        self._outbox.put(("stop",))
+        self._command(("stop",))
         self._monitor.join(timeout)
         process = self._process
         if process is not None and process.is_alive():
@@ -184,9 +189,13 @@ class EngineHost:
         priority: int,
         resume_token_ids: list[int] | None = None,
         on_done: Callable[[RequestHandle], None] | None = None,
+        transcript: Transcript | None = None,
+        tag: str | None = None,
     ) -> RequestHandle:
-        """Queue a request for the engine; the handle's `done` is set (and `on_done` called) when it ends."""
-        handle = RequestHandle(request_id, priority, on_done)
+        """Queue a request for the engine; the handle's `done` is set (and `on_done` called) when it ends.
+        `transcript`: what is known of its output already (a resumed job's saved tokens and text)."""
+        params = dataclasses.replace(params, output_kind="delta")
+        handle = RequestHandle(request_id, priority, on_done, transcript, tag)
         with self._lock:
             stopped = self._stopping
             if not stopped:
@@ -194,44 +203,69 @@ class EngineHost:
         if stopped:
             handle._fail(HostStopped("the engine is stopping or cannot run"))
             return handle
-        self._outbox.put(("add", request_id, prompt, params, priority, resume_token_ids, handle))
+        self._command(("add", request_id, prompt, params, priority, resume_token_ids, handle))
         return handle
 
     def abort(self, request_id: str) -> None:
         """Take the request out of the batch at the next step (its KV blocks are freed)."""
-        self._outbox.put(("abort", request_id))
+        self._command(("abort", request_id))
 
     def stats(self, timeout: float = 5.0) -> dict:
         """The engine's counters and gauges, read between two steps."""
         ticket, reply = next(self._tickets), Future()
         self._stats[ticket] = reply
-        self._outbox.put(("stats", ticket))
+        self._command(("stats", ticket))
         try:
             return reply.result(timeout)
         finally:
             self._stats.pop(ticket, None)
 
-    # --- the sender thread: the only writer of the command pipe -----------------------------------------
+    def _command(self, command: tuple) -> None:
+        """Send a command to the engine process from the calling thread when the engine is up and nothing
+        waits before it (no thread hand-off: the common case); else the sender thread sends it, in order."""
+        with self._send_lock:
+            connection = self._commands
+            if connection is not None and self._queued == 0:
+                try:
+                    connection.send(command[:-1] if command[0] == "add" else command)
+                    return
+                except (OSError, ValueError):  # the engine process is dying: the sender waits for the next
+                    pass
+            self._queued += 1
+        self._outbox.put(command)
+
+    # --- the sender thread: sends what could not be sent at once (the engine restarting), in order -------
 
     def _send_loop(self) -> None:
         while True:
             command = self._outbox.get()
-            with self._lock:
-                while self._commands is None and not self._stopping:
-                    self._lock.wait()  # the engine process is (re)starting
-                connection = self._commands
-                if command[0] == "add":
-                    if self._handles.get(command[1]) is not command[-1]:
-                        continue  # lost with an engine process while it waited: never re-add it
-                    command = command[:-1]
-            if connection is None:  # stopping with no engine process
+            try:
+                if not self._send_one(command):
+                    return
+            finally:
+                with self._send_lock:
+                    self._queued -= 1
+            if command[0] == "stop":
                 return
+
+    def _send_one(self, command: tuple) -> bool:
+        """False when there is no engine process to send to any more (stopping)."""
+        with self._lock:
+            while self._commands is None and not self._stopping:
+                self._lock.wait()  # the engine process is (re)starting
+            connection = self._commands
+            if command[0] == "add":
+                if self._handles.get(command[1]) is not command[-1]:
+                    return True  # lost with an engine process while it waited: never re-add it
+                command = command[:-1]
+        if connection is None:  # stopping with no engine process
+            return False
+        with self._send_lock:
             try:
                 connection.send(command)
             except (OSError, ValueError):  # the engine process is gone: the monitor fails its requests
                 pass
-            if command[0] == "stop":
-                return
+        return True
 
     # --- the monitor thread: starts the engine process, reads its events, restarts it ------------------
 
@@ -304,7 +338,6 @@ class EngineHost:
                 commands_in,
                 events_out,
                 logging.getLogger().getEffectiveLevel(),
-                self._report_interval,
                 self._threads,
             ),
         )
@@ -324,6 +357,7 @@ class EngineHost:
             process.join(5)
             return process, events, commands, message[1]
         _, self.config, self.info = message
+        metrics.set_attention_path(self.info["attention"])
         log.info("engine process %d ready: %s", process.pid, self.describe())
         return process, events, commands, None
 
@@ -333,7 +367,7 @@ class EngineHost:
             f"{self.config.model} on {self.info['device']}/{self.info['dtype']} "
             f"({self.info['torch_threads']} torch threads), {self.info['device_blocks']} device + "
             f"{self.info['host_blocks']} host KV blocks, max_model_len {self.info['max_model_len']}, "
-            f"decode attention: {self.info['decode_attention']}"
+            f"attention: {self.info['attention']}" + (", CUDA graphs" if self.info["cuda_graphs"] else "")
         )
 
     def _read(self, events) -> None:
@@ -343,10 +377,11 @@ class EngineHost:
                 message = events.recv()
             except (EOFError, OSError):
                 return
+            if isinstance(message, StepReport):
+                self._publish(message)
+                continue
             kind = message[0]
-            if kind == "step":
-                self._publish(*message[1:])
-            elif kind == "refused":
+            if kind == "refused":
                 self._fail(self._take([message[1]]), ValueError(message[2]))
             elif kind == "step_failed":
                 _, request_ids, is_value_error, text = message
@@ -356,22 +391,28 @@ class EngineHost:
                 if reply is not None:
                     reply.set_result(message[2])
 
-    def _publish(self, deltas: list[Delta], stats: dict, step_times: list[float]) -> None:
-        """One report's deltas to their handles; handles of finished requests end (outside the lock)."""
-        ended, tokens = [], []
+    def _publish(self, report: StepReport) -> None:
+        """One step's updates to their handles and to `on_step`; handles of finished requests end (outside
+        the lock)."""
+        ended, tokens, added = [], [], []
         with self._lock:
-            for delta in deltas:
-                handle = self._handles.get(delta.request_id)
+            for update in report.updates:
+                handle = self._handles.get(update.request_id)
                 if handle is None:
                     continue
-                handle._apply(delta)
-                tokens.append((delta.request_id, handle.priority, len(delta.new_token_ids), delta.finished))
-                if delta.finished:
-                    del self._handles[delta.request_id]
+                delta = handle._apply(update)
+                if delta is not None:
+                    added.append((handle, delta))
+                finished = update.delta.finish_reason is not None
+                tokens.append((update.request_id, handle.priority, len(update.delta.token_ids), finished))
+                if finished:
+                    del self._handles[update.request_id]
                     ended.append(handle)
+        if added and self.on_step is not None:
+            self.on_step(added)
         for handle in ended:
             handle._end()
-        metrics.observe_steps(stats, step_times, tokens)
+        metrics.observe_steps(report.stats, (report.step_time,), tokens)
 
     def _take(self, request_ids) -> list[RequestHandle]:
         with self._lock:

@@ -5,13 +5,13 @@ commands that came in (add, abort, stats, stop), run one step, send what changed
 Python here, so no thread of the worker (Celery's delivery, claims, batched database writes, metrics)
 takes the GIL from the step loop; the worker process imports no torch at all.
 
-What goes back is one message per step or per report interval (workers/engine_process.Reporter): a
-`Delta` per request that changed (new tokens only, the text's new tail), the engine's stats and the
-steps' times. So the bytes sent grow with the tokens made, not with the square of the output length,
-and a wide batch costs the worker one update per request per interval.
+What goes back is one message per step (`StepReport`): an `Update` per request that changed, carrying a
+jobstore.deltas.Delta (the step's new token ids and new stable text, at absolute offsets: the engine runs its
+requests with output_kind="delta"), and the engine's stats and step time. So the bytes sent grow with the
+tokens made, never with the output's length, and every step's tokens reach the worker as the step ends.
 
     worker ──("add" | "abort" | "stats" | "stop", ...)──▶ commands ──▶ apply; engine.step()
-    worker ◀──("ready" | "step" | "refused" | "step_failed" | "stats" | "start_failed", ...)── events
+    worker ◀──("ready" | StepReport | "refused" | "step_failed" | "stats" | "start_failed", ...)── events
 
 This module imports neither torch nor batching's engine at import time: the worker imports it for
 `Delta` and for the spawn target.
@@ -23,88 +23,68 @@ import ctypes
 import logging
 import signal
 import sys
-import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import NamedTuple
+
+from jobstore.deltas import Delta, Position
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when the thread that started it ends
 PR_SET_NAME = 15  # prctl(2): the name `ps -o comm` and `top` show
 
 
-class Delta(NamedTuple):
+class Update(NamedTuple):
     """What changed for one request in one step."""
 
     request_id: str
-    new_token_ids: list[int]  # generated since the request's last Delta
-    text_tail: str  # appended to the text sent so far, or the whole text when `text_reset`
-    text_reset: bool  # the text's tail changed (a stop string cut it, a character completed)
-    finished: bool
-    finish_reason: str | None
+    delta: Delta
     num_preemptions: int
     first_token_time: float | None  # time.time() of the request's first token in this engine
-    finish_time: float | None
-    prompt_token_ids: list[int] | None  # in the request's first delta only
+    prompt_token_ids: list[int] | None  # in the request's first update only
+    prompt_logprobs: list | None = None  # in the first update, when the request asked (TokenLogprob.as_list)
+
+
+class StepReport(NamedTuple):
+    """One engine step, as the worker gets it."""
+
+    updates: list[Update]
+    stats: dict
+    step_time: float
 
 
 class Reporter:
-    """Collects the steps' outputs and sends them as Deltas, coalesced.
+    """Turns each step's delta outputs into one StepReport, with each request's absolute offsets."""
 
-    A request's first token and its end go out at once (they decide TTFT, results and free slots; a
-    refusal is its own message); plain progress waits up to `interval`, so a wide batch of short steps costs the worker one
-    message and one update per request per interval, not per step. Only the latest output of a request
-    matters: a Delta is what changed since the last one sent.
-    """
+    def __init__(self, events: Connection):
+        self._events = events
+        self._sent: dict[str, Position] = {}  # request id -> tokens and characters reported so far
 
-    def __init__(self, events: Connection, interval: float):
-        self._events, self._interval = events, interval
-        self._sent: dict[str, tuple[int, str]] = {}  # request id -> (tokens sent, text sent)
-        self._latest: dict[str, object] = {}  # request id -> its latest RequestOutput not sent yet
-        self._step_times: list[float] = []
-        self._stats: dict = {}
-        self._urgent = False
-        self._last_flush = time.monotonic()
-
-    def add(self, outputs, stats: dict) -> None:
-        for out in outputs:
-            self._latest[out.request_id] = out
-            self._urgent = self._urgent or out.finished or out.request_id not in self._sent
-        self._step_times.append(stats["last_step_time_s"])
-        self._stats = stats
-        if self._urgent or time.monotonic() - self._last_flush >= self._interval:
-            self.flush()
-
-    def flush(self) -> None:
-        if self._step_times:
-            self._events.send(
-                ("step", [self._encode(out) for out in self._latest.values()], self._stats, self._step_times)
-            )
-        self._latest, self._step_times, self._urgent = {}, [], False
-        self._last_flush = time.monotonic()
+    def send(self, outputs, stats: dict) -> None:
+        updates = [self._update(out) for out in outputs]
+        self._events.send(StepReport(updates, stats, stats["last_step_time_s"]))
 
     def forget(self, request_ids) -> None:
         for request_id in request_ids:
             self._sent.pop(request_id, None)
 
-    def _encode(self, out) -> Delta:
-        first = out.request_id not in self._sent
-        n, text = self._sent.pop(out.request_id, (0, ""))
-        reset = not out.text.startswith(text)
-        tail = out.text if reset else out.text[len(text) :]
+    def _update(self, out) -> Update:
+        at = self._sent.pop(out.request_id, None)
+        first = at is None
+        at = at or Position()
+        fields = None if out.logprobs is None else {"logprobs": [lp.as_list() for lp in out.logprobs]}
+        delta = Delta(at.tokens, out.token_ids, at.chars, out.text, out.finish_reason, fields)
         if not out.finished:
-            self._sent[out.request_id] = (len(out.token_ids), out.text)
-        return Delta(
+            self._sent[out.request_id] = delta.end
+        return Update(
             out.request_id,
-            out.token_ids[n:],
-            tail,
-            reset,
-            out.finished,
-            out.finish_reason,
+            delta,
             out.num_preemptions,
             out.first_token_time,
-            out.finish_time,
             out.prompt_token_ids if first else None,
+            [lp.as_list() for lp in out.prompt_logprobs]
+            if first and out.prompt_logprobs is not None
+            else None,
         )
 
 
@@ -113,7 +93,6 @@ def serve(
     commands: Connection,
     events: Connection,
     log_level: int,
-    report_interval: float,
     threads: int | None,
 ) -> None:
     """The engine process's main: build the engine from `config` (an EngineConfig) with `threads` torch
@@ -137,14 +116,12 @@ def serve(
         return
     process_tuning.settle_for_serving()  # even steps: no GC walks of this heap, no mmap churn
     events.send(("ready", engine.config, _describe(engine)))
-    _loop(engine, commands, events, Reporter(events, report_interval))
+    _loop(engine, commands, events, Reporter(events))
 
 
 def _loop(engine, commands: Connection, events: Connection, reporter: Reporter) -> None:
     while True:
         idle = not engine.has_unfinished_requests()
-        if idle:
-            reporter.flush()
         try:
             if not _apply_commands(engine, commands, events, block=idle):
                 return
@@ -162,6 +139,7 @@ def _apply_commands(engine, commands: Connection, events: Connection, block: boo
         kind = command[0]
         if kind == "add":
             _, request_id, prompt, params, priority, resume_token_ids = command
+            params.output_kind = "delta"  # the reports are deltas (Reporter)
             try:
                 engine.add_request(request_id, prompt, params, priority, resume_token_ids)
             except ValueError as exc:
@@ -184,12 +162,11 @@ def _step(engine, reporter: Reporter, events: Connection) -> None:
         failed = list(engine.requests)
         for request_id in failed:
             engine.abort(request_id)
-        engine.step()  # reports the aborts, runs nothing: every request is gone
-        reporter.flush()
+        reporter.send(engine.step(), engine.stats())  # the aborts; runs nothing: every request is gone
         reporter.forget(failed)
         events.send(("step_failed", failed, isinstance(exc, ValueError), f"{exc.__class__.__name__}: {exc}"))
         return
-    reporter.add(outputs, engine.stats())
+    reporter.send(outputs, engine.stats())
 
 
 def _describe(engine) -> dict:
@@ -203,7 +180,8 @@ def _describe(engine) -> dict:
         "device_blocks": stats["num_device_blocks"],
         "host_blocks": stats["num_host_blocks"],
         "max_model_len": engine.max_model_len,
-        "decode_attention": "cpu kernel" if engine.runner.attention_kernel is not None else "torch",
+        "attention": engine.attention_backend,  # triton, cpu_kernel or torch (the slower fallback)
+        "cuda_graphs": engine.runner.graphs is not None,
     }
 
 

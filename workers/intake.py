@@ -18,7 +18,16 @@ So `--concurrency` is the number of messages a worker takes at once (claims in f
 it holds; a few are enough. A message that arrives when it is no longer wanted (another worker took the
 urgent job first) is sent back to the queue unclaimed.
 
+A backlog does not go through Celery one message at a time: while Celery's consumer consumes `generate`
+(a `cancel_consumer` pauses this too) and the worker has room, a puller thread takes up to `INTAKE_PULL`
+messages at once from the most urgent non-empty list (one BLMPOP, jobstore.dispatch.take_messages) and
+claims them in one statement (jobs.claim_jobs), the room they fill kept for them meanwhile. A Celery
+message costs the worker ~2 ms of CPU (kombu's delivery and acknowledgement bookkeeping, the task's trace,
+a claim of its own); a pulled one a small fraction of that. A worker killed between the pull and the claim
+leaves jobs that the reconciler sends again (workers/unclaimed.py), as for a message Celery took.
+
     Redis ──message──▶ take(): claim ─▶ JobBook.add ─▶ engine      watcher: LLEN generate, generate:1..9
+          ──up to INTAKE_PULL──▶ puller: claim all ─┘
                        wait_for_room() ◀── room or urgent ◀──────────────┘
 """
 
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -35,7 +45,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from tenacity import Retrying, before_sleep_log, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from jobstore import jobs
-from jobstore.dispatch import QUEUE, queue_key
+from jobstore.dispatch import QUEUE, queue_key, take_messages
 from jobstore.models import Job, JobStatus
 from jobstore.settings import WorkerSettings
 from workers import admission, metrics
@@ -71,11 +81,25 @@ class Intake:
         ] = {}  # by lease: taken, being claimed; their places are kept
         self._redis = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
         self._watcher = threading.Thread(target=self._watch, name="queue-watcher", daemon=True)
+        self._pulled = threading.Condition(book.lock)  # the puller
+        self._pulling = 0  # room kept for the messages of a pull in flight
+        self._consuming: Callable[[], bool] = lambda: False
+        self._puller: threading.Thread | None = None
 
     def start(self) -> Intake:
         metrics.set_intake(0, self.capacity)
         self._watcher.start()
         return self
+
+    def pull(self, consuming: Callable[[], bool]) -> None:
+        """Start the puller (INTAKE_PULL > 0): it takes messages while `consuming()` (Celery's consumer
+        consumes `generate`) and the worker has room."""
+        if self._settings.intake_pull > 0:
+            with self._room:
+                self._consuming = consuming
+                self._puller = threading.Thread(target=self._pull_loop, name="queue-puller", daemon=True)
+                self._puller.start()
+                self._room.notify_all()
 
     def close(self) -> None:
         """Stop taking jobs: waiting threads return, messages taken from now on go back unclaimed."""
@@ -83,6 +107,7 @@ class Intake:
             self._closing = True
             self._room.notify_all()
             self._look.notify_all()
+            self._pulled.notify_all()
 
     # --- a task thread's message ---------------------------------------------------------------------
 
@@ -124,29 +149,9 @@ class Intake:
             done = self._finish_without_engine(job, lease)
             if done is not None:
                 return done
-            log.info(
-                "job %s claimed: priority %d, attempt %d%s",
-                job_id,
-                job.priority,
-                job.attempts,
-                f", resuming after {len(job.output_token_ids)} tokens" if job.output_token_ids else "",
-            )
+            _log_claim(job)
             with self._room:
-                # decided again with the row's own priority (the message's may differ) and what is held now;
-                # the job is held whatever (its place was kept while it was claimed)
-                del self._claiming[lease]
-                victim = self._admit(job.priority).victim
-                self._book.add(job, lease)
-                if victim is not None:
-                    moved = self._book.hand_back(victim)
-                    log.info(
-                        "job %s (priority %d) takes the place of job %s (priority %d): handing it back",
-                        job_id,
-                        job.priority,
-                        moved.job.id,
-                        moved.job.priority,
-                    )
-                metrics.set_intake(len(self._book), self.capacity)
+                self._hold(job, lease)
         finally:
             with self._room:
                 self._claiming.pop(lease, None)
@@ -161,7 +166,8 @@ class Intake:
             self._look.notify()  # the watcher looks at Redis only while a thread waits
             try:
                 while not self._closing:
-                    if self._held() + self._released < self.capacity:
+                    # the puller fills the room while it runs: a thread goes only for more urgent work then
+                    if self._held() + self._released < self.capacity and not self._puller_runs():
                         break
                     if self._urgent is not None and self._released == 0:
                         self._urgent = None
@@ -183,10 +189,37 @@ class Intake:
             self._slots(), priority, capacity=self.capacity, max_handbacks=self._settings.max_handbacks
         )
 
-    def _changed(self) -> None:
-        """A job left the book (lock held): a waiting thread may have room now."""
+    def _hold(self, job: Job, lease: str) -> None:
+        """(lock held) Hold a claimed job (its place was kept while it was claimed). Admission is decided
+        again with the row's own priority (the message's may differ) and what is held now: the least urgent
+        held job may have to go back to the queue to make room."""
+        del self._claiming[lease]
+        victim = self._admit(job.priority).victim
+        self._book.add(job, lease)
+        if self._closing:  # closed while it was claimed: back to the queue with the rest
+            self._book.hand_back(lease, Outcome.HANDED_BACK)
+        elif victim is not None and (moved := self._book.hand_back(victim)) is not None:
+            log.info(
+                "job %s (priority %d) takes the place of job %s (priority %d): handing it back",
+                job.id,
+                job.priority,
+                moved.job.id,
+                moved.job.priority,
+            )
         metrics.set_intake(len(self._book), self.capacity)
-        self._room.notify()
+
+    def _changed(self) -> None:
+        """A job left the book (lock held): the puller, or else a waiting thread, may have room now."""
+        metrics.set_intake(len(self._book), self.capacity)
+        self._wake_for_room()
+
+    def _wake_for_room(self) -> None:
+        """(lock held) Room may have freed: wake the one that fills it (a task thread woken while the puller
+        runs would only go back to waiting: a thread switch for nothing)."""
+        if self._puller_runs():
+            self._pulled.notify()
+        else:
+            self._room.notify()
 
     def _claim(self, session: Session, job_id: uuid.UUID, lease: str) -> Job | str:
         """The claimed job, or why it was not claimed."""
@@ -234,6 +267,10 @@ class Intake:
             with self._sessions() as session:
                 return fn(session, *args, **kwargs)
 
+        try:  # the common case, without building a Retrying
+            return once()
+        except DB_DOWN:
+            pass
         retrying = Retrying(
             retry=retry_if_exception_type(DB_DOWN),
             wait=wait_exponential(multiplier=0.1, max=2.0),
@@ -254,7 +291,11 @@ class Intake:
                     self._look.wait(1.0)
                 if self._closing:
                     return
-                least_urgent = max(slot.priority for slot in self._slots())
+                priorities = [slot.priority for slot in self._slots()]
+                if not priorities:  # full of pulled messages not claimed yet: nothing held to hand back
+                    self._look.wait(interval)
+                    continue
+                least_urgent = max(priorities)
             try:
                 lengths = self._queue_lengths(range(least_urgent))
             except redis.RedisError as exc:
@@ -277,7 +318,105 @@ class Intake:
         )
 
     def _held(self) -> int:
-        return len(self._book) + len(self._claiming)
+        return len(self._book) + len(self._claiming) + self._pulling
+
+    # --- the puller thread -----------------------------------------------------------------------------
+
+    def _puller_runs(self) -> bool:
+        return self._puller is not None and self._consuming()
+
+    def _room_to_pull(self) -> int:
+        if self._closing or not self._consuming():
+            return 0
+        return min(self._settings.intake_pull, self.capacity - self._held() - self._released)
+
+    def _pull_loop(self) -> None:
+        """While there is room, take messages from Redis many at a time, and hold their jobs."""
+        while True:
+            with self._pulled:
+                while not self._closing and (room := self._room_to_pull()) <= 0:
+                    self._pulled.wait(0.5)  # woken when a job leaves; `consuming()` is looked at each time
+                if self._closing:
+                    return
+                self._pulling = room
+            try:
+                taken = take_messages(self._redis, self._settings, room, timeout=1.0)
+            except redis.RedisError as exc:
+                log.warning("queue puller: Redis unavailable (%s)", exc.__class__.__name__)
+                taken = []
+                time.sleep(1.0)
+            try:
+                self._hold_taken(taken)
+            except Exception:  # the jobs stay queued; the reconciler sends them again (workers/unclaimed.py)
+                log.exception("queue puller: %d jobs taken from Redis and not claimed", len(taken))
+
+    def _hold_taken(self, taken: list[tuple[uuid.UUID | None, int]]) -> None:
+        """Claim the jobs of pulled messages in one statement and hand them to the engine (their room was kept
+        by `_pulling`); a message for a job not queued any more is dropped, as `take` drops it."""
+        now, claims, seen = datetime.now(timezone.utc), [], set()
+        with self._room:
+            self._pulling = 0
+            if taken and (self._closing or not self._consuming()):
+                # shutting down, or Celery's consumer was cancelled during the pull: back to the head of
+                # their lists, unclaimed, the last first (so the first is next again)
+                for job_id, priority in reversed(taken):
+                    if job_id is not None:
+                        self._send(job_id, priority)
+                return
+            declined = []
+            for job_id, priority in taken:
+                if job_id is None or job_id in seen:
+                    log.warning("queue puller: a message naming no job (or a job twice) dropped")
+                    continue
+                seen.add(job_id)
+                # decided as `take` decides: the room kept for this pull may have gone meanwhile to a message
+                # Celery's consumer delivered (the BLMPOP waits up to its timeout), so a message that came
+                # after may find the worker full of work at least as urgent
+                if not self._admit(priority).take:
+                    declined.append((job_id, priority))
+                    continue
+                lease = f"{self._worker_id}#{uuid.uuid4().hex[:8]}"
+                self._claiming[lease] = admission.Held(lease, priority, now, 0, pinned=True)
+                claims.append((job_id, lease, priority))
+            for job_id, priority in reversed(declined):  # back to the head, the first next again
+                self._send(job_id, priority)
+                metrics.JOBS.labels(str(priority), Outcome.DECLINED.value).inc()
+            if declined:
+                log.info(
+                    "queue puller: %d jobs sent back unclaimed (full of work at least as urgent)",
+                    len(declined),
+                )
+        if not claims:
+            return
+        try:
+            if len(claims) == 1:  # a trickle, not a backlog: the one-job claim is the cheaper statement
+                ((job_id, lease, _),) = claims
+                one = self._write(jobs.claim_job, job_id, lease, self._settings.lease_seconds)
+                found = [] if one is None else [one]
+            else:
+                found = self._write(
+                    jobs.claim_jobs, [(j, lease) for j, lease, _ in claims], self._settings.lease_seconds
+                )
+            claimed = {job.id: job for job in found}
+            for job_id, lease, priority in claims:
+                job = claimed.get(job_id)
+                if job is None or job.worker_id != lease:
+                    log.info("job %s dropped (not queued)", job_id)
+                    metrics.JOBS.labels(str(priority), Outcome.DROPPED.value).inc()
+                    continue
+                if self._finish_without_engine(job, lease) is not None:
+                    continue
+                _log_claim(job)
+                with self._room:
+                    self._hold(job, lease)
+        finally:
+            with self._room:
+                for _, lease, _ in claims:
+                    self._claiming.pop(lease, None)
+                if not self._puller_runs():  # the puller itself takes the room of a claim that failed
+                    self._room.notify()
+                if self._should_look():
+                    self._look.notify()
 
     def _queue_lengths(self, priorities) -> dict[int, int]:
         """Messages waiting in the queue's Redis list of each priority, in one round trip."""
@@ -288,3 +427,13 @@ class Intake:
         for p in priorities:
             pipe.llen(queue_key(self._settings, QUEUE, p))
         return dict(zip(priorities, pipe.execute()))
+
+
+def _log_claim(job: Job) -> None:
+    log.info(
+        "job %s claimed: priority %d, attempt %d%s",
+        job.id,
+        job.priority,
+        job.attempts,
+        f", resuming after {len(job.output_token_ids)} tokens" if job.output_token_ids else "",
+    )

@@ -11,6 +11,10 @@ the engine, and one writer thread does every database write of every held job, b
 - hand-backs (a more urgent job took the slot, the worker shuts down, or the engine process died): abort
   the request, save its tokens, drop the lease, send the job back to the queue at its own priority.
 
+Each engine step's new output of every held job also leaves at once as token events (jobstore/events.py:
+one XADD per step, from a publisher thread), for the API's streaming callers; the writer publishes status
+changes (claimed, handed back, result stored) after the write that makes them true.
+
 A failed write (Postgres unreachable) is kept and tried again at the next wake-up while the engine
 goes on generating; what is written is idempotent (jobs.Output), so a retry never duplicates tokens.
 
@@ -32,7 +36,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from batching import SamplingParams
 from jobstore import jobs
-from jobstore.models import Job
+from jobstore.deltas import Delta, Position, Transcript
+from jobstore.events import EventPublisher
+from jobstore.models import Job, JobStatus
 from jobstore.settings import WorkerSettings
 from workers import metrics
 from workers.admission import Held
@@ -50,56 +56,98 @@ class HeldJob:
     job: Job
     lease: str  # the worker_id its row carries: one per claim
     handle: RequestHandle | None = None
-    kept_tokens: int = 0  # output tokens the row holds
-    kept_text: str = ""  # output text the row holds
+    kept: Position = Position()  # output tokens and characters the row holds
+    kept_bytes: int = 0  # the UTF-8 bytes of those characters
     claimed_at: float = field(default_factory=time.monotonic)
     slot: Held = field(init=False)  # what admission needs to know of it; fixed while it is held
 
     def __post_init__(self):
         self.slot = Held(self.lease, self.job.priority, self.job.created_at, self.job.handbacks)
 
-    def output(self, *, final: bool = False) -> jobs.Output:
-        """What to write beyond what the row holds, from the request's latest output (read once: the engine
-        thread replaces it as it goes). With nothing new, it only renews the lease."""
-        out = self.handle.output if self.handle is not None else None
-        if out is None:
-            return jobs.Output(
-                self.job.id, self.lease, self.kept_tokens, [], len(self.kept_text.encode()), b""
-            )
-        tokens, text = list(out.token_ids), out.text
-        kept = min(self.kept_tokens, len(tokens))  # generated tokens only grow: the row's are their prefix
-        if text.startswith(self.kept_text):
-            kept_text, tail = self.kept_text, text[len(self.kept_text) :]
-        else:  # the text's tail changed (a partial character completed, a stop string cut it): rewrite it
-            kept_text, tail = "", text
-        return jobs.Output(
+    @property
+    def key(self) -> str:
+        """The job's name in token events."""
+        return self.job.id.hex
+
+    def output(self, *, final: bool = False) -> tuple[jobs.Output, Position]:
+        """What to write beyond what the row holds (with nothing new, it only renews the lease), and the
+        position the row will then hold."""
+        transcript = self.handle.transcript
+        new = transcript.since(self.kept)
+        output = jobs.Output(
             self.job.id,
             self.lease,
-            kept,
-            tokens[kept:],
-            len(kept_text.encode()),
-            tail.encode(),
+            self.kept.tokens,
+            new.token_ids,
+            self.kept_bytes,
+            new.text.encode(),
             self.handle.first_token_at,
-            out.finish_reason if final else None,
-            len(out.prompt_token_ids) if final else None,
+            transcript.finish_reason if final else None,
+            len(self.handle.prompt_token_ids) if final else None,
+            self.logprobs() if final else None,
         )
+        return output, new.end
 
-    def saved(self, output: jobs.Output) -> None:
+    def logprobs(self) -> dict | None:
+        """The job's `logprobs` column, when it asked: {"prompt": [...] or None, "tokens": [...] or None},
+        each entry [token_id, logprob, [[id, logprob], ...]] (the prompt's first token's logprob is null)."""
+        options = self.job.options or {}
+        if options.get("logprobs") is None and options.get("prompt_logprobs") is None:
+            return None
+        tokens = self.handle.transcript.fields.get("logprobs")
+        prompt = None
+        if options.get("prompt_logprobs") is not None and self.handle.prompt_logprobs is not None:
+            first = self.handle.prompt_token_ids[:1]  # has no log probability: nothing comes before it
+            prompt = [[token, None, []] for token in first] + self.handle.prompt_logprobs
+        return {
+            "prompt": prompt,
+            "tokens": tokens[: self.handle.transcript.position.tokens]
+            if options.get("logprobs") is not None
+            else None,
+        }
+
+    def saved(self, output: jobs.Output, position: Position) -> None:
         """The row now holds `output` (written by save_progress)."""
-        self.kept_tokens = output.kept_tokens + len(output.new_tokens)
-        kept = self.kept_text.encode()[: output.kept_text_bytes] + output.text_tail
-        self.kept_text = kept.decode()
+        self.kept, self.kept_bytes = position, self.kept_bytes + len(output.text_tail)
 
 
 def sampling_params(job: Job) -> SamplingParams:
+    options = job.options or {}
     return SamplingParams(
         max_tokens=job.max_tokens,
+        min_tokens=options.get("min_tokens", 0),
         temperature=job.temperature,
         top_p=job.top_p,
         top_k=job.top_k,
         seed=job.seed,
         stop=list(job.stop),
+        stop_token_ids=list(options.get("stop_token_ids", ())),
+        ignore_eos=options.get("ignore_eos", False),
+        include_stop_str_in_output=options.get("include_stop_str_in_output", False),
+        skip_special_tokens=options.get("skip_special_tokens", True),
+        min_p=options.get("min_p", 0.0),
+        presence_penalty=options.get("presence_penalty", 0.0),
+        frequency_penalty=options.get("frequency_penalty", 0.0),
+        repetition_penalty=options.get("repetition_penalty", 1.0),
+        logit_bias={int(token): bias for token, bias in options.get("logit_bias", {}).items()},
+        logprobs=options.get("logprobs"),
+        prompt_logprobs=options.get("prompt_logprobs"),
+        json_schema=options.get("json_schema"),
+        output_kind="delta",
     )
+
+
+def _with_prompt_logprobs(handle: RequestHandle, delta: Delta) -> Delta:
+    """The delta as a token event: an abort is no end for readers (the job is cancelled, or resumes), and the
+    first (from the output's start) carries the prompt's log probabilities, when the request has them."""
+    if delta.finish_reason == "abort":
+        delta = delta._replace(finish_reason=None)
+    if delta.start == 0 and delta.token_ids and handle.prompt_logprobs is not None:
+        first = [[token, None, []] for token in handle.prompt_token_ids[:1]]
+        delta = delta._replace(
+            fields={**(delta.fields or {}), "prompt_logprobs": first + handle.prompt_logprobs}
+        )
+    return delta
 
 
 class JobBook:
@@ -111,8 +159,11 @@ class JobBook:
         sessions: sessionmaker[Session],
         settings: WorkerSettings,
         send: Callable[[uuid.UUID, int], None],
+        events: EventPublisher | None = None,
     ):
         self.lock = threading.RLock()
+        self._events = events
+        host.on_step = self._stepped
         self.on_change: Callable[[], None] = lambda: None  # called (lock held) when a job leaves the book
         self._host, self._sessions, self._settings, self._send = host, sessions, settings, send
         # in the engine (what counts against capacity), by lease: a job re-dispatched to this worker while a stale
@@ -140,7 +191,10 @@ class JobBook:
 
     def add(self, job: Job, lease: str) -> None:
         """Hold a claimed job and submit it to the engine, resuming after the tokens its row holds."""
-        held = HeldJob(job, lease, kept_tokens=len(job.output_token_ids), kept_text=job.output_text or "")
+        text = job.output_text or ""
+        held = HeldJob(
+            job, lease, kept=Position(len(job.output_token_ids), len(text)), kept_bytes=len(text.encode())
+        )
         resumed = list(job.output_token_ids)
         with self.lock:
             self._held[lease] = held
@@ -152,7 +206,11 @@ class JobBook:
                 job.priority,
                 resume_token_ids=resumed or None,
                 on_done=lambda handle, held=held: self._ended_in_engine(held, handle),
+                transcript=Transcript(resumed, text),
+                tag=held.key,
             )
+        if self._events is not None:  # goes with the next step's events (the engine steps for it soon)
+            self._events.status([(held.key, JobStatus.RUNNING.value)], wake=False)
 
     def hand_back(self, lease: str, outcome: Outcome = Outcome.PREEMPTED) -> HeldJob | None:
         """Take a held job out of the engine now; the writer saves its tokens and sends it back to the queue."""
@@ -176,6 +234,23 @@ class JobBook:
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
+
+    def _stepped(self, added: list[tuple[RequestHandle, Delta]]) -> None:
+        """On the host's reader thread: one engine step's new output of each job, sent as token events. A job's
+        first event also carries its prompt's log probabilities when it asked (`prompt_logprobs`, as its row
+        will hold them: the first token's null), for a streamed echo's first chunk."""
+        if self._events is not None:  # an abort is no end for readers: the job is cancelled, or resumes
+            self._events.step(
+                [
+                    (handle.tag, _with_prompt_logprobs(handle, delta))
+                    for handle, delta in added
+                    if handle.tag is not None
+                ]
+            )
+
+    def _status(self, changes: list[tuple[HeldJob, JobStatus]]) -> None:
+        if self._events is not None and changes:
+            self._events.status([(h.key, status.value) for h, status in changes])
 
     def _ended_in_engine(self, held: HeldJob, handle: RequestHandle) -> None:
         """On the host's reader thread: the request finished or failed; its slot is free now, its result
@@ -239,10 +314,10 @@ class JobBook:
             return
         outputs = [h.output() for h in held]
         with self._sessions() as session:
-            ours = jobs.save_progress(session, outputs, self._settings.lease_seconds)
-        for h, output in zip(held, outputs):
+            ours = jobs.save_progress(session, [o for o, _ in outputs], self._settings.lease_seconds)
+        for h, (output, position) in zip(held, outputs):
             if (h.job.id, h.lease) in ours:
-                h.saved(output)
+                h.saved(output, position)
                 continue
             with self.lock:
                 if self._held.pop(h.lease, None) is None:  # ended meanwhile: its result write will say
@@ -257,20 +332,20 @@ class JobBook:
         Once the successes are written they leave `ended`, so a failure write that fails retries only itself."""
         done = [h for h in ended if h.handle.error is None]
         if done:
-            outputs = [h.output(final=True) for h in done]
+            outputs = [h.output(final=True)[0] for h in done]
             with self._sessions() as session:
                 ours = jobs.finish_jobs(session, outputs)
             ended[:] = [h for h in ended if h.handle.error is not None]
+            self._status([(h, JobStatus.SUCCEEDED) for h in done if (h.job.id, h.lease) in ours])
             for h in done:
-                out = h.handle.output
                 if (h.job.id, h.lease) in ours:
                     log.info(
                         "job %s succeeded: %d tokens (%s) in %.2fs, %d preemptions",
                         h.job.id,
-                        len(out.token_ids),
-                        out.finish_reason,
+                        h.handle.transcript.position.tokens,
+                        h.handle.transcript.finish_reason,
                         time.monotonic() - h.claimed_at,
-                        out.num_preemptions,
+                        h.handle.num_preemptions,
                     )
                     metrics.job_done(h.job, h.handle, Outcome.SUCCEEDED)
                 else:
@@ -279,6 +354,7 @@ class JobBook:
         if ended:
             with self._sessions() as session:
                 failures = [(h, *self._fail(session, h)) for h in ended]
+            self._status([(h, JobStatus.FAILED) for h, outcome, _ in failures if outcome is Outcome.FAILED])
             for h, outcome, code in failures:
                 metrics.job_done(h.job, h.handle, outcome, error_code=code)
 
@@ -290,7 +366,7 @@ class JobBook:
             return Outcome.LEFT, None
         # the engine refusing a request outright (ValueError, no output): the stored row is one the API would
         # have refused (e.g. a prompt over max_model_len written behind its back)
-        refused = isinstance(error, ValueError) and held.handle.output is None
+        refused = isinstance(error, ValueError) and not held.handle.updated
         code = (
             "invalid_job"
             if refused
@@ -308,9 +384,9 @@ class JobBook:
         released = []
         with self._sessions() as session:
             for h, outcome in returning:
-                out = h.handle.output
-                tokens = list(out.token_ids) if out is not None else list(h.job.output_token_ids)
-                text = out.text if out is not None else h.job.output_text
+                transcript = h.handle.transcript
+                at = transcript.position
+                tokens, text = transcript.token_ids[: at.tokens], transcript.text_since(0, at.chars)
                 if jobs.release_job(
                     session,
                     h.job.id,
@@ -323,6 +399,7 @@ class JobBook:
                 else:
                     log.info("job %s stopped while being handed back (no longer this worker's)", h.job.id)
                     metrics.job_done(h.job, h.handle, Outcome.STOPPED)
+        self._status([(h, JobStatus.QUEUED) for h, _, _ in released])
         sent = []
         for h, outcome, n in released:
             try:

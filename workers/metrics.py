@@ -70,6 +70,11 @@ PREFIX_OFFLOADED = Counter(
 PREFIX_HOST_HITS = Counter(
     "genq_engine_prefix_cache_host_hit_tokens_total", "Hit tokens whose KV was copied back from the host"
 )
+ATTENTION_PATH = Gauge(
+    "genq_engine_attention_path",
+    "1 for the attention path the engine runs (triton, cpu_kernel; torch is the slower fallback)",
+    ["path"],
+)
 ABORTED = Counter("genq_engine_aborted_requests_total", "Requests aborted in the engine (cancel, lost lease)")
 
 TTFT = Histogram("genq_job_ttft_seconds", "Job submission to its first token", ["priority"], buckets=_LATENCY)
@@ -105,6 +110,7 @@ FAILURES = Counter(
 _seen: dict[str, float] = {}
 # request id -> time of its last token, for time-between-tokens (the engine host's reader thread only)
 _last_token: dict[str, tuple[float, int]] = {}
+_tbt: dict = {}  # priority -> its TBT histogram child (labels() looked up once)
 _server_lock = threading.Lock()
 _server_started = False
 
@@ -153,8 +159,9 @@ def _observe_token_gaps(tokens) -> None:
         last = _last_token.pop(request_id, None)
         if last is not None and made:
             gap = (now - last) / made
+            tbt = _tbt.get(priority) or _tbt.setdefault(priority, TBT.labels(str(priority)))
             for _ in range(made):
-                TBT.labels(str(priority)).observe(gap)
+                tbt.observe(gap)
         if not finished:
             _last_token[request_id] = now if made or last is None else last
     if len(_last_token) > 10_000:  # requests aborted without a final output; forget the stalest
@@ -174,6 +181,11 @@ def job_done(job, handle, outcome: Outcome, error_code: str | None = None) -> No
     JOBS.labels(priority, outcome.value).inc()
     if outcome is Outcome.FAILED:
         FAILURES.labels(priority, error_code or "unknown").inc()
+
+
+def set_attention_path(path: str) -> None:
+    for known in ("triton", "cpu_kernel", "torch"):
+        ATTENTION_PATH.labels(known).set(1 if known == path else 0)
 
 
 def set_intake(held: int, capacity: int) -> None:

@@ -1,33 +1,43 @@
-"""The reconciler (run every RECONCILE_INTERVAL seconds by `celery -A workers beat`).
+"""The reconciler, run by `celery -A workers beat` in its own process (workers/beat.py): recovery every
+RECONCILE_INTERVAL seconds, which nothing the jobs do can delay.
 
-Postgres is the source of truth; Redis only says "job X is ready". Two ways they disagree are
-mended here: a job committed but never sent to Redis (the API died, or Redis was down), and a job
-whose worker died (its lease expired): it goes back to `queued`, keeping its tokens, and is sent
-again; the next worker resumes from those tokens. A third: Redis lost its data (restarted without
-persistence), taking the messages of queued jobs with it. The reconciler keeps a marker key in Redis;
-when the marker is gone, every queued job is sent again. (A queued job whose message went missing
-any other way is sent again `resend_after_seconds` after it was sent.) Extra messages are harmless (a claim only
-succeeds on a queued job), so two reconcilers racing between commit and send cost nothing.
+Postgres is the source of truth; Redis only says "job X is ready". `recover` mends the ways they disagree:
 
-With JOB_RETENTION_DAYS set, it also deletes finished jobs older than that, in batches of
-PURGE_BATCH rows (one short transaction each), at most once every PURGE_EVERY_SECONDS.
+- a job committed but never sent to Redis (the API died, or Redis was down), or handed back and not sent
+  (its worker died in between): sent once `enqueue_grace_seconds` passed;
+- a job whose worker died while it ran (its lease expired): back to `queued`, keeping its tokens, and sent
+  again at the head of its priority; the next worker resumes from those tokens;
+- a job whose message a worker took from Redis and never claimed (the worker died in between): sent again
+  a lease after it was taken (workers/unclaimed.py), not after kombu's visibility timeout (an hour);
+- Redis lost its data (restarted without persistence), taking the messages of queued jobs with it. The
+  reconciler keeps a marker key in Redis (holding the time of its last run: `python -m workers.beat
+  --check` reads it); when the marker is gone, every queued job is sent again. (A queued job sent
+  `resend_after_seconds` ago and still unclaimed is also sent again, a last safety net.)
 
-It also finalizes the Batch API's batches whose jobs have all ended (writes their output and error
-files: jobstore/batches.py), so a batch completes even if nobody polls it, and ends as `expired` the
-batches still in progress past their expires_at (their unfinished jobs cancelled, code batch_expired).
+Extra messages are harmless (a claim only succeeds on a queued job), so a race between two reconcilers, or
+with a slow worker, costs a message at most.
+
+`maintain` finalizes the Batch API's batches whose jobs have all ended (writes their output and error files:
+jobstore/batches.py), so a batch completes even if nobody polls it, ends as `expired` the batches still in
+progress past their expires_at (their unfinished jobs cancelled, code batch_expired), and, with
+JOB_RETENTION_DAYS set, deletes finished jobs older than that, in batches of PURGE_BATCH rows (one short
+transaction each), at most once every PURGE_EVERY_SECONDS.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import redis
 from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
 
+from batching.tokenizer import load_tokenizer  # no model code: names the tokens of log probabilities
 from jobstore import batches, jobs
-from jobstore.dispatch import send_job
+from jobstore.dispatch import send_job, send_to_head
 from jobstore.settings import WorkerSettings
+from workers.unclaimed import unclaimed_jobs
 
 log = logging.getLogger(__name__)
 PURGE_EVERY_SECONDS = 3600  # finished_at has no index: a purge reads the table, so not every run
@@ -36,52 +46,78 @@ PURGE_MAX_BATCHES = 50  # per run; a run that stops there leaves the rest to the
 
 
 def reconcile(sessions: sessionmaker[Session], celery: Celery, settings: WorkerSettings) -> dict[str, int]:
-    """Requeue jobs with expired leases and send every queued job Redis never got; returns the counts."""
-    redis_lost = not _marker_present(settings)
-    with sessions.begin() as session:
-        if not jobs.try_reconciler_lock(session):
-            log.info("reconciler: another run holds the lock; skipping")
-            return {"requeued": 0, "sent": 0}
-        forgotten = jobs.forget_sent(session, 0.0 if redis_lost else settings.resend_after_seconds)
-        if redis_lost and forgotten:
-            log.warning(
-                "reconciler: this Redis has no record of earlier runs (new, flushed, or restarted without "
-                "persistence): sending the %d queued jobs it was given again, in case their messages are "
-                "gone (a job runs once however many messages it gets)",
-                forgotten,
-            )
-        elif redis_lost:
-            log.info(
-                "reconciler: first run on this Redis; no queued job was sent before it, nothing to resend"
-            )
-        requeued = jobs.requeue_expired(session)
-        unsent = jobs.unsent_jobs(session, 0.0 if redis_lost else settings.enqueue_grace_seconds)
-    # sent only once committed: a worker taking a message at once must find the job queued
-    to_send = dict(requeued + unsent)
-    for job_id, priority in to_send.items():
-        send_job(celery, job_id, priority)
-    with sessions.begin() as session:
-        jobs.mark_enqueued(session, list(to_send))
-    if to_send:
+    """`recover` and then `maintain` (beat runs them apart, each at its own pace); their counts."""
+    return recover(sessions, celery, settings) | maintain(sessions, settings)
+
+
+def recover(sessions: sessionmaker[Session], celery: Celery, settings: WorkerSettings) -> dict[str, int]:
+    """Requeue jobs with expired leases, and send every queued job whose message is missing; the counts."""
+    with _redis(settings) as client:
+        redis_lost = not client.exists(marker_key(settings))
+        with sessions.begin() as session:
+            if not jobs.try_reconciler_lock(session):
+                log.info("reconciler: another run holds the lock; skipping")
+                return {"requeued": 0, "unclaimed": 0, "sent": 0, "resent": 0}
+            forgotten = jobs.forget_sent(session, 0.0 if redis_lost else settings.resend_after_seconds)
+            if redis_lost and forgotten:
+                log.warning(
+                    "reconciler: this Redis has no record of earlier runs (new, flushed, or restarted without "
+                    "persistence): sending the %d queued jobs it was given again, in case their messages are "
+                    "gone (a job runs once however many messages it gets)",
+                    forgotten,
+                )
+            elif redis_lost:
+                log.info(
+                    "reconciler: first run on this Redis; no queued job was sent before it, nothing to resend"
+                )
+            requeued = jobs.requeue_expired(session)
+            unclaimed = [] if redis_lost else unclaimed_jobs(session, client, settings)
+            unsent = jobs.unsent_jobs(session, 0.0 if redis_lost else settings.enqueue_grace_seconds)
+        # sent only once committed: a worker taking a message at once must find the job queued. Jobs taken
+        # from the queue before go back to the head of their priority, new ones to the tail.
+        recovered = dict(requeued + unclaimed)
+        for job_id, priority in recovered.items():
+            send_to_head(celery, client, settings, job_id, priority)
+        for job_id, priority in unsent:
+            if job_id not in recovered:
+                send_job(celery, job_id, priority)
+        sent = recovered.keys() | {job_id for job_id, _ in unsent}
+        with sessions.begin() as session:
+            jobs.mark_enqueued(session, list(sent))
+        client.set(marker_key(settings), repr(time.time()))
+    if requeued:
         log.info(
-            "reconciler: %d jobs requeued after their lease expired (%s); %d jobs sent to Redis",
+            "reconciler: %d jobs requeued after their lease expired (%s)",
             len(requeued),
             ", ".join(str(job_id) for job_id, _ in requeued[:10]),
-            len(to_send),
         )
-    if redis_lost:
-        _set_marker(settings)
+    if unclaimed:
+        log.warning(
+            "reconciler: %d jobs taken from Redis and never claimed (their worker died?) sent again (%s)",
+            len(unclaimed),
+            ", ".join(str(job_id) for job_id, _ in unclaimed[:10]),
+        )
+    if sent:
+        log.info("reconciler: %d jobs sent to Redis", len(sent))
+    return {"requeued": len(requeued), "unclaimed": len(unclaimed), "sent": len(sent), "resent": forgotten}
+
+
+def maintain(sessions: sessionmaker[Session], settings: WorkerSettings) -> dict[str, int]:
+    """Expire and finalize batches, and purge old jobs when due; the counts."""
     expired = expire_batches(sessions, settings)
     finalized = finalize_batches(sessions, settings)
     purged = purge_old_jobs(sessions, settings) if _purge_due(settings) else 0
-    return {
-        "requeued": len(requeued),
-        "sent": len(to_send),
-        "resent": forgotten,
-        "expired": expired,
-        "finalized": finalized,
-        "purged": purged,
-    }
+    return {"expired": expired, "finalized": finalized, "purged": purged}
+
+
+def last_run(settings: WorkerSettings) -> float | None:
+    """When `recover` last ran against this Redis (time.time()), or None if it never did."""
+    with _redis(settings) as client:
+        value = client.get(marker_key(settings))
+    try:
+        return float(value) if value is not None else None
+    except ValueError:  # a marker from before it held the time
+        return None
 
 
 def purge_old_jobs(
@@ -120,7 +156,9 @@ def finalize_batches(sessions: sessionmaker[Session], settings: WorkerSettings) 
     finalized = 0
     for batch_id in ready:
         with sessions.begin() as session:
-            finalized += batches.finalize_batch(session, batch_id, settings.model)
+            finalized += batches.finalize_batch(
+                session, batch_id, settings.model, load_tokenizer(settings.model)
+            )
     if finalized:
         log.info("reconciler: %d batches finalized", finalized)
     return finalized
@@ -135,26 +173,21 @@ def expire_batches(sessions: sessionmaker[Session], settings: WorkerSettings) ->
     expired = 0
     for batch_id in due:
         with sessions.begin() as session:
-            cancelled = batches.expire_batch(session, batch_id, settings.model)
+            cancelled = batches.expire_batch(
+                session, batch_id, settings.model, load_tokenizer(settings.model)
+            )
         if cancelled is not None:
             expired += 1
             log.info("reconciler: batch %s expired; %d unfinished jobs cancelled", batch_id, cancelled)
     return expired
 
 
-def _marker_key(settings: WorkerSettings) -> str:
+def marker_key(settings: WorkerSettings) -> str:
     return f"{settings.redis_key_prefix}genq:reconciler-marker"
 
 
-def _marker_present(settings: WorkerSettings) -> bool:
-    """Whether the marker the reconciler left in Redis is still there (absent: Redis lost its data)."""
-    with redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5) as client:
-        return bool(client.exists(_marker_key(settings)))
-
-
-def _set_marker(settings: WorkerSettings) -> None:
-    with redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5) as client:
-        client.set(_marker_key(settings), "1")
+def _redis(settings: WorkerSettings) -> redis.Redis:
+    return redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
 
 
 def _purge_key(settings: WorkerSettings) -> str:
@@ -165,10 +198,10 @@ def _purge_due(settings: WorkerSettings) -> bool:
     """True at most once per PURGE_EVERY_SECONDS (whichever worker runs the reconciler), if retention is on."""
     if settings.job_retention_days is None:
         return False
-    with redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5) as client:
+    with _redis(settings) as client:
         return bool(client.set(_purge_key(settings), "1", nx=True, ex=PURGE_EVERY_SECONDS))
 
 
 def _purge_again_next_run(settings: WorkerSettings) -> None:
-    with redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5) as client:
+    with _redis(settings) as client:
         client.delete(_purge_key(settings))

@@ -1,4 +1,5 @@
-"""Thin tasks taking ids; the work is in workers/intake.py, workers/job_book.py and workers/reconciler.py.
+"""Thin tasks taking ids; the work is in workers/intake.py and workers/job_book.py (the reconciler runs in
+beat: workers/beat.py).
 
 Each worker process has one engine (built when the worker starts, before it takes jobs, and run in a
 process of its own: workers/engine_host.py), one job book
@@ -15,6 +16,7 @@ import signal
 import socket
 import threading
 import uuid
+from collections.abc import Callable
 from functools import cache
 
 import redis
@@ -26,15 +28,15 @@ from celery.signals import (
     worker_shutdown,
     worker_shutting_down,
 )
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy import Connection
 
-from jobstore.db import make_engine, make_session_factory
-from jobstore.dispatch import DEFAULT_PRIORITY, move_to_head, send_job
+from jobstore.db import make_engine
+from jobstore.dispatch import DEFAULT_PRIORITY, QUEUE, send_to_head
+from jobstore.events import EventPublisher
 from workers.celery import app, settings
 from workers.engine_host import EngineHost
 from workers.intake import Intake
 from workers.job_book import JobBook
-from workers.reconciler import reconcile
 
 log = logging.getLogger(__name__)
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -55,11 +57,8 @@ def generate(self, job_id: str) -> str:
 def send_back(job_id: uuid.UUID, priority: int) -> None:
     """Send a job to the queue at its priority (a hand-back or a declined message), at the head of its
     priority's list: it was taken before the jobs of its priority still waiting, and stays ahead of them."""
-    send_job(app, job_id, priority)
-    try:
-        move_to_head(_redis(), settings, job_id, priority)
-    except redis.RedisError as exc:  # sent all the same, at the tail
-        log.warning("job %s sent back to the tail of its queue (%s)", job_id, exc.__class__.__name__)
+    if not send_to_head(app, _redis(), settings, job_id, priority):
+        log.warning("job %s sent back to the tail of its queue (Redis failed to move it)", job_id)
 
 
 @cache
@@ -67,28 +66,14 @@ def _redis() -> redis.Redis:
     return redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
 
 
-@app.task(name="reconcile")
-def reconcile_jobs() -> dict[str, int]:
-    """Requeue jobs of dead workers and send jobs that never reached Redis."""
-    return reconcile(sessions(), app, settings)
-
-
 @cache
-def _engine():
-    return make_engine(settings.database_url, settings.db_connect_timeout)
-
-
-@cache
-def sessions() -> sessionmaker[Session]:
-    """Transactions (the reconciler's several statements under one lock)."""
-    return make_session_factory(_engine())
-
-
-@cache
-def job_sessions() -> sessionmaker[Session]:
-    """A running job's writes: each is one statement (jobstore.jobs), so they run in autocommit mode,
-    with no BEGIN and COMMIT round trips (a claim and a result write each cost one statement)."""
-    return make_session_factory(_engine().execution_options(isolation_level="AUTOCOMMIT"))
+def job_sessions() -> Callable[[], Connection]:
+    """A running job's writes: each is one statement (jobstore.jobs), so they run on Core connections in
+    autocommit mode, with no ORM session, no BEGIN and COMMIT round trips, and no ping before each use (a
+    claim and a result write each cost one statement): a connection Postgres dropped fails its statement,
+    the pool is emptied, and the write is retried (intake's and the job book's retries)."""
+    engine = make_engine(settings.database_url, settings.db_connect_timeout, pool_pre_ping=False)
+    return engine.execution_options(isolation_level="AUTOCOMMIT").connect
 
 
 def engine_host() -> EngineHost:
@@ -117,7 +102,8 @@ def intake() -> Intake:
     host = engine_host()
     with _lock:
         if _intake is None:
-            _book = JobBook(host, job_sessions(), settings, send_back).start()
+            events = EventPublisher(_redis(), settings.redis_key_prefix, settings.events_retention_seconds)
+            _book = JobBook(host, job_sessions(), settings, send_back, events.start()).start()
             capacity = settings.worker_capacity(host.config.max_num_seqs)
             _intake = Intake(_book, job_sessions(), settings, WORKER_ID, send_back, capacity).start()
             log.info(
@@ -129,29 +115,27 @@ def intake() -> Intake:
         return _intake
 
 
-class _HideRoutineReconciles(logging.Filter):
-    """Celery logs every task it receives and finishes; for the reconciler, every few seconds, that
-    is noise (it logs itself when it does something). Its failures still show."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno > logging.INFO or getattr(record, "data", {}).get("name") != "reconcile"
-
-
-for _logger in ("celery.worker.strategy", "celery.app.trace"):
-    logging.getLogger(_logger).addFilter(_HideRoutineReconciles())
-
-
 @worker_init.connect
 def _build_engine_before_taking_jobs(**_) -> None:
     intake()
 
 
 @worker_ready.connect
-def _say_what_runs(**_) -> None:
+def _say_what_runs(sender=None, **_) -> None:
     """The engine is built in worker_init, before Celery sets up logging (what is logged there is lost):
-    say here, once the log works, what this worker runs."""
+    say here, once the log works, what this worker runs. Then start pulling backlogs (workers/intake.py)
+    while Celery's consumer (`sender`) consumes the `generate` queue."""
     if _host is not None and _intake is not None:
         log.info("worker %s runs %s; holds up to %d jobs", WORKER_ID, _host.describe(), _intake.capacity)
+        if sender is not None:
+            _intake.pull(lambda: _consuming(sender))
+
+
+def _consuming(consumer) -> bool:
+    """Whether Celery's consumer takes `generate` messages now (a cancel_consumer stops it, add_consumer
+    starts it again; while it reconnects to Redis it has no task consumer)."""
+    tasks = getattr(consumer, "task_consumer", None)
+    return tasks is not None and tasks.consuming_from(QUEUE)
 
 
 @task_prerun.connect

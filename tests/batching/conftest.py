@@ -3,13 +3,40 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
-from batching import Engine, EngineConfig
-from batching.tokenizer import BOS_ID, EOS_ID, byte_level_tokenizer
+CUDA = torch.cuda.is_available()
+if not CUDA:  # the CUDA path's Triton kernel runs under Triton's interpreter (set before triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+from batching import Engine, EngineConfig  # noqa: E402
+from batching.tokenizer import BOS_ID, EOS_ID, byte_level_tokenizer  # noqa: E402
+
+# The ways an engine runs (attention_metadata.py): the exactness tests (parity, preemption, swap,
+# prefix cache) run on each one this machine has. The C++ kernels and torch on the CPU always;
+# on a CUDA machine the Triton kernel (with CUDA graphs for decodes) and torch on the device.
+# GENQ_TEST_PATHS (comma-separated names) picks some (`make gpu-check` picks the CUDA ones).
+ENGINE_PATHS = {
+    "cpu-kernel": dict(device="cpu", attention_backend="cpu_kernel"),
+    "cpu-torch": dict(device="cpu", attention_backend="torch"),
+}
+if CUDA:
+    ENGINE_PATHS["cuda-triton"] = dict(device="cuda", attention_backend="triton")
+    ENGINE_PATHS["cuda-torch"] = dict(device="cuda", attention_backend="torch")
+if os.environ.get("GENQ_TEST_PATHS"):
+    ENGINE_PATHS = {name: ENGINE_PATHS[name] for name in os.environ["GENQ_TEST_PATHS"].split(",")}
+# Triton's kernel is slow under the interpreter: the tests in test_attention_paths.py run it on a
+# chosen few models and schedules, on the CPU; on CUDA it is one of ENGINE_PATHS.
+TRITON_PATH = (
+    ("cuda-triton", dict(device="cuda", attention_backend="triton"))
+    if CUDA
+    else ("cpu-triton", dict(device="cpu", attention_backend="triton"))
+)
 
 VOCAB = 259  # the byte-level tokenizer's size
 
@@ -74,6 +101,18 @@ def make_checkpoint(model_type: str, directory) -> str:
     model.save_pretrained(directory)
     byte_level_tokenizer().save_pretrained(directory)
     return str(directory)
+
+
+@pytest.fixture(autouse=True)
+def collect_cuda_engines():
+    """On CUDA, free each test's engines before the next test sizes its pools from free memory (an
+    engine is collected by the garbage collector, not at once: its runner and graphs refer to each other)."""
+    yield
+    if CUDA:
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="package", autouse=True)
@@ -162,9 +201,28 @@ def llama_path(checkpoint) -> str:
     return checkpoint("llama")
 
 
+@pytest.fixture(scope="module", params=list(ENGINE_PATHS))
+def engine_path(request) -> dict:
+    """The EngineConfig fields of one way to run (ENGINE_PATHS): the test runs once per way."""
+    return ENGINE_PATHS[request.param]
+
+
+@pytest.fixture(scope="module")
+def make_engine(llama_path, engine_path):
+    """make_engine(**config) -> an Engine over the tiny llama checkpoint in float64, on each engine path."""
+
+    def make(**kwargs) -> Engine:
+        kwargs.setdefault("model", llama_path)
+        kwargs.setdefault("dtype", "float64")
+        return Engine(EngineConfig(**(engine_path | kwargs)))
+
+    return make
+
+
 @pytest.fixture(scope="session")
-def make_engine(llama_path):
-    """make_engine(**config) -> an Engine over the tiny llama checkpoint in float64 on the CPU."""
+def make_cpu_engine(llama_path):
+    """make_cpu_engine(**config) -> an Engine over the tiny llama checkpoint in float64 on the CPU's
+    default path: for tests of scheduling and accounting, which do not depend on the path."""
 
     def make(**kwargs) -> Engine:
         kwargs.setdefault("model", llama_path)

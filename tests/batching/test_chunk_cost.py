@@ -27,7 +27,7 @@ def chunks_of_a_long_prompt(context_per_token: float | None, aware: bool = True)
         Sequence("long", [5] * 600, SamplingParams(max_tokens=1, temperature=0), 5, 0, arrival_time=1.0)
     )
     sizes = []
-    while sched.has_unfinished():
+    while sched.live_sequences():
         out = run_fake_step(sched)
         sizes.extend(out.num_scheduled_tokens)
     return sizes

@@ -206,18 +206,21 @@ def test_the_engine_attends_with_the_kernels_on_cpu(checkpoint, monkeypatch):
 
 
 def test_kernel_path_and_torch_path_give_the_same_tokens(checkpoint, reference):
-    """The torch path (what CUDA runs) stays exact on the CPU too, beside the kernel."""
+    """cpu_attention_kernel on and off (the torch fallback) both stay exact: Gemma 2's window and
+    soft-capping."""
     from tests.batching.test_exactness import assert_matches_reference
 
     for on in (True, False):
-        assert_matches_reference(
+        engine = assert_matches_reference(
             checkpoint("gemma2"),
             reference,
+            dict(device="cpu"),
             max_num_batched_tokens=64,
             block_size=16,
             max_num_seqs=64,
             cpu_attention_kernel=on,
         )
+        assert engine.attention_backend == ("cpu_kernel" if on else "torch")
 
 
 def test_a_failed_build_falls_back_to_torch_with_a_warning(tmp_path, monkeypatch, caplog):

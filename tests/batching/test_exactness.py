@@ -17,8 +17,8 @@ def mixed_prompts(seed: int, lengths=(1, 2, 5, 17, 40, 130, 300)) -> list[list[i
     return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
 
 
-def assert_matches_reference(path, reference, **engine_kwargs):
-    engine = Engine(EngineConfig(model=path, dtype="float64", device="cpu", **engine_kwargs))
+def assert_matches_reference(path, reference, engine_path, **engine_kwargs):
+    engine = Engine(EngineConfig(model=path, dtype="float64", **engine_path, **engine_kwargs))
     prompts = mixed_prompts(len(engine_kwargs))
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -34,10 +34,11 @@ def assert_matches_reference(path, reference, **engine_kwargs):
 @pytest.mark.parametrize("budget", [1, 7, 64, 512])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("max_num_seqs", [1, 3, 64])
-def test_llama_matches_generate(checkpoint, reference, budget, block_size, max_num_seqs):
+def test_llama_matches_generate(checkpoint, reference, engine_path, budget, block_size, max_num_seqs):
     assert_matches_reference(
         checkpoint("llama"),
         reference,
+        engine_path,
         max_num_batched_tokens=budget,
         block_size=block_size,
         max_num_seqs=max_num_seqs,
@@ -47,21 +48,22 @@ def test_llama_matches_generate(checkpoint, reference, budget, block_size, max_n
 @pytest.mark.parametrize("model_type", ["qwen2", "gpt2", "mistral", "gemma2"])
 @pytest.mark.parametrize("budget,block_size,max_num_seqs", [(7, 1, 3), (64, 16, 64), (512, 16, 3)])
 def test_other_architectures_match_generate(
-    checkpoint, reference, model_type, budget, block_size, max_num_seqs
+    checkpoint, reference, engine_path, model_type, budget, block_size, max_num_seqs
 ):
     assert_matches_reference(
         checkpoint(model_type),
         reference,
+        engine_path,
         max_num_batched_tokens=budget,
         block_size=block_size,
         max_num_seqs=max_num_seqs,
     )
 
 
-def test_chunked_prefill_interleaves_decodes(checkpoint, reference):
+def test_chunked_prefill_interleaves_decodes(checkpoint, reference, engine_path):
     """A long prompt arriving mid-decode is split over steps while the others decode every step."""
     path = checkpoint("llama")
-    engine = Engine(EngineConfig(model=path, dtype="float64", device="cpu", max_num_batched_tokens=32))
+    engine = Engine(EngineConfig(model=path, dtype="float64", max_num_batched_tokens=32, **engine_path))
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
     short, long = mixed_prompts(1, lengths=(5, 200))
     engine.add_request("short", short, params)

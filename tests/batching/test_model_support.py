@@ -1,6 +1,6 @@
 """Every decoder architecture of the installed transformers runs token-identical or is refused at load.
 
-batching/support.py builds each model type tiny (float64, wide weights) and compares genq with
+tools/model_support.py builds each model type tiny (float64, wide weights) and compares genq with
 `model.generate()` under two schedules; here each type is one test. A refusal must name the model
 type and say what genq lacks; a divergence or a crash fails. The sensitivity controls show that the
 walk would see a sliding window, a soft-cap or attention sinks being ignored.
@@ -8,13 +8,31 @@ walk would see a sliding window, a soft-cap or attention sinks being ignored.
 
 from __future__ import annotations
 
+import logging
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
-from batching import support
 from batching.model_probe import MaskPattern
+from tools import model_support as support
 
 MODEL_TYPES = support.decoder_model_types()
+MODELS_DOC = (
+    Path(__file__).resolve().parents[2] / "docs" / "models.md"
+)  # its model table: python -m tools.model_support
+
+
+def documented_statuses() -> dict[str, str]:
+    """model type -> status, from the docs' table (rows `| type | status | why |`)."""
+    rows = re.findall(
+        r"^\| (\w+) \| (identical|refused|crashed|diverged|untested) \|", MODELS_DOC.read_text(), re.M
+    )
+    return dict(rows)
+
+
+DOCUMENTED = documented_statuses()
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -22,10 +40,58 @@ def test_runs_identically_or_is_refused_at_load(model_type, tmp_path):
     with support.quiet():
         result = support.check_model_type(model_type, str(tmp_path))
     if result.status == "untested":
-        pytest.skip(result.reason)  # transformers itself cannot build or generate with it tiny
+        # transformers itself cannot build or generate with it tiny; never a type the docs list as running
+        assert DOCUMENTED.get(model_type) != "identical", (
+            f"the docs list {model_type} as running: {result.reason}"
+        )
+        pytest.skip(result.reason)
+    if DOCUMENTED.get(model_type) == "identical":  # what the docs promise runs must keep running
+        assert result.status == "identical", f"the docs list {model_type} as running: {result.reason}"
     assert result.status in ("identical", "refused"), result.reason
     if result.status == "refused":
         assert f"genq cannot run {model_type}" in result.reason, result.reason
+
+
+def test_the_docs_table_is_read():
+    assert DOCUMENTED.get("llama") == "identical" and sum(s == "identical" for s in DOCUMENTED.values()) > 50
+
+
+def test_a_forward_that_raises_is_a_crash_with_its_traceback_not_a_refusal(tmp_path, monkeypatch, caplog):
+    """A bug that breaks a supported architecture in genq (here: an exception inside Llama's MLP when
+    genq runs it) reads as a crash, with the traceback in the log, so the walk above fails on it."""
+    from transformers.models.llama import modeling_llama
+
+    from batching.attention import current_step
+
+    mlp_forward = modeling_llama.LlamaMLP.forward
+
+    def broken(self, x):  # in genq's steps only: generate() still gives the reference
+        if current_step() is not None:
+            raise RuntimeError("planted failure inside the forward")
+        return mlp_forward(self, x)
+
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", broken)
+    with caplog.at_level(logging.ERROR, logger="batching.model_probe"):
+        with support.quiet():
+            result = support.check_model_type("llama", str(tmp_path))
+    assert result.status == "crashed", result
+    assert "planted failure" in result.reason
+    assert "Traceback" in caplog.text and "planted failure inside the forward" in caplog.text
+
+
+def test_a_forward_that_fails_in_generate_too_is_untested_not_a_genq_crash(tmp_path, monkeypatch):
+    """The model's own failure (its generate() fails the same way, as inkling2's float32 router does
+    in a float64 model) is no genq bug: untested, which the walk accepts only for types the docs do
+    not list as running."""
+    from transformers.models.llama import modeling_llama
+
+    def broken(self, x):
+        raise RuntimeError("planted failure everywhere")
+
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", broken)
+    with support.quiet():
+        result = support.check_model_type("llama", str(tmp_path))
+    assert result.status == "untested" and "planted failure everywhere" in result.reason, result
 
 
 def test_the_walk_covers_the_families_genq_runs():

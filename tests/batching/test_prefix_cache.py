@@ -278,3 +278,24 @@ def test_host_tier_under_swap_preemption_stays_exact(make_engine, llama_path, re
     s = engine.stats()
     assert s["num_blocks_swapped_out"] > 0 and s["num_prefix_cache_offloaded_blocks"] > 0
     assert s["num_prefix_cache_host_hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("budget", [64, 8])  # the prompt in one step, or chunked over three
+def test_a_prompts_n_choices_compute_it_once(make_engine, budget):
+    """n choices of one prompt arriving together (the API's one job per choice): the later ones wait for the
+    first's prefill and start on its blocks, so the engine's counter of prefilled tokens shows the prompt
+    once, plus one token for each later choice (its last prompt token gives its first logits: at most a
+    block); each choice draws what it draws alone."""
+    prompt = random_prompts(150, [5 * BLOCK + 1])[0]
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=40 + j, ignore_eos=True) for j in range(4)]
+    engine = make_engine(block_size=BLOCK, num_device_blocks=120, max_num_batched_tokens=budget)
+    alone = [engine.generate([prompt], p)[0].token_ids for p in params]
+    engine.block_manager.reset_prefix_cache()
+    before = engine.stats()["num_prompt_tokens_computed"]
+    for j, p in enumerate(params):
+        engine.add_request(f"choice-{j}", prompt, p)
+    outs = run_to_completion(engine)
+    assert [outs[f"choice-{j}"].token_ids for j in range(4)] == alone
+    computed = engine.stats()["num_prompt_tokens_computed"] - before
+    assert computed == len(prompt) + 3, computed  # without waiting: 84 when the prompt fits one step
+    assert engine.stats()["num_prefix_cache_hit_tokens"] == 3 * 5 * BLOCK

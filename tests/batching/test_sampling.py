@@ -176,3 +176,19 @@ def test_sampler_token_index_changes_the_draw():
     params = SamplingParams(temperature=1.0)
     tokens = {Sampler()(row, [seq_with(params, seed=1, index=i)])[0] for i in range(20)}
     assert len(tokens) >= 10
+
+
+def test_the_noise_is_a_function_of_seed_index_and_token_only():
+    """The exponential race's noise (sampler.exponential_noise): each element depends on its row's key and
+    its vocabulary id alone, and is Exp(1)-distributed."""
+    from batching.sampler import exponential_noise, token_seed
+
+    keys = torch.tensor(
+        [token_seed(s, i) for s, i in [(1, 0), (1, 1), (2, 0), (2**62, 7)]], dtype=torch.int64
+    )
+    together = exponential_noise(keys, 5000)
+    for r in range(4):
+        assert torch.equal(exponential_noise(keys[r : r + 1], 5000)[0], together[r])
+    assert torch.equal(exponential_noise(keys, 100), together[:, :100])
+    assert (together > 0).all() and abs(together.mean().item() - 1.0) < 0.02
+    assert len({tuple(row[:8].tolist()) for row in together}) == 4

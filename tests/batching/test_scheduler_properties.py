@@ -168,11 +168,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "bm"):
             return
         for _ in range(5000):
-            if not self.sched.has_unfinished():
+            if not self.sched.live_sequences():
                 break
             self.step()
             self.blocks_are_free_or_owned_once()
-        assert not self.sched.has_unfinished(), "the scheduler stopped making progress"
+        assert not self.sched.live_sequences(), "the scheduler stopped making progress"
         assert sorted(self.finished) == sorted(self.requests)
         assert self.bm.num_free_device_blocks == self.bm.num_device_blocks
         assert self.bm.num_free_host_blocks == self.bm.num_host_blocks
@@ -224,9 +224,9 @@ MAX_TOKENS = 8
 
 
 class EngineMachine(RuleBasedStateMachine):
-    """Set up by test_engine_state_machine: `make_engine`, `prompts`, `expected` (greedy references)."""
+    """Set up by test_engine_state_machine: `make_cpu_engine`, `prompts`, `expected` (greedy references)."""
 
-    make_engine = prompts = expected = None
+    make_cpu_engine = prompts = expected = None
     engines: dict = {}
 
     def __init__(self):
@@ -248,7 +248,7 @@ class EngineMachine(RuleBasedStateMachine):
         key = (block_size, mode, host, chunked, caching)
         if key not in self.engines:
             # the biggest request (26 + 8 tokens) just fits; two long ones already fill it
-            self.engines[key] = self.make_engine(
+            self.engines[key] = self.make_cpu_engine(
                 block_size=block_size,
                 num_device_blocks=blocks_for(33, block_size) + 1,
                 num_host_blocks=host,
@@ -340,9 +340,9 @@ def shared_prefix_prompts() -> list[list[int]]:
     return [own[0], longest[:3], own[2], longest[:8] + own[3][8:], longest[:17], longest]
 
 
-def test_engine_state_machine(make_engine, llama_path, reference):
+def test_engine_state_machine(make_cpu_engine, llama_path, reference):
     prompts = shared_prefix_prompts()
-    EngineMachine.make_engine = staticmethod(make_engine)
+    EngineMachine.make_cpu_engine = staticmethod(make_cpu_engine)
     EngineMachine.prompts = prompts
     EngineMachine.expected = [reference(llama_path, tuple(p), MAX_TOKENS) for p in prompts]
     EngineMachine.engines = {}

@@ -9,9 +9,9 @@ from tests.batching.conftest import greedy, random_prompts, run_to_completion
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_stats_follow_one_preemption(make_engine, mode):
+def test_stats_follow_one_preemption(make_cpu_engine, mode):
     """stats(): queue counts, KV usage, preemptions, swapped blocks and recomputed tokens move as expected."""
-    engine = make_engine(
+    engine = make_cpu_engine(
         block_size=2,
         num_device_blocks=50,
         num_host_blocks=20 if mode == "swap" else 0,
@@ -49,8 +49,8 @@ def test_stats_follow_one_preemption(make_engine, mode):
     assert s["num_preemptions"] == 1
 
 
-def test_counters_follow_the_work(make_engine):
-    engine = make_engine(block_size=4, num_device_blocks=40, num_host_blocks=0, max_num_batched_tokens=8)
+def test_counters_follow_the_work(make_cpu_engine):
+    engine = make_cpu_engine(block_size=4, num_device_blocks=40, num_host_blocks=0, max_num_batched_tokens=8)
     s = engine.stats()
     assert (
         s["num_steps"] == s["num_generated_tokens"] == s["num_prompt_tokens_computed"] == 0

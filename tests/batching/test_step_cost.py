@@ -115,17 +115,17 @@ def test_a_chunk_with_context_pays_for_it():
         Sequence("long", [5] * 300, SamplingParams(max_tokens=1, temperature=0), 5, 0, arrival_time=1.0)
     )
     sizes = []
-    while sched.has_unfinished():
+    while sched.live_sequences():
         out = run_fake_step(sched)
         sizes.extend(out.num_scheduled_tokens)
     # the first chunk has no context (64 tokens); then chunk k at s pays s/4: 64 - 16 = 48 at s = 64, ...
     assert sizes[:3] == [64, 48, 36] and sum(sizes) == 300 and min(sizes) >= 1
 
 
-def test_the_engine_fits_prices_on_its_steps_and_reports_budget_used(make_engine, monkeypatch):
+def test_the_engine_fits_prices_on_its_steps_and_reports_budget_used(make_cpu_engine, monkeypatch):
     monkeypatch.setattr(step_cost, "MIN_STEPS", 40)
     monkeypatch.setattr(step_cost, "REFIT_EVERY", 20)
-    engine = make_engine(max_num_batched_tokens=32)
+    engine = make_cpu_engine(max_num_batched_tokens=32)
     assert engine.scheduler.costs.decode_tokens == 1.0
     rng = random.Random(0)
     for i in range(24):  # enough steps for several fits: one may fail on a noisy machine
@@ -146,8 +146,8 @@ def test_the_engine_fits_prices_on_its_steps_and_reports_budget_used(make_engine
     assert engine.scheduler.costs == fitted[-1]
 
 
-def test_an_engine_off_cost_awareness_keeps_plain_tokens(make_engine):
-    engine = make_engine(attention_aware_chunks=False)
+def test_an_engine_off_cost_awareness_keeps_plain_tokens(make_cpu_engine):
+    engine = make_cpu_engine(attention_aware_chunks=False)
     assert engine.step_costs is None  # nothing timed or fitted in its steps
     engine.scheduler.set_costs(StepCosts(decode_tokens=9.0))
     assert engine.scheduler.costs == StepCosts() and engine.scheduler.context_per_token is None

@@ -217,3 +217,74 @@ def test_stop_strings_completed_by_the_same_token_cut_at_the_earliest(engine, ru
     for stops in ([pair[1], pair], [pair, pair[1]]):
         out, _ = solo(engine, prompt, stop=stops)
         assert out.text == full[:at], stops
+
+
+def repeats(engine, tokens) -> list[tuple[str, int, int]]:
+    """(c, m, at) for each printable character c that the text of the first m tokens holds (m the fewest),
+    and the text after them holds again, first at `at`."""
+    full = decode(engine, tokens)
+    return [
+        (c, m, at)
+        for c in dict.fromkeys(full)
+        if 32 < ord(c) < 127
+        and (m := tokens_until(engine, tokens, c)) < len(tokens) - 1
+        and (at := full.find(c, len(decode(engine, tokens[:m])))) != -1
+    ]
+
+
+def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(engine, runs):
+    """vLLM's min_tokens: the end of sequence and stop_token_ids cannot be drawn before min_tokens tokens, and
+    a stop string ends the request only from the token after them on (vLLM's detokenizer checks stop strings
+    once len(output) > min_tokens, on the text from then on)."""
+    prompt, tokens = next((p, t) for p, t in runs if EOS_ID in t[:10])
+    k = tokens.index(EOS_ID)
+    out, _ = solo(engine, prompt, min_tokens=k + 3, max_tokens=k + 8)
+    assert len(out.token_ids) >= k + 3 and EOS_ID not in out.token_ids[: k + 3]
+    assert out.token_ids[:k] == tokens[:k] and out.token_ids[k] != EOS_ID
+    prompt, tokens = next((p, t) for p, t in runs if EOS_ID not in t)
+    out, _ = solo(engine, prompt, stop_token_ids=[tokens[0]], min_tokens=5)
+    assert out.token_ids[:1] != tokens[:1] and tokens[0] not in out.token_ids[:5]
+    prompt, tokens, (stop, m, after) = next((p, t, r[0]) for p, t in runs if (r := repeats(engine, t)))
+    full = decode(engine, tokens)
+    out, _ = solo(engine, prompt, stop=[stop])
+    assert out.text == full[: full.index(stop)] and len(out.token_ids) == m  # without min_tokens
+    out, _ = solo(engine, prompt, stop=[stop], min_tokens=m)
+    assert out.finish_reason == "stop" and out.text == full[:after] and len(out.token_ids) > m, (stop, m)
+    with pytest.raises(ValueError, match=r"min_tokens must be an integer from 0 to max_tokens \(4\)"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_include_stop_str_in_output_keeps_the_stop(engine, runs):
+    """vLLM's include_stop_str_in_output: the stop string that ended the request stays at the end of the
+    text, and so does a stop token's text (without it, a token that ends the request adds no text)."""
+    prompt, tokens = next((p, t) for p, t in runs if EOS_ID not in t)
+    full = decode(engine, tokens)
+    stop = ascii_substring(full, 8, 2)
+    at = full.index(stop)
+    out, texts = solo(engine, prompt, stop=[stop], include_stop_str_in_output=True)
+    assert out.finish_reason == "stop" and out.text == full[: at + len(stop)]
+    assert out.token_ids == tokens[: tokens_until(engine, tokens, stop)]
+    assert_streamed_text_grows(texts)
+    stop_id = next(t for t in tokens[4:] if 32 < ord(decode(engine, [t])[:1] or "\0") < 127)  # an ASCII byte
+    k = tokens.index(stop_id)
+    out, _ = solo(engine, prompt, stop_token_ids=[stop_id])
+    assert out.token_ids == tokens[: k + 1] and out.text == decode(engine, tokens[:k]).rstrip("\ufffd")
+    out, _ = solo(engine, prompt, stop_token_ids=[stop_id], include_stop_str_in_output=True)
+    assert out.token_ids == tokens[: k + 1] and out.text == decode(engine, tokens[: k + 1])
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(engine, runs):
+    """vLLM's skip_special_tokens: false decodes special tokens into the text (streamed text too); the end
+    of sequence that ends the request stays out unless include_stop_str_in_output."""
+    prompt = runs[0][0]
+    out, texts = solo(engine, prompt, max_tokens=3, logit_bias={1: 100.0}, skip_special_tokens=False)
+    assert out.token_ids == [1, 1, 1] and out.text == "<s><s><s>" and texts[:2] == ["<s>", "<s><s>"]
+    out, _ = solo(engine, prompt, max_tokens=3, logit_bias={1: 100.0})
+    assert out.text == ""
+    prompt, tokens = next((p, t) for p, t in runs if EOS_ID in t[: MAX - 5])
+    k = tokens.index(EOS_ID)
+    with_specials = engine.tokenizer.decode(tokens[:k], skip_special_tokens=False)
+    out, _ = solo(engine, prompt, skip_special_tokens=False)
+    assert out.token_ids == tokens[: k + 1] and out.text == with_specials
+    out, _ = solo(engine, prompt, skip_special_tokens=False, include_stop_str_in_output=True)
+    assert out.text == with_specials + "</s>"

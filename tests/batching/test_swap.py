@@ -18,24 +18,24 @@ def kv_of(pools: list[torch.Tensor], block_table: list[int], num_tokens: int) ->
     block table."""
     out = []
     for pool in pools:
-        blocks = pool.index_select(BLOCK_DIM, torch.tensor(block_table, dtype=torch.long))
+        blocks = pool.index_select(BLOCK_DIM, torch.tensor(block_table, dtype=torch.long, device=pool.device))
         slots = blocks.flatten(BLOCK_DIM, BLOCK_DIM + 1)  # blocks and slots → positions
         out.append(slots.narrow(BLOCK_DIM, 0, num_tokens).clone())
     return out
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(a, b))
 
 
 def scribble_on_free_blocks(engine) -> None:
     """Free device blocks hold garbage; make that explicit so a missing copy cannot pass by luck (free
     blocks that hold cached KV keep it: they are a prefix cache)."""
     bm = engine.block_manager
-    free = torch.tensor([b for b in bm.free_device if bm.hash_of_block[b] is None], dtype=torch.long)
-    if len(free):
+    free = [b for b in bm.free_device if bm.hash_of_block[b] is None]
+    if free:
         for pool in engine.kv_cache.device_pools:
-            pool.index_fill_(BLOCK_DIM, free, 1234.5)
+            pool.index_fill_(BLOCK_DIM, torch.tensor(free, dtype=torch.long, device=pool.device), 1234.5)
 
 
 def test_swapped_out_then_in_kv_is_bit_identical(make_engine, llama_path, reference):
@@ -62,7 +62,8 @@ def test_swapped_out_then_in_kv_is_bit_identical(make_engine, llama_path, refere
     assert seq.status == SequenceStatus.SWAPPED and not seq.block_table
     assert seq.num_computed_tokens == before_len
     assert len(seq.host_block_table) == -(-before_len // 3)
-    assert same(kv_of(engine.kv_cache.host_pools, seq.host_block_table, before_len), before)
+    engine.kv_cache.sync_host()
+    assert same(kv_of(engine.kv_cache.host_pool_views(), seq.host_block_table, before_len), before)
     after_out = engine.stats()
     assert after_out["num_swapped"] == 1
     assert after_out["num_blocks_swapped_out"] - stats["num_blocks_swapped_out"] == len(seq.host_block_table)

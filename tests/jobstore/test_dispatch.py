@@ -6,7 +6,16 @@ from __future__ import annotations
 import json
 import uuid
 
-from jobstore.dispatch import QUEUE, BulkSender, make_celery, move_to_head, queue_key, send_job
+from jobstore.dispatch import (
+    QUEUE,
+    BulkSender,
+    jobs_in_queue,
+    make_celery,
+    move_to_head,
+    queue_key,
+    send_job,
+    waiting_jobs,
+)
 
 
 def taken_order(redis_client, key: str, ids: list[uuid.UUID]) -> list[uuid.UUID]:
@@ -50,6 +59,11 @@ def test_bulk_sender_writes_the_message_celery_writes(settings, redis_client):
             message["headers"].update(id=None, root_id=None)
             message["properties"].update(correlation_id=None, delivery_tag=None)
         assert ours == celerys
+        sender.send_one(job_id, 4)  # POST /jobs' send: the same message, on the same list
+        single = json.loads(redis_client.lpop(queue_key(settings, QUEUE, 4)))
+        single["headers"].update(id=None, root_id=None)
+        single["properties"].update(correlation_id=None, delivery_tag=None)
+        assert single == celerys
 
         # more than one pipeline's worth, and a run of one priority longer than a pipeline (one LPUSH each)
         jobs = [(uuid.uuid4(), p) for p in (0, 9, 9, 5, 9, 0, 9, 9, 9, 9, 9, 5)]
@@ -61,3 +75,30 @@ def test_bulk_sender_writes_the_message_celery_writes(settings, redis_client):
         sender.close()
         app.close()
         redis_client.delete(*(queue_key(settings, QUEUE, p) for p in (0, 4, 5, 9)))
+
+
+def test_the_jobs_waiting_in_each_queue_are_read_at_its_head_and_found_anywhere(settings, redis_client):
+    """waiting_jobs reads each priority's length and its next messages (Celery's and BulkSender's alike);
+    jobs_in_queue finds job ids anywhere in a list, read a chunk at a time."""
+    settings = settings.replace(redis_key_prefix=f"{settings.redis_key_prefix}wait-{uuid.uuid4().hex[:6]}:")
+    app = make_celery(settings)
+    sender = BulkSender(app, settings)
+    key = queue_key(settings, QUEUE, 4)
+    try:
+        celery_sent = [uuid.uuid4() for _ in range(5)]
+        for job_id in celery_sent:
+            send_job(app, job_id, 4)
+        bulk_sent = [uuid.uuid4() for _ in range(5)]
+        sender.send([(job_id, 4) for job_id in bulk_sent])
+        waiting = waiting_jobs(redis_client, settings, limit=3)
+        assert waiting[4] == (10, celery_sent[:3])  # the next three to be taken, next first
+        assert waiting[0] == (0, []) and set(waiting) == set(range(10))
+        assert waiting_jobs(redis_client, settings, limit=64)[4] == (10, celery_sent + bulk_sent)
+        absent = uuid.uuid4()
+        sought = [celery_sent[0], bulk_sent[-1], absent]
+        assert jobs_in_queue(redis_client, settings, 4, sought, chunk=3) == {celery_sent[0], bulk_sent[-1]}
+        assert jobs_in_queue(redis_client, settings, 5, sought) == set()
+    finally:
+        sender.close()
+        app.close()
+        redis_client.delete(key)

@@ -38,6 +38,25 @@ def create(sessions, tenant_id, **changes):
         return job.id
 
 
+def test_claim_jobs_claims_the_queued_ones_each_under_its_own_lease_in_one_statement(sessions, tenant_id):
+    first, second, taken = (create(sessions, tenant_id, priority=p) for p in (1, 2, 3))
+    with sessions.begin() as s:
+        assert jobs.claim_job(s, taken, "w0", LEASE) is not None
+        claimed = jobs.claim_jobs(s, [(first, "w1#a"), (taken, "w1#b"), (second, "w1#c")], LEASE)
+        assert {(j.id, j.worker_id, j.status, j.attempts) for j in claimed} == {
+            (first, "w1#a", JobStatus.RUNNING, 1),
+            (second, "w1#c", JobStatus.RUNNING, 1),
+        }  # the job another lease holds is left alone
+        assert all(j.lease_expires_at > j.started_at and j.metadata_ == {"run": 1} for j in claimed)
+        for j in claimed:  # every column in its own attribute, whatever the table's physical column order
+            stored = jobs.get_job(s, j.id)
+            assert {a: getattr(j, a) for a in jobs._ATTRIBUTE.values()} == {
+                a: getattr(stored, a) for a in jobs._ATTRIBUTE.values()
+            }
+        assert jobs.claim_jobs(s, [(first, "w2")], LEASE) == []
+        assert jobs.get_job(s, first).worker_id == "w1#a"
+
+
 def test_create_claim_progress_finish(sessions, tenant_id):
     job_id = create(sessions, tenant_id)
     with sessions.begin() as s:
@@ -162,7 +181,9 @@ def test_fail(sessions, tenant_id):
 def test_cancel_queued_then_claim_is_dropped(sessions, tenant_id):
     job_id = create(sessions, tenant_id)
     with sessions.begin() as s:
-        assert jobs.cancel_job(s, job_id, tenant_id).status == JobStatus.CANCELLED
+        job, cancelled = jobs.cancel_job(s, job_id, tenant_id)
+        assert cancelled and job.status == JobStatus.CANCELLED
+        assert jobs.cancel_job(s, job_id, tenant_id)[1] is False  # already cancelled: not again
     with sessions.begin() as s:
         assert jobs.claim_job(s, job_id, "w1", LEASE) is None
         assert jobs.get_job(s, job_id).started_at is None
@@ -173,8 +194,8 @@ def test_cancel_running_takes_the_job_from_its_worker(sessions, tenant_id):
     with sessions.begin() as s:
         jobs.claim_job(s, job_id, "w1", LEASE)
     with sessions.begin() as s:
-        job = jobs.cancel_job(s, job_id, tenant_id)
-        assert (job.status, job.finish_reason) == (JobStatus.CANCELLED, "abort")
+        job, cancelled = jobs.cancel_job(s, job_id, tenant_id)
+        assert cancelled and (job.status, job.finish_reason) == (JobStatus.CANCELLED, "abort")
     with sessions.begin() as s:
         assert not jobs.save_progress(s, [progress(job_id, "w1", [1], "a")], LEASE)
         assert not jobs.finish_job(
@@ -188,8 +209,9 @@ def test_cancel_finished_or_foreign(sessions, tenant_id):
         jobs.claim_job(s, job_id, "w1", LEASE)
         jobs.finish_job(s, job_id, "w1", token_ids=[1], text="a", finish_reason="stop", prompt_tokens=1)
     with sessions.begin() as s:
-        assert jobs.cancel_job(s, job_id, tenant_id).status == JobStatus.SUCCEEDED  # unchanged
-        assert jobs.cancel_job(s, job_id, uuid.uuid4()) is None  # another tenant: not found
+        assert jobs.cancel_job(s, job_id, tenant_id)[0].status == JobStatus.SUCCEEDED  # unchanged
+        assert jobs.cancel_job(s, job_id, tenant_id)[1] is False
+        assert jobs.cancel_job(s, job_id, uuid.uuid4()) == (None, False)  # another tenant: not found
 
 
 def test_expired_lease_is_requeued_keeping_its_tokens(sessions, tenant_id):

@@ -21,7 +21,7 @@ from sqlalchemy import text as sql
 
 from jobstore.dispatch import make_celery
 from jobstore.settings import Settings
-from tests.conftest import ROOT, free_port, settings_env, worker_command
+from tests.conftest import BIN, ROOT, free_port, settings_env, worker_command
 from workers.reconciler import reconcile
 
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -113,7 +113,7 @@ class Reconciler:
         self.celery = make_celery(settings)
         self.stop_event = threading.Event()
         self.errors = 0
-        self.totals = {"requeued": 0, "sent": 0, "resent": 0}
+        self.totals = {"requeued": 0, "unclaimed": 0, "sent": 0, "resent": 0}
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self) -> None:
@@ -134,6 +134,41 @@ class Reconciler:
         self.stop_event.set()
         self.thread.join(10)
         self.celery.close()
+
+
+class Beat:
+    """`celery -A workers beat` (the reconciler, run in the beat process) in its own process group."""
+
+    def __init__(self, settings: Settings, log: Path):
+        self.log = log
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(
+                [BIN / "celery", "-A", "workers", "beat", "--loglevel", "INFO"],
+                cwd=ROOT,
+                env=settings_env(settings),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+@pytest.fixture()
+def beat(tmp_path) -> Iterator:
+    """`beat(settings)` -> a running Beat for that stack; stopped at the end."""
+    started: list[Beat] = []
+
+    def start(settings: Settings) -> Beat:
+        started.append(Beat(settings, tmp_path / f"beat-{len(started)}.log"))
+        return started[-1]
+
+    yield start
+    for b in started:
+        b.stop()
 
 
 @pytest.fixture()

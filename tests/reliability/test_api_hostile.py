@@ -200,9 +200,7 @@ def test_schemathesis_finds_no_5xx(settings, api, new_key, figures):
     key = new_key()
     # no worker runs here: a valid synchronous completion waits for its job until its timeout, then
     # answers 503 "timeout" (documented, with Retry-After); kept short, and not counted as a bug
-    st = stack_settings(
-        settings, rate_limit="100000/second", completion_timeout_seconds=0.02, completion_poll_seconds=0.01
-    )
+    st = stack_settings(settings, rate_limit="100000/second", completion_timeout_seconds=0.02)
     app = api(st).application
     schema = schemathesis.openapi.from_wsgi("/openapi.json", app)
     failures = []

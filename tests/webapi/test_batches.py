@@ -134,7 +134,7 @@ def test_a_malformed_file_fails_validation_with_every_bad_line_and_queues_nothin
         chat_line(4, n=2),
         dict(chat_line(5), url="/v1/completions"),
         chat_line(6, messages=[{"role": "user", "content": "x" * 5000}]),  # too long for max_model_len
-        chat_line(7, logit_bias={"1": 5}),
+        chat_line(7, logit_bias={"1": 500}),  # beyond 100
         chat_line(8),
     ]
     file_id = upload(client, headers, jsonl(lines)).json["id"]
@@ -148,13 +148,48 @@ def test_a_malformed_file_fails_validation_with_every_bad_line_and_queues_nothin
     assert errors[2]["code"] == "invalid_json_line"
     assert errors[3]["param"] == "custom_id"
     assert errors[4]["code"] == "duplicate_custom_id"
-    assert errors[5]["param"] == "body.n" and "n=1" in errors[5]["message"]
+    assert errors[5]["param"] == "body.n" and "a batch line makes one choice" in errors[5]["message"]
     assert errors[6]["code"] == "mismatched_endpoint"
     assert errors[7]["code"] == "context_length_exceeded" and "max_model_len" in errors[7]["message"]
-    assert errors[8]["param"] == "body.logit_bias"
+    assert errors[8]["param"] == "body.logit_bias.1" and "at most 100" in errors[8]["message"]
     assert batch_jobs(sessions, batch["id"]) == []
     queued_after = sum(redis_client.llen(f"{settings.redis_key_prefix}{QUEUE}:{p}") for p in range(1, 10))
     assert queued_after == queued_before
+
+
+def test_batch_lines_carry_response_format_to_their_jobs(client, auth, sessions):
+    headers = auth()
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    lines = [
+        chat_line(0, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}),
+        chat_line(1, response_format={"type": "json_object"}),
+        chat_line(2, response_format={"type": "text"}),
+    ]
+    batch = create(client, headers, upload(client, headers, jsonl(lines)).json["id"]).json
+    assert batch["status"] == "in_progress", batch
+    options = [row.options.get("json_schema") for row in batch_jobs(sessions, batch["id"])]
+    assert [json.loads(o) if o else None for o in options] == [schema, {"type": "object"}, None]
+    bad = [
+        chat_line(0, response_format={"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}})
+    ]
+    failed = create(client, headers, upload(client, headers, jsonl(bad)).json["id"]).json
+    assert failed["status"] == "failed" and failed["errors"]["data"][0]["param"] == "body.response_format"
+
+
+def test_batch_lines_carry_vllms_sampling_controls_to_their_jobs(client, auth, sessions):
+    """logit_bias, min_tokens, include_stop_str_in_output and skip_special_tokens reach the jobs' options."""
+    headers = auth()
+    controls = {
+        "logit_bias": {"65": -100, "7": 2.5},
+        "min_tokens": 3,
+        "include_stop_str_in_output": True,
+        "skip_special_tokens": False,
+    }
+    lines = [chat_line(0, **controls), chat_line(1)]
+    batch = create(client, headers, upload(client, headers, jsonl(lines)).json["id"]).json
+    assert batch["status"] == "in_progress", batch
+    options = [row.options for row in batch_jobs(sessions, batch["id"])]
+    assert options[0] == {**controls, "logit_bias": {"65": -100.0, "7": 2.5}} and options[1] == {}
 
 
 def test_another_tenant_sees_no_file_and_no_batch(client, auth):

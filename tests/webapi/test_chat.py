@@ -139,7 +139,7 @@ def test_tiny_llama_has_a_template_and_limits_count_the_rendered_prompt(client, 
     )
     bad_role = {"messages": [{"role": "wizard", "content": "Hi"}]}
     r = client.post("/jobs", json=bad_role, headers=headers)
-    assert r.status_code == 422 and r.json["error"]["message"].startswith("messages.0.role: ")
+    assert r.status_code == 422 and r.json["error"]["message"].startswith("messages[0].role: ")
 
 
 @pytest.mark.parametrize("model", ["tiny-llama", "chatml"])

@@ -119,7 +119,7 @@ TOO_LONG = "x" * 2048  # 2048 bytes + BOS: over tiny-llama's 2048 tokens with an
         ({"prompt": "hi", "max_tokens": "8"}, 422, "max_tokens"),
         ({"prompt": "hi", "priority": 1.5}, 422, "priority"),
         ({"prompt": "hi", "temperature": "hot"}, 422, "temperature"),
-        ({"prompt": "hi", "stop": "x"}, 422, "stop"),
+        ({"prompt": "hi", "stop": 5}, 422, "stop"),
         ({"prompt": "hi", "colour": "red"}, 422, "colour"),
         ({"max_tokens": 4}, 422, "prompt"),
         ({"prompt": "hi", "input_ids": [1]}, 422, "input_ids"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+
 from webapi import create_app
 from webapi.schemas import JobSubmit
 
@@ -47,8 +49,15 @@ def test_openapi_is_generated_from_the_schemas(client, app):
     assert set(doc["paths"]) == {
         "/jobs",
         "/jobs/{job_id}",
+        "/jobs/{job_id}/events",
         "/jobs/{job_id}/cancel",
         "/healthz",
+        "/health",
+        "/version",
+        "/tokenize",
+        "/detokenize",
+        "/tokenizer_info",
+        "/v1/models",
         "/v1/files",
         "/v1/files/{file_id}",
         "/v1/files/{file_id}/content",
@@ -101,3 +110,15 @@ def _refs(node):
     elif isinstance(node, list):
         for value in node:
             yield from _refs(value)
+
+
+def test_vllms_health_version_and_models(client, auth, settings):
+    assert client.get("/health").status_code == 200
+    version = client.get("/version")
+    assert version.status_code == 200 and version.json["version"] == importlib.metadata.version("genq")
+    models = client.get("/v1/models", headers=auth())
+    assert models.status_code == 200 and models.json["object"] == "list"
+    [card] = models.json["data"]
+    assert card["id"] == card["root"] == settings.model and card["object"] == "model"
+    assert card["max_model_len"] == settings.max_model_len
+    assert client.get("/v1/models").status_code == 401

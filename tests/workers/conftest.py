@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import openai
 import pytest
 import requests
 from celery import Celery
@@ -22,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jobstore.dispatch import make_celery
 from jobstore.settings import Settings
-from tests.conftest import ROOT, free_port, settings_env, worker_command
+from tests.conftest import ROOT, free_port, serve_api, settings_env, worker_command
 from workers.outcomes import Outcome
 
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -151,3 +152,20 @@ def offline_engine(settings):
     from batching import Engine, EngineConfig
 
     return Engine(EngineConfig(**settings.engine_options()))
+
+
+@pytest.fixture(scope="module")
+def api_url(wide) -> Iterator[str]:
+    """gunicorn serving the app that sends to the `wide` worker's queue (its settings, its Redis prefix)."""
+    with serve_api(wide.settings) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def openai_client(wide, api_url) -> Iterator[openai.OpenAI]:
+    """The official `openai` client against `api_url`, with the `wide` stack's key (no retries: a 429 or 5xx
+    fails the test). Named apart from the Flask test client `client` (tests/conftest.py)."""
+    with openai.OpenAI(
+        base_url=f"{api_url}/v1", api_key=wide.headers["Authorization"].split()[1], max_retries=0, timeout=120
+    ) as client:
+        yield client

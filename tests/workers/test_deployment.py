@@ -4,11 +4,15 @@ No Docker engine runs here, so the compose file is checked by reading it."""
 
 from __future__ import annotations
 
+import os
 import re
+import runpy
 import shlex
+import subprocess
 
 import pytest
 import yaml
+from dockerfile_parse import DockerfileParser
 
 from jobstore.settings import Settings
 from tests.conftest import ROOT
@@ -24,6 +28,11 @@ CONTRACT = {  # the contract commands (README, Procfile): each service's command
 @pytest.fixture(scope="module")
 def compose() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> DockerfileParser:
+    return DockerfileParser(path=str(ROOT / "Dockerfile"))
 
 
 @pytest.fixture(scope="module")
@@ -99,25 +108,104 @@ def test_the_gpu_profile_builds_cuda_torch_and_the_default_profile_matches_its_t
     assert env["COMPOSE_PROFILES"] == "cpu" and env["TORCH_INDEX_URL"].endswith("/cpu")
     assert "/cu" in env["CUDA_TORCH_INDEX_URL"]
     assert services["api"]["build"]["args"]["EXTRAS"] == "api"  # the API's image has no torch
-    assert "*,worker,*) pip install" in (ROOT / "Dockerfile").read_text()
 
 
-def test_every_long_running_service_has_a_healthcheck_and_caches_are_writable(compose):
+def run_instruction(dockerfile: DockerfileParser, words: str) -> str:
+    """The one RUN instruction of the Dockerfile whose command contains `words`."""
+    (found,) = [i["value"] for i in dockerfile.structure if i["instruction"] == "RUN" and words in i["value"]]
+    return found
+
+
+def test_only_worker_images_install_torch(dockerfile):
+    """The image's torch step, run by bash with `pip` replaced by an echo, for each EXTRAS compose builds."""
+    step = run_instruction(dockerfile, "torch==")
+    args = dockerfile.args
+    installs = {}
+    for extras in ("api", "api,worker"):
+        env = {
+            "EXTRAS": extras,
+            "TORCH_INDEX_URL": args["TORCH_INDEX_URL"],
+            "TORCH_VERSION": args["TORCH_VERSION"],
+        }
+        ran = subprocess.run(
+            ["bash", "-c", f'pip() {{ echo "pip $*"; }}\n{step}'],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        installs[extras] = ran.stdout.split()
+    assert installs["api"] == []
+    assert installs["api,worker"] == [
+        "pip",
+        "install",
+        "--index-url",
+        args["TORCH_INDEX_URL"],
+        f"torch=={args['TORCH_VERSION']}",
+    ]
+
+
+def test_every_long_running_service_has_a_healthcheck_and_caches_are_writable(compose, dockerfile):
     services = compose["services"]
     for name, service in services.items():
         if name != "migrate":  # one-shot: its exit status is what others wait for
             assert service["healthcheck"]["test"], name
-    dockerfile = (ROOT / "Dockerfile").read_text()
     mounts = {volume.split(":")[1] for volume in services["api"]["volumes"]}
-    assert mounts == {"/home/genq/.cache/huggingface", "/home/genq/.cache/genq"}
-    # the image makes the mount points and gives them to its user before `USER genq`
-    assert 'mkdir -p "$HF_HOME" "$GENQ_KERNEL_CACHE"' in dockerfile
-    assert "chown -R genq:genq /home/genq/.cache" in dockerfile
-    assert dockerfile.index("chown -R genq") < dockerfile.index("USER genq")
-    assert "HF_HOME=/home/genq/.cache/huggingface" in dockerfile
-    assert "GENQ_KERNEL_CACHE=/home/genq/.cache/genq" in dockerfile
+    caches = {dockerfile.envs["HF_HOME"], dockerfile.envs["GENQ_KERNEL_CACHE"]}
+    assert mounts == caches == {"/home/genq/.cache/huggingface", "/home/genq/.cache/genq"}
+    # the image makes the mount points and gives them to its user before `USER genq`, so a new volume
+    # mounted there starts owned by genq
+    step = run_instruction(dockerfile, "useradd")
+    commands = [shlex.split(c) for c in step.split("&&")]
+    assert ["mkdir", "-p", "$HF_HOME", "$GENQ_KERNEL_CACHE"] in commands
+    assert ["chown", "-R", "genq:genq", "/home/genq/.cache"] in commands
+    order = [i["instruction"] + " " + i["value"] for i in dockerfile.structure]
+    assert order.index(f"RUN {step}") < order.index("USER genq")
+    assert dockerfile.structure[-1]["instruction"] == "CMD" and "USER genq" in order
 
 
-def test_gunicorn_processes_follow_the_cpu_quota():
-    text = (ROOT / "gunicorn.conf.py").read_text()
-    assert "2 * available_cpus()" in text and "cpu_count()" not in text
+@pytest.mark.parametrize("quota, cpus", [(None, None), (0.5, 1), (1.5, 2)])
+def test_gunicorn_runs_two_processes_per_cpu_of_the_quota(monkeypatch, tmp_path, quota, cpus):
+    """gunicorn.conf.py, executed as gunicorn does, under a container's CPU quota (or none)."""
+    from jobstore import cpus as cpu_module
+
+    monkeypatch.setattr(cpu_module, "cgroup_quota", lambda: quota)
+    monkeypatch.delenv("API_WORKERS", raising=False)
+    monkeypatch.delenv("COMPLETION_SLOTS", raising=False)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    conf = runpy.run_path(str(ROOT / "gunicorn.conf.py"))
+    affinity = len(os.sched_getaffinity(0))
+    assert conf["workers"] == 2 * min(affinity, cpus or affinity)
+    assert conf["worker_class"] == "gevent" and conf["preload_app"] is False
+
+
+def dry_run(target: str) -> list[list[str]]:
+    """The commands `make TARGET` would run, split into words (`make -n`: nothing runs)."""
+    out = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return [shlex.split(line) for line in out.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def position(commands: list[list[str]], *words: str) -> int:
+    """Where the first command containing all `words` (as words, in order) is."""
+    for i, command in enumerate(commands):
+        names = [w.rsplit("/", 1)[-1] for w in command]
+        rest = iter(names)
+        if all(w in rest for w in words):
+            return i
+    raise AssertionError(f"no command with {words}: {commands}")
+
+
+def test_make_run_starts_services_migrates_then_the_procfile():
+    commands = dry_run("run")
+    steps = [
+        position(commands, "bash", "services.sh"),
+        position(commands, "honcho", "run", "genq", "db", "create"),
+        position(commands, "honcho", "run", "alembic", "upgrade", "head"),
+        position(commands, "honcho", "start"),
+    ]
+    assert steps == sorted(steps), commands
+
+
+def test_make_test_starts_services_then_runs_the_whole_suite():
+    commands = dry_run("test")
+    assert position(commands, "bash", "services.sh") < position(commands, "pytest", "tests"), commands

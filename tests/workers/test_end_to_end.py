@@ -12,7 +12,7 @@ from jobstore import jobs
 from tests.conftest import job_request
 from workers.reconciler import reconcile
 
-PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
 
 
 def mixed_jobs(n: int) -> list[dict]:

@@ -114,6 +114,9 @@ def test_worker_metrics_count_jobs_tokens_and_a_preemption(metered):
     assert value(after_w, "genq_engine_running_sequences") == 0
     assert value(after_w, "genq_engine_swapped_sequences") == 0
     assert value(after_w, "genq_engine_device_kv_usage") == 0
+    # which attention path the engine runs: the C++ kernels on this CPU, not the slower fallback
+    assert value(after_w, "genq_engine_attention_path", path="cpu_kernel") == 1
+    assert value(after_w, "genq_engine_attention_path", path="torch") == 0
 
 
 def test_prefix_cache_metrics_count_a_shared_prompt(metered):

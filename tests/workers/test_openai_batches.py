@@ -21,13 +21,6 @@ from workers.reconciler import expire_batches
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 
 
-@pytest.fixture(scope="module")
-def api_url(wide):
-    """gunicorn serving the app that sends to the `wide` worker's queue (its settings, its Redis prefix)."""
-    with serve_api(wide.settings) as url:
-        yield url
-
-
 def client_for(api_url: str, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{api_url}/v1", api_key=key, max_retries=0, timeout=60)
 

@@ -1,11 +1,13 @@
 """workers/reconciler.py against a database and a Redis namespace of its own: what it tells an operator
-on a first start and after Redis lost its data, and the retention purge (JOB_RETENTION_DAYS)."""
+on a first start and after Redis lost its data, the retention purge (JOB_RETENTION_DAYS), and jobs whose
+message a worker took and never claimed (workers/unclaimed.py)."""
 
 from __future__ import annotations
 
 import logging
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -16,11 +18,11 @@ from sqlalchemy import func, select, update
 
 from jobstore import jobs
 from jobstore.db import create_database_if_missing, drop_database, make_engine, make_session_factory
-from jobstore.dispatch import make_celery
+from jobstore.dispatch import QUEUE, make_celery, queue_key, send_job, send_to_head, waiting_jobs
 from jobstore.keys import create_key, tenant_for_key
 from jobstore.models import Batch, BatchStatus, Job, JobStatus
 from tests.conftest import ROOT, job_request, settings_env
-from workers import reconciler
+from workers import reconciler, unclaimed
 
 REQUEST = job_request()
 
@@ -159,3 +161,83 @@ def test_a_batch_job_is_purged_only_once_its_batch_has_ended(fresh, celery):
     with sessions.begin() as s:
         s.execute(update(Batch).where(Batch.id == "batch_retention").values(status=BatchStatus.COMPLETED))
     assert reconciler.purge_old_jobs(sessions, week) == 1 and remaining(sessions, [job]) == set()
+
+
+def send(celery, sessions, job_ids, priority: int = 5, ago: float | None = None) -> None:
+    """Send each job to Redis and record it as sent (`ago` seconds ago, oldest first, if given)."""
+    for i, job_id in enumerate(job_ids):
+        send_job(celery, job_id, priority)
+        with sessions.begin() as s:
+            jobs.mark_enqueued(s, [job_id])
+            if ago is not None:
+                sent = func.now() - timedelta(seconds=ago - i * 0.01)
+                s.execute(update(Job).where(Job.id == job_id).values(enqueued_at=sent))
+
+
+def next_in_line(st, client, priority: int = 5) -> list[uuid.UUID]:
+    """The jobs of `priority` in the order workers will take them."""
+    return waiting_jobs(client, st, limit=1000)[priority][1]
+
+
+def test_jobs_a_dead_worker_left_go_back_to_the_queue(fresh, celery):
+    """Where a worker can die with a job, and what the reconciler does: a job it ran (its lease lapses) goes back
+    at once, at the head of its priority; one it handed back and had not sent yet is sent at once; one whose
+    message it took from Redis and never claimed (kombu holds the message unacknowledged for an hour, or lost
+    it) is sent again a lease later, at the head too."""
+    st, sessions = fresh
+    st = st.replace(lease_seconds=1.0)
+    client = redis.Redis.from_url(st.redis_url)
+    reconciler.recover(sessions, celery, st)  # its first run on this Redis
+    tenant = new_tenant(sessions)
+    # submitted a minute ago (a job just sent is left unsent for ENQUEUE_GRACE_SECONDS: the API records it)
+    taken, crashed, waiting, handed = (
+        new_job(sessions, tenant, JobStatus.QUEUED, age_days=1e-3) for _ in range(4)
+    )
+    send(celery, sessions, [taken, crashed, handed, waiting])
+    with sessions.begin() as s:
+        jobs.claim_job(s, crashed, "dead-worker#1", lease_seconds=-1)  # ran; its lease lapsed
+        jobs.claim_job(s, handed, "dead-worker#2", lease_seconds=30)
+        jobs.release_job(s, handed, "dead-worker#2", token_ids=[5], text="x")  # handed back, not sent
+    for _ in range(3):  # the messages of `taken`, `crashed` and `handed`: taken by the worker
+        client.rpop(queue_key(st, QUEUE, 5))
+    assert next_in_line(st, client) == [waiting]
+
+    first = reconciler.recover(sessions, celery, st)
+    assert (first["requeued"], first["unclaimed"], first["sent"]) == (1, 0, 2)  # unclaimed: watched a lease
+    assert next_in_line(st, client) == [crashed, waiting, handed]
+    time.sleep(st.lease_seconds + 0.1)
+    second = reconciler.recover(sessions, celery, st)
+    assert (second["requeued"], second["unclaimed"], second["sent"]) == (0, 1, 1)
+    assert next_in_line(st, client) == [taken, crashed, waiting, handed]
+    time.sleep(st.lease_seconds + 0.1)
+    assert reconciler.recover(sessions, celery, st)["sent"] == 0  # every message waits now: nothing more
+    assert next_in_line(st, client) == [taken, crashed, waiting, handed]
+
+
+def test_jobs_waiting_in_a_long_queue_are_never_sent_twice(fresh, celery):
+    """In a list longer than the head the reconciler reads, the order of sends tells which jobs left it; jobs
+    moved to the head (a worker shutting down hands many back) can make waiting jobs look taken, and a last
+    look through the whole list keeps them from being sent twice. A job gone from the list is sent again."""
+    st, sessions = fresh
+    st = st.replace(lease_seconds=1.0)
+    client = redis.Redis.from_url(st.redis_url)
+    reconciler.recover(sessions, celery, st)
+    tenant = new_tenant(sessions)
+    backlog = [new_job(sessions, tenant, JobStatus.QUEUED, age_days=0) for _ in range(2 * unclaimed.HEAD)]
+    send(celery, sessions, backlog, ago=60)
+    handed_back = [new_job(sessions, tenant, JobStatus.QUEUED, age_days=0) for _ in range(unclaimed.HEAD + 6)]
+    for job_id in handed_back:  # sent just now, each moved to the head
+        send_to_head(celery, client, st, job_id, 5)
+    with sessions.begin() as s:
+        jobs.mark_enqueued(s, handed_back)
+    lost = backlog[7]  # its message vanished from the middle of the list
+    [message] = [m for m in client.lrange(queue_key(st, QUEUE, 5), 0, -1) if str(lost).encode() in m]
+    client.lrem(queue_key(st, QUEUE, 5), 1, message)
+
+    assert reconciler.recover(sessions, celery, st)["unclaimed"] == 0
+    suspects = client.hgetall(f"{st.redis_key_prefix}genq:unclaimed")
+    assert len(suspects) > 100  # the backlog looks taken, seen from the head ...
+    time.sleep(st.lease_seconds + 0.1)
+    assert reconciler.recover(sessions, celery, st)["unclaimed"] == 1  # ... only the lost job was
+    line = next_in_line(st, client)
+    assert line[0] == lost and sorted(line) == sorted(backlog + handed_back)

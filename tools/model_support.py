@@ -6,12 +6,15 @@ prompt lengths under two schedules (a tiny token budget with 16-token blocks; 1-
 compare with `model.generate()`. Each type ends in one of:
 
   identical  genq's greedy tokens equal generate()'s on every prompt, under both schedules
-  refused    the engine refuses it at load, and the message says why
+  refused    the engine refuses it at load, for a reason the probe knows (the message says which)
+  crashed    the model's forward raised on genq's inputs at load (the traceback is logged): a genq bug
+             or the model's; never counted as a clean refusal (the test fails on it)
   diverged   genq ran but its tokens differ: a bug (the test fails on it)
-  untested   no tiny model or no reference could be built here (the reason says which)
+  untested   no tiny model or no reference could be built here (the reason says which), or the
+             model's forward fails in generate() and in genq alike
 
-    python -m batching.support            # the Markdown table for the README (a few minutes)
-    python -m batching.support llama gpt2 # some types only
+    python -m tools.model_support            # the Markdown table for docs/models.md (a few minutes)
+    python -m tools.model_support llama gpt2 # some types only
 """
 
 from __future__ import annotations
@@ -96,9 +99,26 @@ TINY = dict(
     use_cache=True,
 )
 
-PER_TYPE = {  # what a type needs beyond TINY to be consistent at two layers
+MAMBA2_TINY = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)
+PER_TYPE: dict[str, dict[str, Any]] = {  # what a type needs beyond TINY to be consistent at two layers
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=12),
-}
+    # hybrids: one state layer, then one attention layer (their defaults put attention past layer 2)
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  mamba_dt_rank=8, mamba_d_state=8),
+    "bamba": dict(attn_layer_indices=[1], **MAMBA2_TINY),
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], **MAMBA2_TINY),
+    "mamba2": dict(num_heads=8, head_dim=16, state_size=16, n_groups=1, chunk_size=16),
+    "zamba": dict(layers_block_type=["linear_attention", "hybrid"], attn_layer_period=2, attn_layer_offset=1,
+                  attention_hidden_size=128, attention_head_dim=32, mamba_dt_rank=8, mamba_d_state=8),
+    "zamba2": dict(layers_block_type=["linear_attention", "hybrid"], hybrid_layer_ids=[1],
+                   attention_hidden_size=128, attention_head_dim=32, kv_channels=16, num_query_groups=4,
+                   mamba_headdim=16, n_mamba_heads=8, mamba_d_state=16),
+    "zaya": dict(num_experts_per_tok=1),
+    "kimi_linear": dict(num_experts_per_token=2, linear_num_heads=4, linear_head_dim=16,
+                        mlp_layer_types=["dense", "sparse"]),
+    "lfm2": dict(layer_types=["conv", "full_attention"]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1, num_experts_per_tok=2),
+}  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -190,17 +210,21 @@ def _eager_experts(model) -> None:
         model.set_experts_implementation("eager")
 
 
-def engine_tokens(path: str, prompt_list: list[list[int]], max_new: int = MAX_NEW, **schedule):
+def engine_tokens(path: str, prompt_list: list[list[int]], max_new: int = MAX_NEW, **options):
+    """genq's greedy tokens; `options`: EngineConfig fields (a schedule, device, attention path)."""
     from batching import Engine, EngineConfig, SamplingParams
 
-    engine = Engine(EngineConfig(model=path, dtype="float64", device="cpu", max_model_len=128, **schedule))
+    options = {"device": "cpu", **options}
+    engine = Engine(EngineConfig(model=path, dtype="float64", max_model_len=128, **options))
     params = SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True)
     return [o.token_ids for o in engine.generate(prompt_list, params)]
 
 
-def check_model_type(model_type: str, directory: str, **overrides) -> Result:
+def check_model_type(
+    model_type: str, directory: str, engine_options: dict | None = None, **overrides
+) -> Result:
     """Build the tiny model of `model_type` (config `overrides` on top) into `directory` and compare
-    genq with generate()."""
+    genq (its EngineConfig given `engine_options` too: device, attention path) with generate()."""
     try:
         config = tiny_config(model_type, **overrides)
         model = build_tiny_model(config)
@@ -214,9 +238,14 @@ def check_model_type(model_type: str, directory: str, **overrides) -> Result:
         expected, no_reference = None, f"no reference from generate(): {_short(exc)}"
     for schedule in SCHEDULES:
         try:
-            got = engine_tokens(directory, prompt_list, **schedule)
+            got = engine_tokens(directory, prompt_list, **schedule, **(engine_options or {}))
         except ValueError as exc:
-            return Result(model_type, "refused", _short(exc).replace(directory, "<tiny checkpoint>"))
+            reason = _short(exc).replace(directory, "<tiny checkpoint>")
+            if getattr(exc, "unexpected", False) and expected is None:
+                # the forward fails in genq as in generate(): the tiny model's own failure, not genq's
+                return Result(model_type, "untested", f"{no_reference}; genq's load fails too: {reason}")
+            status = "crashed" if getattr(exc, "unexpected", False) else "refused"
+            return Result(model_type, status, reason)
         except Exception as exc:  # noqa: BLE001 - anything else is a crash, reported as a divergence
             return Result(model_type, "diverged", f"crashed under {schedule}: {_short(exc)}")
         if expected is None:
@@ -234,25 +263,26 @@ def _short(exc: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def run(model_types: list[str]) -> list[Result]:
+def run(model_types: list[str], **engine_options) -> list[Result]:
     results = []
     for model_type in model_types:
         with tempfile.TemporaryDirectory() as directory:
             with quiet():
-                result = check_model_type(model_type, directory)
+                result = check_model_type(model_type, directory, engine_options)
         print(f"{result.model_type}: {result.status} {result.reason}", file=sys.stderr, flush=True)
         results.append(result)
     return results
 
 
-def markdown(results: list[Result]) -> str:
+def markdown(results: list[Result], where: str = "") -> str:
     import transformers
 
     counts = {
-        s: sum(r.status == s for r in results) for s in ("identical", "refused", "diverged", "untested")
+        s: sum(r.status == s for r in results)
+        for s in ("identical", "refused", "crashed", "diverged", "untested")
     }
     lines = [
-        f"Checked against transformers {transformers.__version__} by `python -m batching.support`: "
+        f"Checked against transformers {transformers.__version__}{where} by `python -m tools.model_support`: "
         + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
         + ".",
         "",
@@ -280,12 +310,25 @@ def quiet():
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model_types", nargs="*", help="model types to check (default: all)")
+    parser.add_argument("--device", default="cpu", help="where genq runs: cpu (default), cuda, cuda:N")
+    parser.add_argument(
+        "--attention",
+        choices=("kernel", "torch"),
+        default="kernel",
+        help="CPU attention: the C++ kernels (default) or the torch path that CUDA runs",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    print(markdown(run(args.model_types or decoder_model_types())))
+    options = dict(device=args.device, cpu_attention_kernel=args.attention == "kernel")
+    where = (
+        ""
+        if args.device == "cpu" and args.attention == "kernel"
+        else f" (genq on {args.device}, {args.attention} attention)"
+    )
+    print(markdown(run(args.model_types or decoder_model_types(), **options), where))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,327 @@
+"""Non-attention layers (Mamba, Mamba-2, gated delta nets, short convolutions) run per sequence from
+genq's state cache, through transformers' own layer code.
+
+transformers' state layers read and write their state through the cache object they are handed
+(`cache_params` or `past_key_values`): `get_conv_state`, `update_conv_state`, `get_recurrent_state`,
+`update_recurrent_state`, `has_previous_state`. genq packs a step's sequences into one row of
+tokens, which such a layer would run as one sequence, so at load each of them is wrapped
+(`install`): in a step, the wrapper splits the packed rows by sequence and calls the layer's own
+forward with a cache of transformers' own class (`LinearAttentionLayer`) that holds the states of
+just those sequences, gathered from their slots (state_cache.py), then writes what the layer left
+there back to the slots:
+
+- a sequence with no state yet (the first chunk of its prompt) runs its chunk in one call, from an
+  empty cache, as `generate()` runs a prompt;
+- sequences with a state (decodes, and later chunks of a prompt) run one token per call, all of them
+  in one batched call per token position ("waves"), through the layer's single-token path, the one
+  `generate()` decodes with: a chunk carries its state token by token, and the result is what
+  `generate()` computes whichever way the scheduler splits a prompt.
+
+Outside a step (the reference forward of the load-time check, a plain `model(...)` call) the layer
+runs as transformers wrote it. In the load-time shape forward the wrapper records the shape of
+each state the layer keeps (`geometry`), which sizes the slots.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from batching.attention import current_step
+from batching.state_cache import StateCache, StateGeometry, StateSpec
+
+CACHE_CALLS = ("get_conv_state", "get_recurrent_state", "update_conv_state", "update_recurrent_state")
+CACHE_ARGS = ("cache_params", "past_key_values")
+# a chunk resumed from the state vs the whole sequence at once: max |diff| / max(1, max |whole|). A
+# layer that drops the state errs by 0.1 to 1; one that keeps it by rounding (some compute their
+# scans partly in float32: ~1e-8 in a float64 model)
+RESUME_TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-3}
+
+
+@dataclass(slots=True)
+class StateStep:
+    """A step's rows as the state layers run them (built by the runner; the tensors on the device)."""
+
+    cache: StateCache
+    num_rows: int
+    # sequences without a state: (first row, number of rows, their slot as a [1] tensor)
+    fresh: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    # sequences with a state, one token each per wave: (rows [n], slots [n])
+    waves: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # the same for layers that resume a chunk from its state in one call: the single-token
+    # sequences in one wave, and each longer chunk alone (first row, rows, slot [1])
+    decodes: tuple[torch.Tensor, torch.Tensor] | None = None
+    chunks: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+
+
+def build_step(cache: StateCache, seqs, q_lens: list[int], device: torch.device) -> StateStep:
+    """The StateStep of a step whose segments (in row order) are `seqs` with `q_lens` rows each."""
+    step = StateStep(cache, sum(q_lens))
+    resuming: list[tuple[int, int, int]] = []  # (first row, rows, slot)
+    row = 0
+    for seq, n in zip(seqs, q_lens, strict=True):
+        slot = seq.state_slot
+        assert slot is not None, f"{seq} runs without a state slot"
+        if seq.num_computed_tokens == 0:
+            step.fresh.append((row, n, torch.tensor([slot], device=device)))
+        else:
+            resuming.append((row, n, slot))
+        row += n
+    longest = max((n for _, n, _ in resuming), default=0)
+    for j in range(longest):
+        step.waves.append(_wave_of([(start + j, slot) for start, n, slot in resuming if n > j], device))
+    singles = [(start, slot) for start, n, slot in resuming if n == 1]
+    step.decodes = _wave_of(singles, device) if singles else None
+    step.chunks = [(start, n, torch.tensor([slot], device=device)) for start, n, slot in resuming if n > 1]
+    return step
+
+
+def _wave_of(rows_and_slots: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.tensor([r for r, _ in rows_and_slots], device=device),
+        torch.tensor([s for _, s in rows_and_slots], device=device),
+    )
+
+
+class StateLayer:
+    """The wrapper around one state layer's forward (see the module docstring)."""
+
+    def __init__(self, module: torch.nn.Module, states_per_layer: int):
+        self.module = module
+        self.layer_idx = int(module.layer_idx)  # type: ignore[arg-type]
+        self.num_states = states_per_layer
+        self.original = module.forward
+        self.signature = inspect.signature(self.original)
+        names = list(self.signature.parameters)
+        self.hidden_arg = names[0]
+        self.var_keyword = next(
+            (p.name for p in self.signature.parameters.values() if p.kind is p.VAR_KEYWORD), None
+        )
+        self.cache_arg = next(a for a in CACHE_ARGS if a in names)
+        self.recorded: list[StateSpec] = []  # by the shape forward
+        self.previous_flags: dict[int, bool] = {}  # has_previous_state after a first call
+        self.resumes_chunks = False  # found by the shape forward (_check_resume)
+        self.unsupported: str | None = None  # why genq cannot split its calls by sequence (shape forward)
+        module.forward = self
+
+    def __call__(self, *args, **kwargs):
+        step = current_step()
+        if step is None:  # not a genq step: transformers' own behaviour
+            return self.original(*args, **kwargs)
+        bound = self.signature.bind(*args, **kwargs)
+        arguments = dict(bound.arguments)
+        if self.var_keyword is not None:
+            arguments.update(arguments.pop(self.var_keyword, None) or {})
+        hidden = arguments.pop(self.hidden_arg)
+        arguments.pop(self.cache_arg, None)
+        states: StateStep | None = getattr(step, "states", None)
+        if states is None:
+            if hasattr(step, "slot_mapping"):
+                raise RuntimeError(
+                    f"layer {self.layer_idx} keeps a state but the step carries no state slots"
+                )
+            return self._record(hidden, arguments)  # the load-time shape forward
+        return self._run(hidden, arguments, states)
+
+    def _record(self, hidden: torch.Tensor, arguments: dict):
+        layer, cache = self._cache(None)
+        out = self.original(hidden, **{self.cache_arg: cache}, **arguments)
+        self.recorded = []
+        for i in range(self.num_states):
+            for kind, tensors in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states)):
+                t = tensors.get(i)
+                if t is not None:
+                    self.recorded.append(StateSpec(self.layer_idx, kind, i, tuple(t.shape[1:]), t.dtype))
+        self.previous_flags = dict(layer.has_previous_state)
+        self.resumes_chunks = self._check_resume(hidden, arguments)
+        y, rest = _split(out)
+        name = type(self.module).__name__
+        if not isinstance(y, torch.Tensor) or y.dim() < 3 or tuple(y.shape[:2]) != tuple(hidden.shape[:2]):
+            shape = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+            self.unsupported = (
+                f"its state layer {name} returns {shape} for {tuple(hidden.shape)} hidden states, not one "
+                "row per token that genq could split by sequence"
+            )
+        elif any(isinstance(r, torch.Tensor) for r in rest):
+            self.unsupported = f"its state layer {name} returns more than one tensor per token"
+        return out
+
+    def _check_resume(self, hidden: torch.Tensor, arguments: dict) -> bool:
+        """Whether the layer continues a chunk from a state it left, in one call, as it would have
+        run the whole sequence: then later chunks of a prompt run whole, else one token per call."""
+        x = torch.cat([hidden, hidden.flip(1), hidden], dim=1)  # a sequence of 9 tokens, made to vary
+        noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        x = x + noise.to(x.device, x.dtype) * x.abs().mean().clamp(min=1e-3)
+        others = {k: v for k, v in arguments.items() if _map(v, hidden.shape[1], lambda t: None) is v}
+        try:
+            _, cache = self._cache(None)
+            whole, _ = _split(self.original(x, **{self.cache_arg: cache}, **others))
+            first, cache = self._cache(None)
+            head, _ = _split(self.original(x[:, :4], **{self.cache_arg: cache}, **others))
+            states = {("conv", i): t for i, t in first.conv_states.items() if t is not None}
+            states |= {("recurrent", i): t for i, t in first.recurrent_states.items() if t is not None}
+            _, cache = self._cache(states)
+            tail, _ = _split(self.original(x[:, 4:], **{self.cache_arg: cache}, **others))
+        except Exception:  # noqa: BLE001 - a layer that cannot: one token per call
+            return False
+        got = torch.cat([head, tail], dim=1)
+        err = ((got - whole).abs().max() / whole.abs().max().clamp(min=1.0)).item()
+        return err <= RESUME_TOLERANCE.get(hidden.dtype, 2e-2)
+
+    def _run(self, hidden: torch.Tensor, arguments: dict, step: StateStep):
+        total = hidden.shape[1]
+        assert hidden.shape[0] == 1 and total == step.num_rows, "a packed step is one row of every token"
+        out: torch.Tensor | None = None
+        rest: tuple = ()
+        for start, n, slot in step.fresh:
+            layer, cache = self._cache(None)
+            result = self.original(
+                hidden[:, start : start + n], **{self.cache_arg: cache}, **_rows(arguments, total, start, n)
+            )
+            y, rest = _split(result)
+            out = out if out is not None else hidden.new_empty(1, total, y.shape[-1], dtype=y.dtype)
+            out[:, start : start + n] = y
+            self._store(step.cache, layer, slot)
+        if self.resumes_chunks:
+            waves = [step.decodes] if step.decodes is not None else []
+            for start, n, slot in step.chunks:
+                layer, cache = self._cache(self._gather(step.cache, slot))
+                result = self.original(
+                    hidden[:, start : start + n],
+                    **{self.cache_arg: cache},
+                    **_rows(arguments, total, start, n),
+                )
+                y, rest = _split(result)
+                out = out if out is not None else hidden.new_empty(1, total, y.shape[-1], dtype=y.dtype)
+                out[:, start : start + n] = y
+                self._store(step.cache, layer, slot)
+        else:
+            waves = step.waves
+        for rows, slots in waves:
+            layer, cache = self._cache(self._gather(step.cache, slots))
+            result = self.original(
+                hidden[0, rows].unsqueeze(1), **{self.cache_arg: cache}, **_wave(arguments, total, rows)
+            )
+            y, rest = _split(result)
+            out = out if out is not None else hidden.new_empty(1, total, y.shape[-1], dtype=y.dtype)
+            out[0, rows] = y[:, 0]
+            self._store(step.cache, layer, slots)
+        assert out is not None, "a step with rows runs at least one call"
+        return (out, *rest) if rest else out
+
+    def _gather(self, cache: StateCache, slots: torch.Tensor) -> dict[tuple[str, int], torch.Tensor]:
+        found = {}
+        for spec in cache.geometry.specs:
+            if (
+                spec.layer == self.layer_idx
+                and (t := cache.gather(spec.layer, spec.kind, spec.index, slots)) is not None
+            ):
+                found[(spec.kind, spec.index)] = t
+        return found
+
+    def _store(self, cache: StateCache, layer, slots: torch.Tensor) -> None:
+        for spec in cache.geometry.specs:
+            if spec.layer != self.layer_idx:
+                continue
+            tensors = layer.conv_states if spec.kind == "conv" else layer.recurrent_states
+            value = tensors.get(spec.index)
+            if value is None:
+                raise RuntimeError(
+                    f"layer {self.layer_idx} left no {spec.kind} state {spec.index} in its cache"
+                )
+            cache.scatter(spec.layer, spec.kind, spec.index, slots, value)
+
+    def _cache(self, states: dict[tuple[str, int], torch.Tensor] | None):
+        """(transformers' cache layer, a Cache holding it at this layer's index), holding `states`."""
+        from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer
+
+        layer: Any = LinearAttentionLayer(number_of_states=self.num_states)
+        if states:
+            for (kind, i), t in states.items():
+                layer.device, layer.dtype = t.device, t.dtype
+                if kind == "conv":
+                    layer.conv_states[i] = t
+                    layer.conv_kernel_size[i] = t.shape[-1]
+                    layer.is_conv_states_initialized[i] = True
+                else:
+                    layer.recurrent_states[i] = t
+                    layer.is_recurrent_states_initialized[i] = True
+            layer.has_previous_state.update(self.previous_flags)
+        layers: list = [DummyLayer() for _ in range(self.layer_idx)]
+        return layer, Cache(layers=[*layers, layer])
+
+
+def _split(result) -> tuple[torch.Tensor, tuple]:
+    if isinstance(result, tuple):
+        return result[0], tuple(result[1:])
+    return result, ()
+
+
+def _rows(arguments: dict, total: int, start: int, n: int) -> dict:
+    """The call's other arguments for rows [start, start + n) (per-token tensors sliced)."""
+    return {k: _map(v, total, lambda t: t[:, start : start + n]) for k, v in arguments.items()}
+
+
+def _wave(arguments: dict, total: int, rows: torch.Tensor) -> dict:
+    """The call's other arguments for one token of each of `rows`' sequences ([n, 1, ...])."""
+    return {k: _map(v, total, lambda t: t[0, rows].unsqueeze(1)) for k, v in arguments.items()}
+
+
+def _map(value, total: int, take):
+    if (
+        isinstance(value, torch.Tensor)
+        and value.dim() >= 2
+        and value.shape[0] == 1
+        and value.shape[1] == total
+    ):
+        return take(value)
+    if isinstance(value, tuple):
+        return tuple(_map(v, total, take) for v in value)
+    return value
+
+
+def is_state_module(module: torch.nn.Module) -> bool:
+    """A layer that keeps its state in transformers' cache: it calls the cache's state methods."""
+    if not isinstance(getattr(module, "layer_idx", None), int):
+        return False
+    forward = type(module).forward
+    try:
+        source = inspect.getsource(forward)
+        names = inspect.signature(forward).parameters
+    except (OSError, TypeError, ValueError):
+        return False
+    return any(call in source for call in CACHE_CALLS) and any(a in names for a in CACHE_ARGS)
+
+
+def install(model) -> list[StateLayer]:
+    """Wrap every state layer of `model` (once); returns the wrappers (none: an attention-only model)."""
+    existing = getattr(model, "_genq_state_layers", None)
+    if existing is not None:
+        return existing
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    per_layer: dict[int, int] = {}
+    try:
+        _, kwargs = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+        per_layer = {i: kw.get("number_of_states", 1) for i, kw in enumerate(kwargs)}
+    except Exception:  # noqa: BLE001 - a config transformers reads no layer kinds from: one state each
+        pass
+    wrapped = [StateLayer(m, per_layer.get(m.layer_idx, 1)) for m in model.modules() if is_state_module(m)]
+    model._genq_state_layers = wrapped
+    return wrapped
+
+
+def installed(model) -> list[StateLayer]:
+    return getattr(model, "_genq_state_layers", None) or []
+
+
+def geometry(model) -> StateGeometry | None:
+    """What the state layers keep per sequence, as the shape forward recorded it (None: no state layers)."""
+    layers = installed(model)
+    if not layers:
+        return None
+    specs = [spec for layer in layers for spec in layer.recorded]
+    return StateGeometry(specs, {layer.layer_idx: layer.num_states for layer in layers})

@@ -1,0 +1,210 @@
+"""What the benches share, apart from starting a stack (bench/stack.py does that).
+
+- `pct`: the percentile every bench reports (linear between the two nearest samples, as numpy's default).
+- `wait_for_quiet` and `Interference`: on a shared machine, wait until other processes leave the CPU idle,
+  and measure the share of the CPU they took while a pass ran (and the cores the measured system used).
+- `tree_cpu_seconds`: CPU seconds of a process and its descendants (a system in processes of its own).
+- `run_info` and `write_result`: a run's date, machine (CPU model, GPU), command and code commit, written
+  with its figures to bench/out/<name>.json, and its headline figures as a markdown table
+  (bench/out/<name>.md) ready for bench/RESULTS.md.
+
+This module imports neither torch nor the job system: engine benches and stack benches both use it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "out"
+
+
+# --- percentiles ------------------------------------------------------------------------------------
+
+
+def pct(values: Iterable[float], q: float) -> float | None:
+    """The q-th percentile (0-100) of `values`, linear between the nearest two; None when there are none."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    k = (len(xs) - 1) * q / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+# --- a shared machine -------------------------------------------------------------------------------
+
+
+def busy_seconds() -> float | None:
+    """CPU seconds the whole machine has spent busy since boot (/proc/stat); None where it is missing."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_seconds() -> float:
+    """CPU seconds of this process, all its threads."""
+    t = os.times()
+    return t.user + t.system
+
+
+def tree_cpu_seconds(root_pid: int) -> float | None:
+    """User + system CPU seconds of `root_pid` and its live descendants, every thread (/proc/PID/stat)."""
+    stats = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid ... utime stime
+            stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    if root_pid not in stats:
+        return None
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    ticks, stack = 0, [root_pid]
+    while stack:
+        pid = stack.pop()
+        ticks += stats[pid][1]
+        stack.extend(children.get(pid, ()))
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+class Interference:
+    """CPU use while a pass ran: `share`, the share of the machine's CPU time that other processes used,
+    and `own_cores`, the cores the measured system kept busy on average. `own` returns the CPU seconds of
+    the measured system (default: this process); one in processes of its own passes `tree_cpu_seconds`."""
+
+    def __init__(self, own: Callable[[], float | None] | None = None):
+        self.own = own or own_seconds
+        self.share: float | None = None
+        self.own_cores: float | None = None
+
+    def __enter__(self) -> Interference:
+        self.t0, self.busy0, self.own0 = time.perf_counter(), busy_seconds(), self.own()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall = time.perf_counter() - self.t0
+        busy, own = busy_seconds(), self.own()
+        if wall > 0 and own is not None and self.own0 is not None:
+            self.own_cores = (own - self.own0) / wall
+            if busy is not None and self.busy0 is not None:
+                others = max(0.0, (busy - self.busy0) - (own - self.own0))
+                self.share = others / (wall * (os.cpu_count() or 1))
+
+
+def wait_for_quiet(max_wait: float, threshold: float = 0.15, window: float = 3.0) -> float:
+    """Wait (at most max_wait seconds) until other processes use < threshold of the CPU over two windows
+    in a row. Returns the seconds waited. A no-op where /proc/stat is missing or max_wait is 0."""
+    t0, quiet = time.perf_counter(), 0
+    while quiet < 2 and time.perf_counter() - t0 < max_wait:
+        with Interference() as load:
+            time.sleep(window)
+        if load.share is None:
+            break
+        quiet = quiet + 1 if load.share < threshold else 0
+    return time.perf_counter() - t0
+
+
+# --- what a run was ---------------------------------------------------------------------------------
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def code_version() -> dict:
+    """The commit the figures belong to: HEAD, the last commit touching batching/, uncommitted changes."""
+    return dict(
+        head=_git("rev-parse", "--short", "HEAD"),
+        batching_commit=_git("log", "-1", "--format=%h", "--", "batching"),
+        batching_dirty=bool(_git("status", "--porcelain", "--", "batching")),
+        dirty=bool(_git("status", "--porcelain", "--untracked-files=no")),
+    )
+
+
+def machine() -> str:
+    """The CPU (model, family/model, the vector extensions that matter here), its cores, and the GPU when
+    torch is already imported and sees one."""
+    info: dict[str, str] = {}
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "cpu family", "model") and key not in info:
+                info[key] = value.strip()
+            elif key == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    extensions = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    cpu = info.get("model name", "unknown CPU")
+    if "cpu family" in info:
+        cpu += f" (family {info['cpu family']} model {info.get('model', '?')})"
+    text = f"{cpu}, {len(os.sched_getaffinity(0))} cores" + (
+        f", {' '.join(extensions)}" if extensions else ""
+    )
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        text += "; GPU " + ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    return text
+
+
+def run_info() -> dict:
+    """Date (UTC), machine, the command as typed, the code, and the load average at this moment."""
+    return dict(
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        machine=machine(),
+        command=shlex.join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
+        code=code_version(),
+        load_avg=os.getloadavg(),
+    )
+
+
+# --- writing a run's figures ------------------------------------------------------------------------
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_result(
+    name: str, figures: dict, table: str | None = None, path: str | Path | None = None, *, run: dict
+) -> Path:
+    """Write `figures` with the run's `run_info()` (taken when the run began) to `path` (default
+    bench/out/<name>.json); print `table` (the headline figures, markdown) under a line naming the run,
+    and save both beside the JSON as <name>.md. Returns the JSON's path."""
+    path = Path(path) if path else OUT / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"run": run, **figures}, indent=2, default=str) + "\n")
+    print(f"wrote {path}")
+    if table:
+        code = run["code"]
+        head = f"{code['head']}{' + uncommitted changes' if code.get('dirty') else ''}"
+        text = f"`{run['command']}`, {run['date']}, {run['machine']}, code {head}\n\n{table}\n"
+        print("\n" + text)
+        path.with_suffix(".md").write_text(text)
+    return path

@@ -1,0 +1,322 @@
+"""Following a job from the API: its row in Postgres, then its token events from Redis, with no gap and no
+duplicate. Used by GET /jobs/<id>/events, GET /jobs/<id>?wait= and the /v1 completions.
+
+One `Hub` per API process reads the events stream (jobstore/events.py) with one blocking XREAD at a time,
+while at least one caller follows a job, and hands each followed job's events to its followers' queues:
+a follower costs a queue, not a thread, a connection or a read of its own (under gunicorn's gevent workers
+it is a greenlet waiting on its queue).
+
+`follow()` joins the two sources by position (jobstore.deltas): it subscribes first, then reads the row,
+sends what the row holds beyond the caller's position, then each event trimmed to what the caller lacks.
+An event that starts beyond the caller (it joined late and the row lagged, events were lost, Redis went
+away) is not sent: the row is read again (it holds everything up to its last progress write) and the
+follower goes on from there. So a caller gets every token once, in order, whichever source had it first.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import redis
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+from jobstore import jobs
+from jobstore.deltas import Delta, Gap, Position, trim
+from jobstore.events import Status, decode, publish_status, stream_key
+from jobstore.models import Job, JobStatus
+
+log = logging.getLogger(__name__)
+START = Position()
+GAP_READ_SECONDS = 0.1  # while events wait for the row to catch up, it is read this often
+MAX_RESYNC_FACTOR = 6  # a quiet follower's row reads back off up to this many times EVENTS_RESYNC_SECONDS
+RETRY = object()  # a read of a row that failed
+LOST = object()  # put in every follower's queue when the hub lost Redis: they read their rows again
+ENDED = frozenset(s.value for s in JobStatus if s.finished)
+
+
+# What a stream writes when nothing came for a while (a Tick): a blank line. Every SSE reader skips it (an
+# empty event), and writing it keeps proxies from timing the connection out and notices a caller gone.
+# Not a comment line (": keep-alive"): vLLM's benchmark client strips each network read of its blank lines
+# before splitting events at them, so a comment sent on its own glues onto the next event, which is lost.
+HEARTBEAT = b"\n"
+
+
+class Tick(NamedTuple):
+    """Nothing came for a while: time for a HEARTBEAT (and a chance to notice a caller gone)."""
+
+
+class Ended(NamedTuple):
+    """The job ended and its row holds the result."""
+
+    job: Job
+
+
+class Hub:
+    """Reads the token events of one API process's followed jobs, one blocking XREAD at a time."""
+
+    def __init__(self, redis_url: str, prefix: str, idle_seconds: float = 30.0):
+        self._client = redis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=10)
+        self._prefix, self._key = prefix, stream_key(prefix)
+        self._idle_seconds = idle_seconds
+        self._lock = threading.Lock()
+        self._followers: dict[str, set[queue.Queue]] = {}
+        self._last_id: bytes | None = None  # where the reader is in the stream; None: not reading
+        self._reading = False
+        self._positioned = threading.Event()
+
+    def subscribe(self, key: str) -> queue.Queue:
+        """A queue that gets job `key`'s events from now on (its position in the stream is fixed on return)."""
+        inbox: queue.Queue = queue.Queue()
+        with self._lock:
+            self._followers.setdefault(key, set()).add(inbox)
+            start = not self._reading
+            if start:
+                self._reading = True
+                self._positioned = threading.Event()
+            positioned = self._positioned
+        if start:
+            try:
+                last = self._client.xrevrange(self._key, count=1)
+                self._last_id = last[0][0] if last else b"0-0"
+            except redis.RedisError as exc:
+                log.warning("token events unavailable (%s): followers read Postgres", exc.__class__.__name__)
+                self._last_id = None
+            positioned.set()
+            threading.Thread(target=self._read, name="events-hub", daemon=True).start()
+        positioned.wait(5)  # the reader's place in the stream is fixed: every later event reaches `inbox`
+        return inbox
+
+    def unsubscribe(self, key: str, inbox: queue.Queue) -> None:
+        with self._lock:
+            inboxes = self._followers.get(key)
+            if inboxes is not None:
+                inboxes.discard(inbox)
+                if not inboxes:
+                    del self._followers[key]
+
+    def publish_status(self, changes) -> None:
+        """Tell followers (in every API process) of status changes made here: a cancel."""
+        try:
+            publish_status(self._client, self._prefix, changes)
+        except redis.RedisError as exc:  # followers notice at their next read of the row
+            log.warning("status change not sent as an event (%s)", exc.__class__.__name__)
+
+    def _read(self) -> None:
+        idle_since = time.monotonic()
+        backoff = 0.1
+        while True:
+            with self._lock:
+                if self._followers:
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since > self._idle_seconds:
+                    self._reading = False
+                    return
+            try:
+                if self._last_id is None:  # after an outage: from the stream's end
+                    last = self._client.xrevrange(self._key, count=1)
+                    self._last_id = last[0][0] if last else b"0-0"
+                replies = self._client.xread({self._key: self._last_id}, block=1000, count=1000)
+                backoff = 0.1
+            except redis.RedisError as exc:
+                log.warning("token events: Redis unavailable (%s); followers read Postgres", exc)
+                self._last_id = None
+                self._broadcast(LOST)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            for _, entries in replies:
+                for entry_id, fields in entries:
+                    self._last_id = entry_id
+                    self._dispatch(fields)
+
+    def _dispatch(self, fields: dict[bytes, bytes]) -> None:
+        with self._lock:
+            followers = self._followers
+            if len(fields) <= len(followers):
+                found = [(k, followers.get(k.decode())) for k in fields]
+            else:
+                found = [(k.encode(), inboxes) for k, inboxes in followers.items() if k.encode() in fields]
+            found = [(k, list(inboxes)) for k, inboxes in found if inboxes]
+        for k, inboxes in found:
+            event = decode(fields[k])
+            for inbox in inboxes:
+                inbox.put(event)
+
+    def _broadcast(self, item) -> None:
+        with self._lock:
+            inboxes = [inbox for group in self._followers.values() for inbox in group]
+        for inbox in inboxes:
+            inbox.put(item)
+
+
+def row_delta(job: Job) -> Delta:
+    """What a job's row holds of its output, as a delta from the start."""
+    ended = JobStatus(job.status).finished
+    return Delta(
+        0, list(job.output_token_ids), 0, job.output_text or "", job.finish_reason if ended else None
+    )
+
+
+def follow(
+    hub: Hub,
+    read_row,
+    job_id,
+    since: Position = START,
+    *,
+    inbox: queue.Queue | None = None,
+    row: Job | None = None,
+    tick_seconds: float = 1.0,
+    resync_seconds: float = 10.0,
+    deadline: float | None = None,
+) -> Iterator[Delta | Status | Tick | Ended]:
+    """A job's output beyond `since` as deltas, its status changes, Ticks when nothing comes for
+    `tick_seconds`, and last Ended once its row holds the result (or return at `deadline`, monotonic).
+    `read_row()` reads the job's row (None: gone). `inbox`: a subscription to the job made earlier (before
+    the job was sent to the queue: then no event of it can come before); `row`: the job's row as read just
+    before (then it is not read again to start). Without any event for
+    about `resync_seconds` (spread +-25%, and doubled after each quiet read up to MAX_RESYNC_FACTOR times), the
+    row is read again (a lost event never leaves a follower waiting for ever); a read that fails is tried
+    again the same way."""
+    key = job_id.hex
+    inbox = inbox if inbox is not None else hub.subscribe(key)
+    pending: list[Delta] = []  # events beyond what the caller holds, waiting for the row to catch up
+    read_at = 0.0
+    finished = False  # a delta with the finish was sent
+    try:
+        held = since
+        job = row if row is not None else read_row()
+        while job is RETRY:
+            time.sleep(tick_seconds)
+            job = read_row()
+        if job is None:
+            return
+        status = JobStatus(job.status).value
+        yield Status(status)
+        quiet_since = time.monotonic()
+        # spread over time, and doubled while nothing comes: thousands of followers of queued jobs (a paused
+        # or busy worker) read their rows a few times a minute in all, not each every few seconds at once
+        resync = first_resync = resync_seconds * random.uniform(0.75, 1.25)
+        while True:
+            if job is RETRY:  # the database did not answer: try again at the next resync (backed off)
+                job = None
+            if job is not None:  # a row read: send what it holds beyond the caller, then what waited
+                read_at = time.monotonic()
+                new = trim(row_delta(job), held, finished) if _covers(job, held) else None
+                if new is not None:
+                    held, finished = new.end, finished or new.finish_reason is not None
+                    yield new
+                while pending:
+                    try:
+                        new = trim(pending[0], held, finished)
+                    except Gap:
+                        break
+                    pending.pop(0)
+                    if new is not None:
+                        held, finished = new.end, finished or new.finish_reason is not None
+                        yield new
+                if JobStatus(job.status).finished:
+                    yield Ended(job)
+                    return
+                job = None
+            wait = tick_seconds
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+                if wait <= 0:
+                    return
+            if pending:  # the row lags the events: read it again soon
+                wait = min(wait, max(0.0, read_at + GAP_READ_SECONDS - time.monotonic()))
+            try:
+                event = inbox.get(timeout=wait)
+            except queue.Empty:
+                if pending or time.monotonic() - quiet_since >= resync:
+                    if not pending:  # quiet again after this read (or it failed): the next one later
+                        resync = min(resync * 2, MAX_RESYNC_FACTOR * resync_seconds)
+                    job, quiet_since = read_row(), time.monotonic()
+                    if job is None:
+                        return
+                    continue
+                yield Tick()
+                continue
+            quiet_since, resync = time.monotonic(), first_resync
+            if event is LOST:
+                job = read_row()
+                if job is None:
+                    return
+            elif isinstance(event, Status):
+                if event.status in ENDED:
+                    job = read_row()  # the result, from the record
+                    if job is None:
+                        return
+                elif event.status != status:
+                    status = event.status
+                    yield event
+            elif pending:
+                pending.append(event)
+            else:
+                try:
+                    new = trim(event, held, finished)
+                except Gap:  # joined late, or missed events: the row has them (or will, at its next write)
+                    pending.append(event)
+                    job = read_row()
+                    if job is None:
+                        return
+                    continue
+                if new is not None:
+                    held, finished = new.end, finished or new.finish_reason is not None
+                    yield new
+    finally:
+        hub.unsubscribe(key, inbox)
+
+
+def _covers(job: Job, held: Position) -> bool:
+    """The row holds at least up to `held` (else it lags the events sent already: nothing to take)."""
+    return len(job.output_token_ids) >= held.tokens and len(job.output_text or "") >= held.chars
+
+
+def read_job(autocommit, job_id, tenant_id=None):
+    """A function reading the job's row, each time on a connection of its own (none held while waiting);
+    RETRY when the database did not answer (a follower tries again later rather than failing its caller)."""
+
+    def read():
+        try:
+            with autocommit.connect() as conn:
+                return jobs.get_job(conn, job_id, tenant_id)
+        except (OperationalError, InterfaceError, PoolTimeout) as exc:
+            log.warning(
+                "job %s: its row could not be read (%s); trying again", job_id, exc.__class__.__name__
+            )
+            return RETRY
+
+    return read
+
+
+def acquire_slot(found):
+    """Hold one of this process's COMPLETION_SLOTS for a call that waits on a job; returns the release.
+    429 naming the cap when all are held; 503 when waiting calls are off (a sync worker)."""
+    from webapi.errors import APIError
+
+    slots = found.completion_slots
+    if slots is None:
+        raise APIError(
+            503,
+            "unavailable",
+            "calls that wait on a job are off on this server (COMPLETION_SLOTS=0, or a sync gunicorn "
+            "worker): use the Batch API, or POST /jobs and poll",
+            {"Retry-After": "60"},
+        )
+    if not slots.acquire(blocking=False):
+        raise APIError(
+            429,
+            "too_many_waiting_completions",
+            f"this server process already holds {found.settings.completion_slots} waiting calls, the most it "
+            "holds (COMPLETION_SLOTS); retry after Retry-After seconds",
+            {"Retry-After": "1"},
+        )
+    return slots.release

@@ -1,0 +1,87 @@
+"""Queued jobs whose message left Redis but that nobody claimed: the reconciler sends them again.
+
+A worker takes a job's message from Redis (kombu BRPOPs it, then records it as unacknowledged; or the
+worker's puller takes it with many others, workers/intake.py) and claims the job in Postgres, milliseconds
+later. A worker killed in between leaves the job `queued`, recorded as sent, with its message in kombu's
+unacknowledged set, which kombu gives back only after its visibility timeout (an hour), or gone (pulled, or
+killed between the BRPOP and kombu's bookkeeping).
+Nothing else would send such a job again, so each reconciler run looks for them, without reading whole queues:
+
+- for each priority, one MULTI reads the length of its list and the HEAD messages next in line;
+- a list that short is read whole: a queued job of that priority sent before this run began and named by
+  no waiting message has left its list;
+- in a longer list, messages wait in the order they were sent (kombu pushes at the tail, pops at the head;
+  a job handed back or declined is moved to the head, see jobstore.dispatch.move_to_head), so a queued job
+  sent before every job named at the head (less MARK_SLACK: the API records sends in batches) has left it.
+
+Such a job is *unclaimed*. A live worker claims within milliseconds of taking a message, so a job still
+unclaimed a lease later (what a worker that stops renewing its lease is given) was taken by a dead worker:
+after a last check that no message anywhere in its list names it (jobs moved to the head can make the
+order above look older than it is), it is sent again, at the head of its priority. When each job was first
+found unclaimed is kept in a Redis hash, so the grace spans runs and reconcilers. The bound: a lease and
+two reconciler intervals after the message was taken. A job sent again whose first message survives (a live
+worker slow to claim) has two; the second finds it claimed and is dropped.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import datetime, timedelta
+
+import redis
+from sqlalchemy.orm import Session
+
+from jobstore import dispatch, jobs
+from jobstore.settings import WorkerSettings
+
+HEAD = 64  # messages read at the head of each priority's list per run (a list this short is read whole)
+MARK_SLACK = timedelta(seconds=2)  # how far a job's recorded send time may trail its send
+
+
+def unclaimed_jobs(
+    session: Session, client: redis.Redis, settings: WorkerSettings
+) -> list[tuple[uuid.UUID, int]]:
+    """(id, priority) of the queued jobs taken from Redis and left unclaimed for a lease: to be sent again.
+
+    Call it in the reconciler's transaction: the lists are read after it began (SQL `now()`), so a job
+    recorded as sent before then was in its list when it was read, unless a worker had taken it."""
+    waiting = dispatch.waiting_jobs(client, settings, HEAD)
+    named = {job_id for _, ids in waiting.values() for job_id in ids}
+    sent = jobs.sent_at(
+        session, [job_id for length, ids in waiting.values() if length > HEAD for job_id in ids]
+    )
+    cutoffs: dict[int, datetime | None] = {}
+    for priority, (length, ids) in waiting.items():
+        if length <= HEAD:  # read whole: every job sent before this run and not in it has left it
+            cutoffs[priority] = None
+        elif times := [sent[job_id] for job_id in ids if job_id in sent]:
+            cutoffs[priority] = min(times) - MARK_SLACK
+        # else: the head names no queued job (stale duplicates); nothing is known of the order this run
+    found = jobs.sent_before(session, cutoffs, excluded=named)
+    return _past_grace(client, settings, found, {p for p, (length, _) in waiting.items() if length > HEAD})
+
+
+def _past_grace(
+    client: redis.Redis, settings: WorkerSettings, found: list[tuple[uuid.UUID, int]], long_lists: set[int]
+) -> list[tuple[uuid.UUID, int]]:
+    """The jobs of `found` first found unclaimed a lease ago or more, and in no list; remembers the others."""
+    key, now = f"{settings.redis_key_prefix}genq:unclaimed", time.time()
+    seen = {uuid.UUID(job.decode()): float(at) for job, at in client.hgetall(key).items()}
+    first = {job_id: seen.get(job_id, now) for job_id, _ in found}
+    due = [(job_id, p) for job_id, p in found if now - first[job_id] >= settings.lease_seconds]
+    waiting: set[uuid.UUID] = set()
+    for p in {p for _, p in due} & long_lists:
+        waiting |= dispatch.jobs_in_queue(client, settings, p, [job_id for job_id, q in due if q == p])
+    for job_id in waiting:  # in its list after all: watched again from now
+        first[job_id] = now
+    due = [(job_id, p) for job_id, p in due if job_id not in waiting]
+    for job_id, _ in due:
+        del first[job_id]
+    if first != seen:
+        with client.pipeline(transaction=True) as pipe:
+            pipe.delete(key)
+            if first:
+                pipe.hset(key, mapping={str(job_id): at for job_id, at in first.items()})
+            pipe.execute()
+    return due
