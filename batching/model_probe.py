@@ -408,6 +408,8 @@ def _probe_positions(max_len: int, config, sliding_window: int | None) -> list[i
 
 
 def _failure(model_type: str, exc: BaseException) -> Refusal:
+    if _out_of_memory(exc):  # the device was short of memory, not the model of a feature: say that
+        raise exc
     if "MaskProbe" in str(exc) or "NoneType" in str(exc):
         return refusal(
             model_type,
@@ -415,6 +417,12 @@ def _failure(model_type: str, exc: BaseException) -> Refusal:
         )
     log.error("%s: its forward raised on genq's packed batch", model_type, exc_info=exc)
     return refusal(model_type, f"its forward fails on genq's packed batch: {_brief(exc)}", unexpected=True)
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """torch's allocator (OutOfMemoryError) or a kernel launcher (Triton's `RuntimeError: Triton Error
+    [CUDA]: out of memory`) ran out of device memory: no refusal of the model, the error itself."""
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
 def _brief(exc: BaseException) -> str:
