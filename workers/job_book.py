@@ -336,8 +336,7 @@ class JobBook:
             with self._sessions() as session:
                 ours = jobs.finish_jobs(session, outputs)
             ended[:] = [h for h in ended if h.handle.error is not None]
-            self._status([(h, JobStatus.SUCCEEDED) for h in done if (h.job.id, h.lease) in ours])
-            for h in done:
+            for h in done:  # logged first: a process killed between the commit and its log loses less
                 if (h.job.id, h.lease) in ours:
                     log.info(
                         "job %s succeeded: %d tokens (%s) in %.2fs, %d preemptions",
@@ -351,6 +350,7 @@ class JobBook:
                 else:
                     log.info("job %s finished, but was no longer this worker's; result discarded", h.job.id)
                     metrics.job_done(h.job, h.handle, Outcome.DISCARDED)
+            self._status([(h, JobStatus.SUCCEEDED) for h in done if (h.job.id, h.lease) in ours])
         if ended:
             with self._sessions() as session:
                 failures = [(h, *self._fail(session, h)) for h in ended]

@@ -26,7 +26,7 @@ import redis
 from batching import Engine, EngineConfig, SamplingParams
 from jobstore.dispatch import waiting_jobs
 from tests.reliability.conftest import FINISHED, job_rows, stack_settings, submit, wait_for
-from tests.reliability.test_worker_faults import succeeded_lines
+from tests.reliability.test_worker_faults import not_ended_once
 from workers.reconciler import last_run
 
 # what the machine may add to the bound: a reconciler run, the poll, a starved process (2 shared cores)
@@ -244,6 +244,7 @@ def test_random_kills_across_workers_sharing_a_backlog(
         kills.append(
             {
                 "action": action,
+                "process": process_of(victim),
                 "left_behind": places,
                 "engine_at_kill": {
                     key: stats.get(key)
@@ -283,7 +284,8 @@ def test_random_kills_across_workers_sharing_a_backlog(
     bound = st.lease_seconds + 2 * st.reconcile_interval
     assert not tracker.pending, (seed, [(p["kill"], p["place"], p["job"]) for p in tracker.pending])
     assert all(r["status"] == "succeeded" for r in done.values()), (seed, done)
-    assert [i for i in ids if succeeded_lines(logs, i) != 1] == [], seed  # each ended once
+    sigkilled = tuple(k["process"] for k in kills if k["action"].startswith("kill -9"))
+    assert not_ended_once(logs, done, sigkilled) == {}, seed
     for i, tokens in zip(ids, uninterrupted(bodies), strict=True):
         assert done[i]["tokens"] == tokens, (seed, i)
     phases["checked_s"] = round(time.monotonic() - t0, 1)

@@ -12,7 +12,7 @@ from sqlalchemy import select
 
 from jobstore.models import Job
 from tests.reliability.conftest import FINISHED, Reconciler, job_rows, stack_settings, submit, wait_for
-from tests.reliability.test_worker_faults import bodies, expected, succeeded_lines
+from tests.reliability.test_worker_faults import bodies, expected, not_ended_once
 
 
 def timings(sessions, ids) -> dict[str, dict]:
@@ -113,7 +113,7 @@ def test_two_workers_share_a_backlog_urgent_first_and_survive_a_kill_9(
     recovery_s = time.monotonic() - killed_at
     logs = first.log_text() + second.log_text()
     assert all(r["status"] == "succeeded" for r in done.values()), done
-    assert sum(succeeded_lines(logs, i) != 1 for i in ids + urgent) == 0  # each ended once
+    assert not_ended_once(logs, done, (victim_process,)) == {}  # each ended once
     for i, tokens in zip(ids + urgent, expected(st, backlog + urgent_bodies), strict=True):
         assert done[i]["tokens"] == tokens, i
     by_process = {}

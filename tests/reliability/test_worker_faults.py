@@ -46,6 +46,18 @@ def succeeded_lines(logs: str, job_id: str) -> int:
     return len(re.findall(rf"job {job_id} succeeded", logs))
 
 
+def not_ended_once(logs: str, rows: dict[str, dict], sigkilled: tuple[str, ...]) -> dict[str, int]:
+    """The jobs (id -> success lines) that did not end exactly once: logged as succeeded twice or more, or
+    never, unless the worker that wrote the result (its lease, in the row, names the process: `host:pid:`)
+    was killed with SIGKILL, which can land between the result's commit and its log line."""
+    lines = {i: succeeded_lines(logs, i) for i in rows}
+    return {
+        i: n
+        for i, n in lines.items()
+        if n > 1 or (n == 0 and not (rows[i]["worker_id"] or "").startswith(sigkilled or ("-",)))
+    }
+
+
 def test_kill_9_mid_generation_resumes_every_job_exactly_once(
     settings, sessions, new_key, api, make_worker, figures
 ):
