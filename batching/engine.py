@@ -113,7 +113,9 @@ class Engine:
         context_per_token = (
             attention_context_per_token(self.model, geometry.query_width) if geometry.layers else None
         )
-        self.scheduler = Scheduler(config, self.block_manager, context_per_token)
+        self.scheduler = Scheduler(
+            config, self.block_manager, context_per_token, stateful=bool(state_geometry)
+        )
         # prices the budget from the steps' own times; None while warming up, and with plain token budgets
         self.step_costs: step_cost.StepCostModel | None = None
         self.runner = ModelRunner(

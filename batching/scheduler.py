@@ -59,11 +59,17 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, block_manager: BlockManager, context_per_token: float | None = None
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        context_per_token: float | None = None,
+        stateful: bool = False,
     ):
         """`context_per_token`: how many tokens of context one token's attention must span to cost as much
         as the rest of its forward pass (the model's linear layers); see `_chunk`. None: chunks cost their
-        token count only. `set_costs` replaces it with prices fitted on real steps (step_cost.py)."""
+        token count only. `set_costs` replaces it with prices fitted on real steps (step_cost.py).
+        `stateful`: the model has state layers (state_layers.py); see `_prompt_end`."""
+        self.stateful = stateful
         self.cost_aware = config.attention_aware_chunks
         self.costs = StepCosts(context_per_token=context_per_token if self.cost_aware else None)
         self.max_num_seqs = config.max_num_seqs
@@ -211,7 +217,7 @@ class Scheduler:
         self._make_room(
             seq, fill, lambda: bm.max_tokens_allocatable(seq) < self._chunk(seq, self._budget(fill))
         )
-        n = min(self._chunk(seq, self._budget(fill)), bm.max_tokens_allocatable(seq))
+        n = self._next_chunk(seq, fill)
         if n == 0:
             # pool exhausted, and nothing less urgent to preempt: a prefill that cannot move while
             # others hold all blocks would deadlock, so the least urgent running sequence not yet
@@ -220,13 +226,31 @@ class Scheduler:
             self._preempt(victim, fill)
             if victim is seq:
                 return 0
-            n = min(self._chunk(seq, self._budget(fill)), bm.max_tokens_allocatable(seq))
+            n = self._next_chunk(seq, fill)
             if n == 0:
                 return 0
         budget = self._budget(fill)
         bm.allocate(seq, n)
         fill.out.add(seq, n)
         return self._chunk_cost(seq, n, budget)
+
+    def _next_chunk(self, seq: Sequence, fill: _Fill) -> int:
+        """The tokens of a running prefill's next chunk, within the budget and the blocks free now."""
+        room = self.block_manager.max_tokens_allocatable(seq)
+        n = min(self._chunk(seq, self._budget(fill)), room)
+        return self._prompt_end(seq, seq.num_computed_tokens, n, room)
+
+    def _prompt_end(self, seq: Sequence, start: int, n: int, room: int) -> int:
+        """A model with state layers: a chunk never ends one token short of its prompt's end. That
+        token, run alone from the state, would take its layers' single-token path, which `generate()`
+        takes for generated tokens only, and which rounds differently from the whole-sequence path the
+        prompt takes (state_layers.py). Such a chunk takes a token less, or, being a single token, one
+        more (past the budget by that token) if `room` (slots) allows, else none."""
+        if not self.stateful or n == 0 or start + n != seq.num_prompt_tokens - 1:
+            return n
+        if n > 1:
+            return n - 1
+        return 2 if room >= 2 else 0
 
     def _chunk(self, seq: Sequence, budget: int, start: int | None = None) -> int:
         """Tokens of `seq`'s next prefill chunk within `budget` (the budget they take: `_chunk_cost`).
@@ -312,7 +336,9 @@ class Scheduler:
         first_prefill = all(k == 1 for k in fill.out.num_scheduled_tokens)
         want = self._first_chunk(seq.num_tokens - start, budget, first_prefill)
         if want and self.chunked_prefill:
-            want = min(want, self._chunk(seq, budget, start))
+            want = self._prompt_end(
+                seq, start, min(want, self._chunk(seq, budget, start)), seq.num_tokens - start
+            )
         if want == 0 or len(self.running) >= self.max_num_seqs:
             return hit, want, 0
         if seq.status == SequenceStatus.SWAPPED:
@@ -321,7 +347,7 @@ class Scheduler:
         free = bm.num_free_device_blocks - bm.num_taken_by(hit)
         if self.chunked_prefill:
             capacity = (len(hit) + free - self._reserve(fill.out)) * bm.block_size - start
-            return hit, want, max(0, min(want, capacity))
+            return hit, want, self._prompt_end(seq, start, max(0, min(want, capacity)), capacity)
         fits = blocks_for(start + want, bm.block_size) - len(hit) <= free
         return hit, want, want if fits else 0
 

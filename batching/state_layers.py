@@ -10,12 +10,20 @@ forward with a cache of transformers' own class (`LinearAttentionLayer`) that ho
 just those sequences, gathered from their slots (state_cache.py), then writes what the layer left
 there back to the slots:
 
-- a sequence with no state yet (the first chunk of its prompt) runs its chunk in one call, from an
+- every token runs through the path `generate()` runs it through: the prompt through the layer's
+  whole-sequence path, each generated token through its single-token path, one call per token (the
+  two paths round differently, in some layers far beyond float64's rounding: Nemotron-H's Mamba-2
+  mixer scans in float32 and keeps its state so). Tokens generated before that a step computes
+  again (a sequence preempted for recomputation, a resume from persisted tokens) therefore run one
+  per call too;
+- a sequence with no state yet (the first chunk of its prompt) runs that chunk in one call, from an
   empty cache, as `generate()` runs a prompt;
-- sequences with a state (decodes, and later chunks of a prompt) run one token per call, all of them
-  in one batched call per token position ("waves"), through the layer's single-token path, the one
-  `generate()` decodes with: a chunk carries its state token by token, and the result is what
-  `generate()` computes whichever way the scheduler splits a prompt.
+- a later chunk of a prompt continues from its state in one call when the layer does that exactly
+  (`resumes_chunks`, checked at load); in a layer that does not, it runs one token per call, which
+  is how such layers (Mamba's) carry a state; the scheduler never leaves a lone last prompt token
+  for a chunk of its own (one token would take the single-token path);
+- tokens that run one per call do so in batched calls, one per token position across the step's
+  sequences ("waves"), after the whole-sequence calls.
 
 Outside a step (the reference forward of the load-time check, a plain `model(...)` call) the layer
 runs as transformers wrote it. In the load-time shape forward the wrapper records the shape of
@@ -47,36 +55,49 @@ class StateStep:
 
     cache: StateCache
     num_rows: int
-    # sequences without a state: (first row, number of rows, their slot as a [1] tensor)
+    # the prompt tokens of sequences without a state: (first row, number of rows, their slot as a [1] tensor)
     fresh: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
-    # sequences with a state, one token each per wave: (rows [n], slots [n])
-    waves: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    # the same for layers that resume a chunk from its state in one call: the single-token
-    # sequences in one wave, and each longer chunk alone (first row, rows, slot [1])
-    decodes: tuple[torch.Tensor, torch.Tensor] | None = None
+    # layers that resume a chunk from its state in one call: the later prompt chunks of two tokens or
+    # more, each in one call (first row, rows, slot [1]); then every other token in waves (rows [n],
+    # slots [n]), wave j holding the j-th such token of each sequence
     chunks: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    waves: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # layers that do not: every token of a sequence with a state, in waves
+    token_waves: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 def build_step(cache: StateCache, seqs, q_lens: list[int], device: torch.device) -> StateStep:
     """The StateStep of a step whose segments (in row order) are `seqs` with `q_lens` rows each."""
     step = StateStep(cache, sum(q_lens))
-    resuming: list[tuple[int, int, int]] = []  # (first row, rows, slot)
+    singles: list[tuple[range, int]] = []  # (rows that run one per call, slot), for each kind of layer
+    tokens: list[tuple[range, int]] = []
     row = 0
     for seq, n in zip(seqs, q_lens, strict=True):
         slot = seq.state_slot
         assert slot is not None, f"{seq} runs without a state slot"
+        prompt = min(n, max(0, seq.num_prompt_tokens - seq.num_computed_tokens))  # its prompt tokens here
         if seq.num_computed_tokens == 0:
-            step.fresh.append((row, n, torch.tensor([slot], device=device)))
+            step.fresh.append((row, prompt, torch.tensor([slot], device=device)))
+            singles.append((range(row + prompt, row + n), slot))
+            tokens.append((range(row + prompt, row + n), slot))
         else:
-            resuming.append((row, n, slot))
+            chunk = prompt if prompt > 1 else 0
+            if chunk:
+                step.chunks.append((row, chunk, torch.tensor([slot], device=device)))
+            singles.append((range(row + chunk, row + n), slot))
+            tokens.append((range(row, row + n), slot))
         row += n
-    longest = max((n for _, n, _ in resuming), default=0)
-    for j in range(longest):
-        step.waves.append(_wave_of([(start + j, slot) for start, n, slot in resuming if n > j], device))
-    singles = [(start, slot) for start, n, slot in resuming if n == 1]
-    step.decodes = _wave_of(singles, device) if singles else None
-    step.chunks = [(start, n, torch.tensor([slot], device=device)) for start, n, slot in resuming if n > 1]
+    step.waves = _waves(singles, device)
+    step.token_waves = _waves(tokens, device) if step.chunks else step.waves  # the same without chunks
     return step
+
+
+def _waves(runs: list[tuple[range, int]], device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Wave j: the j-th row of each run, with its slot."""
+    longest = max((len(rows) for rows, _ in runs), default=0)
+    return [
+        _wave_of([(rows[j], slot) for rows, slot in runs if len(rows) > j], device) for j in range(longest)
+    ]
 
 
 def _wave_of(rows_and_slots: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,8 +197,11 @@ class StateLayer:
         assert hidden.shape[0] == 1 and total == step.num_rows, "a packed step is one row of every token"
         out: torch.Tensor | None = None
         rest: tuple = ()
-        for start, n, slot in step.fresh:
-            layer, cache = self._cache(None)
+        chunks = [(start, n, slot, False) for start, n, slot in step.fresh]
+        if self.resumes_chunks:
+            chunks += [(start, n, slot, True) for start, n, slot in step.chunks]
+        for start, n, slot, resumed in chunks:
+            layer, cache = self._cache(self._gather(step.cache, slot) if resumed else None)
             result = self.original(
                 hidden[:, start : start + n], **{self.cache_arg: cache}, **_rows(arguments, total, start, n)
             )
@@ -185,21 +209,7 @@ class StateLayer:
             out = out if out is not None else hidden.new_empty(1, total, y.shape[-1], dtype=y.dtype)
             out[:, start : start + n] = y
             self._store(step.cache, layer, slot)
-        if self.resumes_chunks:
-            waves = [step.decodes] if step.decodes is not None else []
-            for start, n, slot in step.chunks:
-                layer, cache = self._cache(self._gather(step.cache, slot))
-                result = self.original(
-                    hidden[:, start : start + n],
-                    **{self.cache_arg: cache},
-                    **_rows(arguments, total, start, n),
-                )
-                y, rest = _split(result)
-                out = out if out is not None else hidden.new_empty(1, total, y.shape[-1], dtype=y.dtype)
-                out[:, start : start + n] = y
-                self._store(step.cache, layer, slot)
-        else:
-            waves = step.waves
+        waves = step.waves if self.resumes_chunks else step.token_waves
         for rows, slots in waves:
             layer, cache = self._cache(self._gather(step.cache, slots))
             result = self.original(

@@ -53,6 +53,7 @@ TINY = dict(
     ffn_dim=128,
     moe_intermediate_size=32,
     shared_expert_intermediate_size=32,
+    moe_shared_expert_intermediate_size=32,
     num_hidden_layers=2,
     decoder_layers=2,
     encoder_layers=2,
@@ -74,6 +75,12 @@ TINY = dict(
     qk_nope_head_dim=16,
     qk_head_dim=32,
     v_head_dim=16,
+    # gated delta nets (qwen3_next, qwen3_5, olmo_hybrid): their short convolution spans every channel of
+    # q, k and v, and a float64 depthwise convolution costs ~6 us per channel on a CPU
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
     num_experts=4,
     num_local_experts=4,
     n_routed_experts=4,
@@ -106,6 +113,8 @@ PER_TYPE: dict[str, dict[str, Any]] = {  # what a type needs beyond TINY to be c
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                   mamba_dt_rank=8, mamba_d_state=8),
     "bamba": dict(attn_layer_indices=[1], **MAMBA2_TINY),
+    "falcon_h1": dict(mamba_d_ssm=128, **MAMBA2_TINY),  # attention and Mamba-2 side by side in each layer
+    "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=16),
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], **MAMBA2_TINY),
     "mamba2": dict(num_heads=8, head_dim=16, state_size=16, n_groups=1, chunk_size=16),
     "zamba": dict(layers_block_type=["linear_attention", "hybrid"], attn_layer_period=2, attn_layer_offset=1,
@@ -187,21 +196,45 @@ def prompts(seed: int = 0) -> list[list[int]]:
 
 def reference_tokens(model, prompt_list: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
     """Greedy continuations from transformers' own generate() with eager attention, one prompt at a time."""
-    from transformers import GenerationConfig
-
-    model.set_attn_implementation("eager")
-    if model.dtype == torch.float64:
-        _eager_experts(model)
-    # a fresh config: plain greedy, none of the checkpoint's own processors (forced EOS, repetition rules)
-    model.generation_config = GenerationConfig(
-        max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
+    _plain_greedy(model, max_new)
     out = []
     for p in prompt_list:
         ids = torch.tensor([p])
         gen = model.generate(ids, attention_mask=torch.ones_like(ids))
         out.append(gen[0, len(p) :].tolist())
     return out
+
+
+def reference_generations(
+    model, prompt_list: list[list[int]], max_new: int = MAX_NEW
+) -> list[tuple[list[int], list[float]]]:
+    """As `reference_tokens`, each token with its log probability under the logits generate() chose it
+    from (which generate() keeps in float32)."""
+    _plain_greedy(model, max_new)
+    out = []
+    for p in prompt_list:
+        ids = torch.tensor([p])
+        gen = model.generate(
+            ids, attention_mask=torch.ones_like(ids), output_logits=True, return_dict_in_generate=True
+        )
+        tokens = gen.sequences[0, len(p) :].tolist()
+        logits = torch.cat(gen.logits)  # [max_new, V]: row i chose token i
+        logprobs = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        out.append((tokens, logprobs.tolist()))
+    return out
+
+
+def _plain_greedy(model, max_new: int) -> None:
+    """Eager attention and a fresh generation config: plain greedy, none of the checkpoint's own
+    processors (forced EOS, repetition rules)."""
+    from transformers import GenerationConfig
+
+    model.set_attn_implementation("eager")
+    if model.dtype == torch.float64:
+        _eager_experts(model)
+    model.generation_config = GenerationConfig(
+        max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
 
 
 def _eager_experts(model) -> None:

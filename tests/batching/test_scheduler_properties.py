@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -51,8 +52,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget=st.integers(1, 16),
         mode=st.sampled_from(["swap", "recompute"]),
         chunked=st.booleans(),
+        stateful=st.booleans(),
     )
-    def configure(self, block_size, device, host, max_num_seqs, budget, mode, chunked):
+    def configure(self, block_size, device, host, max_num_seqs, budget, mode, chunked, stateful):
         self.config = EngineConfig(
             block_size=block_size,
             num_device_blocks=device,
@@ -63,7 +65,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             enable_chunked_prefill=chunked,
         )
         self.bm = BlockManager(device, host, block_size)
-        self.sched = Scheduler(self.config, self.bm)
+        self.stateful = stateful  # a model with state layers: no prompt's last token alone in a chunk
+        self.sched = Scheduler(self.config, self.bm, stateful=stateful)
 
     @rule(
         priority=st.integers(0, 9),
@@ -110,7 +113,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(sched.running) <= self.config.max_num_seqs
         budget = self.config.max_num_batched_tokens
         if self.config.enable_chunked_prefill:
-            assert out.total_num_scheduled_tokens <= budget
+            # a state model's one-token chunk that would leave its prompt's last token alone takes it too
+            assert out.total_num_scheduled_tokens <= budget + self.stateful
         else:
             # a whole prompt longer than the budget may run as the step's only prefill
             assert (
@@ -128,6 +132,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         for seq, n in zip(out.seqs, out.num_scheduled_tokens, strict=True):
             assert seq.status == SequenceStatus.RUNNING and seq in sched.running and seq not in out.preempted
             assert 0 < n <= seq.num_uncomputed_tokens
+            if self.stateful:
+                assert seq.num_computed_tokens + n != seq.num_prompt_tokens - 1, "a lone last prompt token"
             assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens + n
         # stall-free: every decode runs unless preempted (or there are more decodes than budget)
         if len(decoding) <= budget:
@@ -215,6 +221,29 @@ def test_sequence_preempted_for_blocks_keeps_its_place():
     assert short.status == SequenceStatus.WAITING, "a later request took the preempted one's place"
     out = run_fake_step(sched)
     assert long in out.seqs
+
+
+@pytest.mark.parametrize(
+    "prompt,budget,plain,stateful",
+    [
+        (5, 4, [4, 1], [3, 2]),  # a chunk that would leave the last token alone takes one less
+        (2, 1, [1, 1], [2]),  # a single token takes the last one too, past the budget by one
+        (6, 2, [2, 2, 2], [2, 2, 2]),
+        (1, 1, [1], [1]),
+    ],
+)
+def test_a_state_model_never_runs_its_last_prompt_token_alone(prompt, budget, plain, stateful):
+    """With state layers, a resumed chunk of one token would take the layers' single-token path, which
+    generate() takes for generated tokens only (state_layers.py): the prompt's chunks avoid it."""
+    config = EngineConfig(block_size=4, num_device_blocks=8, max_num_batched_tokens=budget)
+    for is_stateful, chunks in ((False, plain), (True, stateful)):
+        sched = Scheduler(config, BlockManager(8, 0, 4), stateful=is_stateful)
+        seq = Sequence("s", [5] * prompt, SamplingParams(max_tokens=2, temperature=0), 5, 0)
+        sched.add(seq)
+        got = []
+        while seq.num_output_tokens == 0:
+            got.append(run_fake_step(sched).num_scheduled_tokens[0])
+        assert got == chunks, f"stateful={is_stateful}"
 
 
 # --- 2. the real engine ------------------------------------------------------------------------------

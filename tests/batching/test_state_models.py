@@ -2,8 +2,10 @@
 
 Their per-sequence state lives in slots beside the KV blocks (state_cache.py), handed out by the block
 manager and swapped with the blocks. The model-support walk (test_model_support.py) checks every family
-against generate() under the plain schedules; here: heavy preemption by swap and by recomputation,
-seeded sampling alone, batched and preempted, a resume from persisted tokens, and the slot accounting.
+against generate() under the plain schedules; here, for every family genq runs: heavy preemption by swap
+and by recomputation and a resume from persisted tokens (tokens and their log probabilities against
+generate()'s), seeded sampling alone, batched, preempted both ways and resumed; then the slot
+accounting and how a step's tokens reach the state layers.
 """
 
 from __future__ import annotations
@@ -12,16 +14,37 @@ import functools
 import logging
 
 import pytest
+import torch
 
 from batching import Engine, EngineConfig, SamplingParams
 from batching.block_manager import BlockManager
 from batching.sequence import Sequence
+from batching.state_layers import build_step
 from tests.batching.conftest import greedy, random_prompts, run_to_completion
+from tests.batching.test_model_support import documented_statuses
 from tests.batching.test_preemption import run_arrivals
 from tools import model_support as support
 
-# a pure state model (token-by-token chunk resume), a short-convolution hybrid, a gated-delta-net hybrid
-FAMILIES = ["mamba", "lfm2", "qwen3_next"]
+# every state family of issue 30 that genq runs, as tools/model_support.py builds it tiny (a hybrid: one
+# state layer, then one attention layer, so each step runs both kinds); the other five are refused at
+# load (test_model_support.py checks the refusals)
+FAMILIES = [
+    "jamba",
+    "bamba",
+    "falcon_h1",
+    "nemotron_h",
+    "granitemoehybrid",
+    "lfm2",
+    "lfm2_moe",
+    "mamba",
+    "mamba2",
+    "falcon_mamba",
+    "olmo_hybrid",
+    "qwen3_next",
+    "qwen3_5_text",
+    "kimi_linear",
+]
+REFUSED = ["zamba", "zamba2", "recurrent_gemma", "minimax", "zaya"]
 MAX_TOKENS = 10
 # (prompt length, priority, step at which it arrives)
 WORKLOAD = [(3, 9, 0), (9, 9, 0), (17, 5, 1), (12, 9, 2), (5, 0, 4), (20, 3, 6)]
@@ -52,12 +75,19 @@ def engine_for(path: str, **options) -> Engine:
         return Engine(EngineConfig(model=path, dtype="float64", device="cpu", max_model_len=128, **options))
 
 
+# |genq's log probability - generate()'s| per token: generate() keeps its logits in float32 (genq is within
+# 1e-6 of them here); the tiny Nemotron-H, recomputing its generated tokens through the other path of its
+# state layer (the whole sequence's, where generate() ran them one at a time), was off by 1e-3
+LOGPROB_TOLERANCE = 1e-5
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_exact_under_heavy_preemption(family, model_type, mode):
     """A pool far smaller than the demand, chunked prompts on a 7-token budget: sequences are preempted
     mid-prefill and mid-decode, their state swapped to host slots and back (or recomputed), and every
-    request still equals generate()."""
+    request still equals generate(), its tokens and their log probabilities; so does a request resumed
+    from persisted tokens (their state recomputed, as generate() computed it: one token at a time)."""
     path, model = family(model_type)
     engine = engine_for(
         path,
@@ -69,14 +99,14 @@ def test_exact_under_heavy_preemption(family, model_type, mode):
         preemption_mode=mode,
     )
     prompts = random_prompts(30, [n for n, _, _ in WORKLOAD])
-    requests = [
-        (f"r{i}", prompts[i], greedy(MAX_TOKENS), prio, at) for i, (_, prio, at) in enumerate(WORKLOAD)
-    ]
+    params = greedy(MAX_TOKENS, logprobs=0)
+    requests = [(f"r{i}", prompts[i], params, prio, at) for i, (_, prio, at) in enumerate(WORKLOAD)]
     outputs = run_arrivals(engine, requests)  # checks the block and slot invariants after every step
     with support.quiet():
-        expected = support.reference_tokens(model, prompts, MAX_TOKENS)
-    for (req_id, *_), want in zip(requests, expected, strict=True):
-        assert outputs[req_id].token_ids == want, f"{model_type} {req_id} diverged under {mode}"
+        expected = support.reference_generations(model, prompts, MAX_TOKENS)
+    for (req_id, *_), (tokens, logprobs) in zip(requests, expected, strict=True):
+        assert outputs[req_id].token_ids == tokens, f"{model_type} {req_id} diverged under {mode}"
+        _assert_logprobs(outputs[req_id], logprobs, f"{model_type} {req_id} under {mode}")
     stats = engine.stats()
     assert stats["num_preemptions"] >= 2
     if mode == "swap":
@@ -85,13 +115,26 @@ def test_exact_under_heavy_preemption(family, model_type, mode):
         assert stats["num_recomputed_tokens"] > 0
     bm = engine.block_manager
     assert len(bm.free_state_slots) == bm.num_state_slots == 4
+    # a crash resume: the persisted tokens are prefilled after the prompt, their log probabilities from it
+    tokens, logprobs = expected[1]
+    engine.add_request("resumed", prompts[1], params, resume_token_ids=tokens[:6])
+    resumed = run_to_completion(engine)["resumed"]
+    assert resumed.token_ids == tokens, f"{model_type} diverged after a resume"
+    _assert_logprobs(resumed, logprobs, f"{model_type} resumed")
+
+
+def _assert_logprobs(output, expected: list[float], what: str) -> None:
+    got = [lp.logprob for lp in output.logprobs]
+    worst = max(abs(g - e) for g, e in zip(got, expected, strict=True))
+    assert worst <= LOGPROB_TOLERANCE, f"{what}: log probabilities off by up to {worst:.2g}"
 
 
 SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
 
 
-def test_seeded_sampling_same_alone_batched_preempted_and_resumed(family):
-    path, _ = family("qwen3_next")
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_seeded_sampling_same_alone_batched_preempted_and_resumed(family, model_type):
+    path, _ = family(model_type)
     prompt, others = random_prompts(5, [11]), random_prompts(6, [4, 15, 8])
     engine = engine_for(path, max_num_batched_tokens=7, block_size=2, max_num_seqs=4)
     alone = engine.generate(prompt, SEEDED)[0].token_ids
@@ -99,18 +142,38 @@ def test_seeded_sampling_same_alone_batched_preempted_and_resumed(family):
         prompt + others, [SEEDED] + [SamplingParams(max_tokens=12, temperature=1.0)] * 3
     )
     assert batched[0].token_ids == alone
-    # preempted by swap: a tiny pool and urgent requests arriving while it decodes
-    small = engine_for(path, max_num_batched_tokens=7, block_size=2, num_device_blocks=14, max_num_seqs=4)
-    requests = [("seeded", prompt[0], SEEDED, 9, 0)]
-    requests += [(f"urgent{i}", p, greedy(8), 0, 3 + i) for i, p in enumerate(others)]
-    outputs = run_arrivals(small, requests)
-    assert outputs["seeded"].num_preemptions > 0 and small.stats()["num_blocks_swapped_out"] > 0
-    assert outputs["seeded"].token_ids == alone
+    # preempted, by swap and by recomputation: a tiny pool and urgent requests arriving while it decodes
+    for mode, host_blocks in (("swap", 64), ("recompute", 0)):
+        small = engine_for(
+            path,
+            max_num_batched_tokens=7,
+            block_size=2,
+            num_device_blocks=14,
+            num_host_blocks=host_blocks,
+            max_num_seqs=4,
+            preemption_mode=mode,
+        )
+        requests = [("seeded", prompt[0], SEEDED, 9, 0)]
+        requests += [(f"urgent{i}", p, greedy(8), 0, 3 + i) for i, p in enumerate(others)]
+        outputs = run_arrivals(small, requests)
+        stats = small.stats()
+        assert outputs["seeded"].num_preemptions > 0, mode
+        if mode == "swap":
+            assert stats["num_blocks_swapped_out"] > 0 and stats["num_recomputed_tokens"] == 0
+        else:
+            assert stats["num_recomputed_tokens"] > 0
+        assert outputs["seeded"].token_ids == alone, f"{model_type} seeded diverged after {mode}"
     # a crash resume: the persisted tokens are prefilled with the prompt (the state recomputed)
     engine.add_request("resumed", prompt[0], SEEDED, resume_token_ids=alone[:5])
     finished = run_to_completion(engine)
-    assert alone[:5] + finished["resumed"].token_ids[5:] == alone
     assert finished["resumed"].token_ids == alone
+
+
+def test_the_families_here_are_the_state_families_the_docs_list_as_running():
+    """A family the model-support walk starts running (or stops refusing) is checked here too."""
+    documented = documented_statuses()
+    assert {t for t in FAMILIES + REFUSED if documented.get(t) == "identical"} == set(FAMILIES)
+    assert all(documented.get(t) == "refused" for t in REFUSED)
 
 
 def test_prefix_caching_is_off_for_state_models_with_a_log_line(family, caplog):
@@ -120,6 +183,43 @@ def test_prefix_caching_is_off_for_state_models_with_a_log_line(family, caplog):
     assert not engine.block_manager.enable_prefix_caching
     assert "prefix caching is off" in caplog.text
     assert engine.state_cache is not None and not engine.kv_cache.device_pools  # no attention: no KV
+
+
+def test_each_token_takes_the_path_generate_takes_it_through():
+    """How a step's rows reach the state layers: the prompt's tokens through whole-sequence calls (a first
+    chunk from no state; later chunks from the state, in layers that resume chunks exactly), every
+    generated token one per call, recomputed ones included, in waves across sequences; a layer that does
+    not resume chunks takes every token after the first chunk one per call."""
+
+    def seq(name, prompt, generated, computed, slot):
+        s = Sequence(name, [3] * prompt, greedy(8), 5, 0, resume_token_ids=[4] * generated)
+        s.num_computed_tokens, s.state_slot = computed, slot
+        return s
+
+    seqs = [
+        seq("recomputed", 5, 3, 0, 0),  # rows 0-7: its prompt in one call, then 3 tokens one by one
+        seq("decode", 3, 2, 4, 1),  # row 8
+        seq("chunk", 10, 0, 4, 2),  # rows 9-12: a later chunk of its prompt
+        seq("across", 6, 2, 4, 3),  # rows 13-16: the prompt's last 2 tokens, then 2 generated
+    ]
+    step = build_step(None, seqs, [8, 1, 4, 4], torch.device("cpu"))  # type: ignore[arg-type]
+
+    def runs(items):
+        return [(start, n, slot.tolist()) for start, n, slot in items]
+
+    def waves(items):
+        return [(rows.tolist(), slots.tolist()) for rows, slots in items]
+
+    assert step.num_rows == 17
+    assert runs(step.fresh) == [(0, 5, [0])]
+    assert runs(step.chunks) == [(9, 4, [2]), (13, 2, [3])]
+    assert waves(step.waves) == [([5, 8, 15], [0, 1, 3]), ([6, 16], [0, 3]), ([7], [0])]
+    assert waves(step.token_waves) == [
+        ([5, 8, 9, 13], [0, 1, 2, 3]),
+        ([6, 10, 14], [0, 2, 3]),
+        ([7, 11, 15], [0, 2, 3]),
+        ([12, 16], [2, 3]),
+    ]
 
 
 def test_state_slots_follow_the_sequence(family):
