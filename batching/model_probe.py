@@ -7,7 +7,10 @@ builds (phimoe, llama4), compute a mask of its own (doge), call attention twice 
 layer (diffllama), attend bidirectionally (bert), or position its tokens from a cache genq does not
 pass (bart). So before an engine serves, the model runs under a *probe* implementation that
 records every attention call, and whose mask hook returns the model's mask as a function of
-positions (`MaskProbe`) instead of a tensor:
+positions (`MaskProbe`) instead of a tensor. Model code that computes with that mask itself (reads it
+as a tensor, hands it to torch: doge builds its dynamic mask from it) makes it raise `MaskUsed`, the
+refusal for a model that needs a mask genq does not build; any other exception in a forward is
+unexpected (a genq bug or the model's), logged with its traceback and never read as a refusal:
 
 1. `kv_geometry`: one single-sequence forward whose attention only records gives each layer's KV
    heads and K/V head sizes, so that the cache stores each layer at its own size (MLA's K and V of
@@ -19,10 +22,11 @@ positions (`MaskProbe`) instead of a tensor:
    with all the step's tokens, transformers' mask and no argument genq would ignore. Last, the
    logits genq computed must match the model's own eager attention run on each sequence alone.
 
-Anything else raises ValueError naming the model type and what genq lacks. The probe's recorder is
-a module global set only while the probe runs (steps in service pass their metadata through the
-forward's kwargs, as always, or the runner's step context for the attention classes of falcon, gptj
-and gpt_neo, attention_classes.py, which route their core attention through the same interface).
+Anything else raises `Refusal` (a ValueError) naming the model type and what genq lacks. The probe's
+recorder is a module global set only while the probe runs (steps in service pass their metadata
+through the forward's kwargs, as always, or the runner's step context for the attention classes of
+falcon, gptj and gpt_neo, attention_classes.py, which route their core attention through the same
+interface).
 """
 
 from __future__ import annotations
@@ -30,8 +34,11 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 
@@ -85,9 +92,22 @@ class AttentionCall:
     kwargs: dict
 
 
-@dataclass(slots=True)
+class MaskUsed(AttributeError):
+    """A model's own code computed with the mask the probe handed it (read a tensor attribute of it, passed
+    it to a torch function or an operator). In service genq builds no mask (the model gets None), so such a
+    model would attend without what its code adds to the mask (Doge's dynamic mask): a refusal. An
+    AttributeError, so that `hasattr`/`getattr(mask, name, default)` in a model's code behave as before."""
+
+    def __init__(self, use: str):
+        super().__init__(f"the model's code {use} (genq builds no attention mask)")
+        self.use = use
+
+
+@dataclass(slots=True, eq=False)
 class MaskProbe:
-    """What the probe's mask hook returns instead of a dense mask: the model's mask as a function."""
+    """What the probe's mask hook returns instead of a dense mask: the model's mask as a function.
+
+    Whatever treats it as a tensor raises MaskUsed: attributes it lacks, torch functions and operators."""
 
     mask_function: Callable[..., torch.Tensor]
 
@@ -98,6 +118,28 @@ class MaskProbe:
         """[len(kv)] bool: which key positions `kv` the query at position `q` may see."""
         zero = torch.zeros((), dtype=torch.long, device=kv.device)
         return self.mask_function(zero, zero, zero + q, kv).to(torch.bool).expand(kv.shape)
+
+    def __getattr__(self, name: str) -> NoReturn:  # only names the class lacks: `mask.dtype`, `mask.shape`
+        raise MaskUsed(f"reads mask.{name}")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None) -> NoReturn:
+        raise MaskUsed(f"passes the mask to {getattr(func, '__name__', func)}()")
+
+
+def _operator(name: str) -> Callable[..., NoReturn]:
+    def use(self, *other) -> NoReturn:
+        raise MaskUsed(f"applies {name} to the mask")
+
+    return use
+
+
+for _name in (
+    *(f"__{op}__" for op in ("eq", "ne", "lt", "le", "gt", "ge", "neg", "pos", "invert", "abs", "bool")),
+    *(f"__{r}{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul",
+                                "and", "or", "xor") for r in ("", "r")),
+):  # fmt: skip
+    setattr(MaskProbe, _name, _operator(_name))
 
 
 @dataclass(slots=True)
@@ -408,15 +450,49 @@ def _probe_positions(max_len: int, config, sliding_window: int | None) -> list[i
 
 
 def _failure(model_type: str, exc: BaseException) -> Refusal:
+    """An exception raised in the model's forward under the probe: the device's lack of memory is raised
+    as it is; the model computing with the mask (MaskUsed, wherever in the exception's chain) is the
+    documented refusal; anything else is unexpected (a genq bug or the model's), logged with its traceback."""
     if _out_of_memory(exc):  # the device was short of memory, not the model of a feature: say that
         raise exc
-    if "MaskProbe" in str(exc) or "NoneType" in str(exc):
+    used = _mask_used(exc)
+    if used is not None:
         return refusal(
             model_type,
-            f"it computes with the attention mask in its own code, where genq builds none ({_brief(exc)})",
+            f"it computes with the attention mask in its own code, where genq builds none ({_where(used)}"
+            f"{used.use})",
         )
     log.error("%s: its forward raised on genq's packed batch", model_type, exc_info=exc)
     return refusal(model_type, f"its forward fails on genq's packed batch: {_brief(exc)}", unexpected=True)
+
+
+def _mask_used(exc: BaseException) -> MaskUsed | None:
+    """The MaskUsed that `exc` is or was raised from (a model may wrap it in an error of its own)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        if isinstance(e, MaskUsed):
+            return e
+        seen.add(id(e))
+        todo += [e.__cause__, e.__context__]
+    return None
+
+
+def _where(exc: BaseException) -> str:
+    """`file:line function: ` of the innermost frame of `exc`'s traceback outside this module and torch
+    (the model's line that touched the mask), or nothing."""
+    torch_dir = os.path.dirname(torch.__file__)
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if f.filename != __file__ and not f.filename.startswith(torch_dir)
+    ]
+    return (
+        f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} {frames[-1].name}: " if frames else ""
+    )
 
 
 def _out_of_memory(exc: BaseException) -> bool:

@@ -11,6 +11,7 @@ import torch
 from batching import attention_classes, state_layers
 from batching.attention import ATTENTION_NAME, paged_attention
 from batching.config import EngineConfig
+from batching.model_probe import refusal
 from batching.tokenizer import BOS_ID, BUILTIN_MODEL, EOS_ID, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -128,30 +129,30 @@ def check_model_source(config: EngineConfig) -> None:
 
 def _check_supported(model_config) -> None:
     if getattr(model_config, "is_encoder_decoder", False):
-        raise ValueError(
-            f"model: genq cannot run {model_config.model_type}: it is an encoder-decoder; genq runs "
-            "decoder-only models"
-        )
+        raise refusal(model_config.model_type, "it is an encoder-decoder; genq runs decoder-only models")
     if uses_alibi(model_config):
         rotary = " (rotary Falcon, alibi=False, runs)" if model_config.model_type == "falcon" else ""
-        raise ValueError(
-            f"model: genq cannot run {model_config.model_type}: it adds ALiBi position biases to the "
-            "attention scores inside its own attention code, which no transformers hook (AttentionInterface "
-            f"or an attention-class table) lets genq replace; genq's paged attention takes no ALiBi{rotary}"
+        raise refusal(
+            model_config.model_type,
+            "it adds ALiBi position biases to the attention scores inside its own attention code, which no "
+            "transformers hook (AttentionInterface or an attention-class table) lets genq replace; genq's "
+            f"paged attention takes no ALiBi{rotary}",
         )
     if getattr(model_config, "languages", None) and not getattr(model_config, "default_language", None):
-        raise ValueError(
-            f"model: genq cannot run {model_config.model_type}: it routes every token through the adapter "
-            "of a language given per request (lang_ids), and its config names no default_language; genq "
-            "carries no language per request (set default_language in the config to run it in one language)"
+        raise refusal(
+            model_config.model_type,
+            "it routes every token through the adapter of a language given per request (lang_ids), and its "
+            "config names no default_language; genq carries no language per request (set default_language "
+            "in the config to run it in one language)",
         )
     layer_types = set(getattr(model_config, "layer_types", None) or ())
     unsupported = layer_types - SUPPORTED_LAYER_TYPES - STATE_LAYER_TYPES
     if unsupported:
-        raise ValueError(
-            f"model: genq cannot run {model_config.model_type}: its layer types {sorted(unsupported)} "
-            f"have no paged attention in genq (only {sorted(SUPPORTED_LAYER_TYPES)}, and state layers of "
-            f"types {sorted(STATE_LAYER_TYPES - {'mlp', 'moe'})})"
+        raise refusal(
+            model_config.model_type,
+            f"its layer types {sorted(unsupported)} have no paged attention in genq (only "
+            f"{sorted(SUPPORTED_LAYER_TYPES)}, and state layers of types "
+            f"{sorted(STATE_LAYER_TYPES - {'mlp', 'moe'})})",
         )
 
 
@@ -186,17 +187,16 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, m
         except OSError as exc:
             raise ValueError(f"model: cannot load weights of {config.model!r}: {exc}") from exc
         except ValueError as exc:
-            raise ValueError(
-                f"model: genq cannot run {model_config.model_type}: transformers cannot load "
-                f"{config.model!r} as a causal LM: {exc}"
+            raise refusal(
+                model_config.model_type, f"transformers cannot load {config.model!r} as a causal LM: {exc}"
             ) from exc
         except KeyError as exc:
             if exc.args != (ATTENTION_NAME,):
                 raise
-            raise ValueError(
-                f"model: genq cannot run {model_config.model_type}: it picks its attention class from its "
-                "own table, which has no genq class (genq has them for "
-                f"{', '.join(sorted(attention_classes.TABLES))}: attention_classes.py)"
+            raise refusal(
+                model_config.model_type,
+                "it picks its attention class from its own table, which has no genq class (genq has them "
+                f"for {', '.join(sorted(attention_classes.TABLES))}: attention_classes.py)",
             ) from exc
     attention_classes.set_attention(model, ATTENTION_NAME)
     _install_state_layers(model, model_config)
@@ -214,10 +214,10 @@ def _install_state_layers(model, model_config) -> None:
     layer_types = set(getattr(model_config.get_text_config(decoder=True), "layer_types", None) or ())
     stateful = layer_types & (STATE_LAYER_TYPES - {"mlp", "moe"})
     if stateful and not wrapped:
-        raise ValueError(
-            f"model: genq cannot run {model_config.model_type}: its layers of types {sorted(stateful)} keep "
-            "their state outside transformers' cache API (get_conv_state/get_recurrent_state), where genq "
-            "cannot give each sequence its own"
+        raise refusal(
+            model_config.model_type,
+            f"its layers of types {sorted(stateful)} keep their state outside transformers' cache API "
+            "(get_conv_state/get_recurrent_state), where genq cannot give each sequence its own",
         )
 
 

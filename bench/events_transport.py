@@ -18,25 +18,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import redis  # noqa: E402
 
+from bench.harness import own_seconds  # noqa: E402
+from bench.stack import private_redis  # noqa: E402
 from jobstore.deltas import Delta  # noqa: E402
 from jobstore.events import decode, encode  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
-
-
-def cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def redis_cpu(client: redis.Redis) -> float:
@@ -48,7 +40,7 @@ def run(client: redis.Redis, design: str, width: int, steps: int) -> dict[str, f
     client.flushdb()
     keys = [os.urandom(16).hex() for _ in range(width)]
     deltas = [Delta(i, [1000 + i], 3 * i, "abc") for i in range(steps)]
-    c0, r0 = cpu(), redis_cpu(client)
+    c0, r0 = own_seconds(), redis_cpu(client)
     for i in range(steps):
         payload = encode(deltas[i])
         if design == "per-job":
@@ -61,7 +53,7 @@ def run(client: redis.Redis, design: str, width: int, steps: int) -> dict[str, f
         else:
             minid = int(time.time() * 1000) - 60_000
             client.xadd("events", {key: payload for key in keys}, minid=minid, approximate=True)
-    c1, r1 = cpu(), redis_cpu(client)
+    c1, r1 = own_seconds(), redis_cpu(client)
     got = 0
     if design == "per-job":
         last = {f"job:{key}": "0-0" for key in keys}
@@ -81,7 +73,7 @@ def run(client: redis.Redis, design: str, width: int, steps: int) -> dict[str, f
                     for key in wanted:
                         decode(fields[key])
                         got += 1
-    c2, r2 = cpu(), redis_cpu(client)
+    c2, r2 = own_seconds(), redis_cpu(client)
     n = width * steps
     return {
         "publish_us": (c1 - c0) / n * 1e6,
@@ -95,29 +87,8 @@ def main(argv=None) -> None:
     ap.add_argument("--widths", default="16,64,256")
     ap.add_argument("--steps", type=int, default=400)
     args = ap.parse_args(argv)
-    port, folder = free_port(), tempfile.mkdtemp(prefix="genq-events-bench-")
-    server = subprocess.Popen(
-        [
-            shutil.which("redis-server"),
-            "--port",
-            str(port),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            folder,
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        client = redis.Redis(port=port)
-        for _ in range(100):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
+    with private_redis() as server:
+        client = redis.Redis(port=server.port)
         print(
             f"load average {os.getloadavg()[0]:.2f}; microseconds of CPU per job-step (one token of one job)"
         )
@@ -130,10 +101,6 @@ def main(argv=None) -> None:
                     f"{width:>6} {design:>10} {r['publish_us']:>10.2f} {r['redis_us']:>8.2f} "
                     f"{r['read_us']:>8.2f} {total:>8.2f}"
                 )
-    finally:
-        server.terminate()
-        server.wait()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

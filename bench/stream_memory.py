@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
-from bench.job_cpu import session_cpu  # noqa: E402
+from bench.harness import session_cpu  # noqa: E402
 from bench.stack import bench_settings, local_stack  # noqa: E402
 
 

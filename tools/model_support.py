@@ -7,8 +7,9 @@ compare with `model.generate()`. Each type ends in one of:
 
   identical  genq's greedy tokens equal generate()'s on every prompt, under both schedules
   refused    the engine refuses it at load, for a reason the probe knows (the message says which)
-  crashed    the model's forward raised on genq's inputs at load (the traceback is logged): a genq bug
-             or the model's; never counted as a clean refusal (the test fails on it)
+  crashed    genq raised something other than a refusal it knows (model_probe.Refusal): an exception in
+             the model's forward on genq's inputs at load, or anywhere else in genq (the traceback is
+             logged): a genq bug or the model's; never counted as a clean refusal (the test fails on it)
   diverged   genq ran but its tokens differ: a bug (the test fails on it)
   untested   no tiny model or no reference could be built here (the reason says which), or the
              model's forward fails in generate() and in genq alike
@@ -31,6 +32,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from batching.model_probe import Refusal
+
+log = logging.getLogger(__name__)
 
 VOCAB = 259  # the byte-level tokenizer's ids, so ids 3.. are ordinary tokens in every tiny model
 MAX_NEW = 8
@@ -133,7 +138,7 @@ PER_TYPE: dict[str, dict[str, Any]] = {  # what a type needs beyond TINY to be c
 @dataclass(slots=True)
 class Result:
     model_type: str
-    status: str  # identical | refused | diverged | untested
+    status: str  # identical | refused | crashed | diverged | untested
     reason: str = ""
 
 
@@ -272,15 +277,16 @@ def check_model_type(
     for schedule in SCHEDULES:
         try:
             got = engine_tokens(directory, prompt_list, **schedule, **(engine_options or {}))
-        except ValueError as exc:
+        except Refusal as exc:
             reason = _short(exc).replace(directory, "<tiny checkpoint>")
-            if getattr(exc, "unexpected", False) and expected is None:
+            if exc.unexpected and expected is None:
                 # the forward fails in genq as in generate(): the tiny model's own failure, not genq's
                 return Result(model_type, "untested", f"{no_reference}; genq's load fails too: {reason}")
-            status = "crashed" if getattr(exc, "unexpected", False) else "refused"
-            return Result(model_type, status, reason)
-        except Exception as exc:  # noqa: BLE001 - anything else is a crash, reported as a divergence
-            return Result(model_type, "diverged", f"crashed under {schedule}: {_short(exc)}")
+            return Result(model_type, "crashed" if exc.unexpected else "refused", reason)
+        except Exception as exc:  # noqa: BLE001 - not a refusal genq knows: a crash, with its traceback
+            log.error("%s: genq raised under %s", model_type, schedule, exc_info=exc)
+            reason = _short(exc).replace(directory, "<tiny checkpoint>")
+            return Result(model_type, "crashed", f"under {schedule}: {reason}")
         if expected is None:
             return Result(model_type, "untested", no_reference)
         for p, e, g in zip(prompt_list, expected, got):
@@ -292,7 +298,7 @@ def check_model_type(
 
 
 def _short(exc: BaseException, limit: int = 300) -> str:
-    text = " ".join(f"{type(exc).__name__}: {exc}".split()) if not isinstance(exc, ValueError) else str(exc)
+    text = " ".join(f"{type(exc).__name__}: {exc}".split()) if not isinstance(exc, Refusal) else str(exc)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batching.model_probe import MaskPattern
+from batching.model_probe import MaskPattern, MaskProbe, MaskUsed
 from tools import model_support as support
 
 MODEL_TYPES = support.decoder_model_types()
@@ -56,27 +56,139 @@ def test_the_docs_table_is_read():
     assert DOCUMENTED.get("llama") == "identical" and sum(s == "identical" for s in DOCUMENTED.values()) > 50
 
 
-def test_a_forward_that_raises_is_a_crash_with_its_traceback_not_a_refusal(tmp_path, monkeypatch, caplog):
-    """A bug that breaks a supported architecture in genq (here: an exception inside Llama's MLP when
-    genq runs it) reads as a crash, with the traceback in the log, so the walk above fails on it."""
+def _break_llama_mlp(monkeypatch, exc: Exception, where=None) -> None:
+    """Llama's MLP raises `exc` in genq's steps where `where()` holds (default: every genq step);
+    generate() still gives the reference."""
     from transformers.models.llama import modeling_llama
 
     from batching.attention import current_step
 
     mlp_forward = modeling_llama.LlamaMLP.forward
 
-    def broken(self, x):  # in genq's steps only: generate() still gives the reference
-        if current_step() is not None:
-            raise RuntimeError("planted failure inside the forward")
+    def broken(self, x):
+        if current_step() is not None and (where is None or where()):
+            raise exc
         return mlp_forward(self, x)
 
     monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", broken)
+
+
+def _none_attribute() -> AttributeError:
+    """The AttributeError a genq bug reading an attribute of None raises: 'NoneType' object has no ..."""
+    try:
+        None.block_table  # type: ignore[attr-defined]  # noqa: B018
+    except AttributeError as exc:
+        return exc
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        RuntimeError("planted failure inside the forward"),
+        _none_attribute(),  # what the probe once took for a model reading the mask, whatever raised it
+        TypeError("planted: 'MaskProbe' object is not subscriptable"),  # the probe's name, not its mask
+    ],
+    ids=["runtime_error", "nonetype_attribute", "maskprobe_in_message"],
+)
+def test_a_forward_that_raises_is_a_crash_with_its_traceback_not_a_refusal(
+    planted, tmp_path, monkeypatch, caplog
+):
+    """A bug that breaks a supported architecture in genq (here: an exception inside Llama's MLP when
+    genq runs it) reads as a crash, with the traceback in the log, so the walk above fails on it,
+    whatever its message says."""
+    _break_llama_mlp(monkeypatch, planted)
     with caplog.at_level(logging.ERROR, logger="batching.model_probe"):
         with support.quiet():
             result = support.check_model_type("llama", str(tmp_path))
     assert result.status == "crashed", result
-    assert "planted failure" in result.reason
-    assert "Traceback" in caplog.text and "planted failure inside the forward" in caplog.text
+    assert str(planted) in result.reason and "computes with the attention mask" not in result.reason
+    assert "Traceback" in caplog.text and str(planted) in caplog.text
+
+
+def test_a_model_computing_with_the_mask_is_refused_without_a_traceback(tmp_path, caplog):
+    """Doge builds its dynamic attention mask from the mask transformers hands its attention layer, which
+    genq does not build: the probe's mask raises where Doge's code reads it, and that is the documented
+    refusal (no traceback logged), naming the line that read it."""
+    with caplog.at_level(logging.ERROR):
+        with support.quiet():
+            result = support.check_model_type("doge", str(tmp_path))
+    assert result.status == "refused", result
+    assert "genq cannot run doge: it computes with the attention mask in its own code" in result.reason
+    assert "modeling_doge.py:" in result.reason and "prepare_dynamic_mask: reads mask.dtype" in result.reason
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_a_mask_use_the_model_wraps_in_an_error_of_its_own_is_still_the_refusal(tmp_path, monkeypatch):
+    """The probe recognises the mask's use anywhere in the exception's chain, not by its message."""
+    from transformers.models.doge import modeling_doge
+
+    prepare = modeling_doge.DogeAttention.prepare_dynamic_mask
+
+    def wrapping(self, *args, **kwargs):
+        try:
+            return prepare(self, *args, **kwargs)
+        except AttributeError as exc:
+            raise RuntimeError("dynamic mask failed") from exc
+
+    monkeypatch.setattr(modeling_doge.DogeAttention, "prepare_dynamic_mask", wrapping)
+    with support.quiet():
+        result = support.check_model_type("doge", str(tmp_path))
+    assert result.status == "refused" and "prepare_dynamic_mask: reads mask.dtype" in result.reason, result
+
+
+@pytest.mark.parametrize(
+    "use,says",
+    [
+        (lambda m: m.dtype, "reads mask.dtype"),
+        (lambda m: m[:, :, :, :4].shape, "reads mask.shape"),  # sliced first, as modules do
+        (lambda m: torch.zeros(4) + m, "passes the mask to add()"),
+        (lambda m: torch.where(m, 0.0, -1.0), "passes the mask to where()"),
+        (lambda m: m != 0, "applies __ne__ to the mask"),
+        (lambda m: 1 - m, "applies __rsub__ to the mask"),
+        (lambda m: ~m, "applies __invert__ to the mask"),
+    ],
+    ids=[
+        "attribute",
+        "sliced_attribute",
+        "tensor_operator",
+        "torch_function",
+        "compare",
+        "arithmetic",
+        "invert",
+    ],
+)
+def test_the_probe_mask_raises_wherever_code_computes_with_it(use, says):
+    probe = MaskProbe(lambda b, h, q, kv: kv <= q)
+    with pytest.raises(MaskUsed, match=re.escape(says)):
+        use(probe)
+    assert probe.allows(2, torch.arange(4)).tolist() == [True, True, True, False]  # its own use still works
+    assert not hasattr(probe, "shape") and getattr(probe, "dtype", None) is None  # as for any object
+
+
+def test_out_of_memory_in_the_probe_is_raised_as_it_is_not_a_refusal(tmp_path, monkeypatch):
+    """The device running short of memory while the probe runs says so; it is no verdict on the model."""
+    from batching import Engine, EngineConfig
+
+    with support.quiet():
+        support.build_tiny_model(support.tiny_config("llama")).save_pretrained(tmp_path)
+    _break_llama_mlp(monkeypatch, torch.OutOfMemoryError("planted: CUDA out of memory"))
+    with pytest.raises(torch.OutOfMemoryError, match="planted"):
+        Engine(EngineConfig(model=str(tmp_path), dtype="float64", device="cpu", max_model_len=64))
+
+
+def test_a_genq_value_error_outside_the_probe_is_a_crash_not_a_refusal(tmp_path, monkeypatch, caplog):
+    """Only genq's Refusal is a refusal: a ValueError raised while genq serves (after the load-time
+    probe passed) is a crash, with its traceback logged by the walk."""
+    from batching import model_probe
+
+    planted = ValueError("planted ValueError while serving")
+    _break_llama_mlp(monkeypatch, planted, where=lambda: model_probe._recorder is None)
+    with caplog.at_level(logging.ERROR, logger="tools.model_support"):
+        with support.quiet():
+            result = support.check_model_type("llama", str(tmp_path))
+    assert result.status == "crashed" and "planted ValueError while serving" in result.reason, result
+    assert "Traceback" in caplog.text and "planted ValueError while serving" in caplog.text
 
 
 def test_a_forward_that_fails_in_generate_too_is_untested_not_a_genq_crash(tmp_path, monkeypatch):
