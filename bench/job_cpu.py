@@ -8,7 +8,7 @@ N jobs (default 1,000) of 16 tokens, three ways in:
 | `jobs` | one `POST /jobs` each, over 16 keep-alive connections | Postgres (a connection not counted) |
 | `batch` | one JSONL upload + `POST /v1/batches` | Postgres, then one `GET /v1/batches/<id>` (it writes the output file) |
 | `stream` | one streamed `POST /v1/completions` each, all at once | the streams' ends |
-| `stream-long` | as `stream`, each job 4x the tokens | the streams' ends |
+| `stream-long` | as `stream`, each job `--long-factor` (8) times the tokens | the streams' ends |
 
 Stack CPU = the CPU time of the API's processes, of the worker's process less its engine process, of the
 private Redis, and of the Postgres backends serving the stack's database, from the first request to the
@@ -21,6 +21,7 @@ job runs to its `max_tokens` (`ignore_eos`), so the token counts are fixed.
 
     python bench/job_cpu.py                      # all four paths, 1,000 jobs each
     python bench/job_cpu.py --jobs 200 --paths jobs,stream
+    python bench/job_cpu.py --paths stream,stream-long --repeat 3   # a streamed token, the median of 3
     python bench/job_cpu.py --profile bench/out/profile   # + py-spy of the API and worker, per path
 
 With `--profile DIR`, py-spy samples the API's and the worker's processes (not the engine's) during each
@@ -37,6 +38,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -198,7 +200,6 @@ class Profiler:
                     "-r",
                     "250",
                     "--nonblocking",
-                    "--gil",
                     "-f",
                     "raw",
                 ]
@@ -248,7 +249,9 @@ def top_functions(files: list[Path], n: int = 60) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_path(path: str, stack, meter: Meter, n: int, max_tokens: int, profiler: Profiler) -> dict:
+def run_path(
+    path: str, stack, meter: Meter, n: int, max_tokens: int, profiler: Profiler, long_factor: int = 8
+) -> dict:
     port = int(stack.url.rsplit(":", 1)[1])
     since = time.time() - 0.01  # jobs created from now: not the previous path's last ones
     profiler.start(path)
@@ -289,7 +292,8 @@ def run_path(path: str, stack, meter: Meter, n: int, max_tokens: int, profiler: 
         ).json()
     failed = {}
     if path in ("stream", "stream-long"):
-        statuses = asyncio.run(streams(port, stack.key, n, max_tokens * (4 if path == "stream-long" else 1)))
+        tokens = max_tokens * (long_factor if path == "stream-long" else 1)
+        statuses = asyncio.run(streams(port, stack.key, n, tokens))
         failed = {s: statuses.count(s) for s in set(statuses) if s != 200}  # -1: no [DONE]
         n = statuses.count(200)
     while meter.done(since) < n:
@@ -323,6 +327,12 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--jobs", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--paths", default="jobs,batch,stream,stream-long")
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="rounds of the paths in one stack (medians printed)"
+    )
+    ap.add_argument(
+        "--long-factor", type=int, default=8, help="stream-long's jobs make this many times --max-tokens"
+    )
     ap.add_argument("--json", default="bench/out/job_cpu.json")
     ap.add_argument("--profile", type=Path, help="a folder for py-spy profiles of the API and the worker")
     args = ap.parse_args(argv)
@@ -347,38 +357,64 @@ def main(argv=None) -> list[dict]:
         with local_stack(settings, log_dir=Path("bench/out/logs/job_cpu")) as stack:
             meter = Meter(stack, redis_server.pid, settings.database_url)
             profiler = Profiler(args.profile, meter)
-            for path in args.paths.split(","):
-                load = os.getloadavg()[0]
-                result = run_path(path, stack, meter, args.jobs, args.max_tokens, profiler)
-                result["load_before"] = load
-                results.append(result)
-                parts = ", ".join(f"{k} {v:.2f}" for k, v in result["parts_ms_per_job"].items())
-                print(
-                    f"{path:>6}: {result['jobs']} jobs, {result['tokens']} tokens in {result['seconds']:.1f} s "
-                    f"(load {load:.1f}): stack {result['stack_ms_per_job']:.2f} ms/job "
-                    f"(target {TARGETS.get(path, '-')}), engine {result['engine_ms_per_job']:.2f} ms/job; "
-                    f"per part ms/job: {parts}"
-                    + (f"; failed: {result['failed']}" if result["failed"] else ""),
-                    flush=True,
-                )
+            for round_ in range(args.repeat):
+                for path in args.paths.split(","):
+                    load = os.getloadavg()[0]
+                    result = run_path(
+                        path, stack, meter, args.jobs, args.max_tokens, profiler, args.long_factor
+                    )
+                    result["load_before"], result["round"] = load, round_
+                    results.append(result)
+                    report(result, load)
     finally:
         redis_server.terminate()
         redis_server.wait()
         shutil.rmtree(folder, ignore_errors=True)
-    by_path = {r["path"]: r for r in results}
-    if "stream" in by_path and "stream-long" in by_path:
-        short, long = by_path["stream"], by_path["stream-long"]
-        per_token = (
-            (long["stack_cpu_s"] - short["stack_cpu_s"]) / max(long["tokens"] - short["tokens"], 1) * 1e6
-        )
+    per_token = streamed_token_cost(results)
+    if per_token:
+        median = {part: statistics.median(r[part] for r in per_token) for part in per_token[0]}
+        rounds = ", ".join(f"{r['stack']:.1f}" for r in per_token)
+        parts = ", ".join(f"{part} {v:.1f}" for part, v in median.items() if part != "stack")
         print(
-            f"streaming: {per_token:.1f} µs of stack CPU per streamed token ({long['tokens'] - short['tokens']} "
-            f"tokens more in stream-long than in stream, same number of jobs; target <= 50)"
+            f"streaming: {median['stack']:.1f} µs of stack CPU per streamed token, the median of {len(per_token)} "
+            f"round(s) ({rounds}); by part: {parts} (stream-long's tokens beyond stream's, same number of "
+            "jobs; target <= 50)"
         )
-        long["us_per_streamed_token"] = per_token
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=2))
+    Path(args.json).write_text(json.dumps({"runs": results, "streamed_token_us": per_token}, indent=2))
     return results
+
+
+def report(result: dict, load: float) -> None:
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in result["parts_ms_per_job"].items())
+    print(
+        f"{result['path']:>6}: {result['jobs']} jobs, {result['tokens']} tokens in {result['seconds']:.1f} s "
+        f"(load {load:.1f}): stack {result['stack_ms_per_job']:.2f} ms/job "
+        f"(target {TARGETS.get(result['path'], '-')}), engine {result['engine_ms_per_job']:.2f} ms/job; "
+        f"per part ms/job: {parts}" + (f"; failed: {result['failed']}" if result["failed"] else ""),
+        flush=True,
+    )
+
+
+def streamed_token_cost(results: list[dict]) -> list[dict]:
+    """Per round with both stream paths: µs of CPU per streamed token, the stack's and each part's."""
+    costs = []
+    for round_ in sorted({r["round"] for r in results}):
+        by_path = {r["path"]: r for r in results if r["round"] == round_}
+        if "stream" not in by_path or "stream-long" not in by_path:
+            continue
+        short, long = by_path["stream"], by_path["stream-long"]
+        added = max(long["tokens"] - short["tokens"], 1)
+        cost = {"stack": (long["stack_cpu_s"] - short["stack_cpu_s"]) / added * 1e6}
+        for part in ("api", "worker", "redis", "postgres"):
+            spent = (
+                long["parts_ms_per_job"][part] * long["jobs"]
+                - short["parts_ms_per_job"][part] * short["jobs"]
+            )
+            cost[part] = spent / 1000 / added * 1e6
+        long["us_per_streamed_token"] = cost["stack"]
+        costs.append(cost)
+    return costs
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterable
 from typing import NamedTuple
 
+import orjson
 import redis
 
 from jobstore.deltas import Delta
@@ -32,7 +33,7 @@ from jobstore.deltas import Delta
 log = logging.getLogger(__name__)
 STREAM = "genq:events"
 LINGER = 0.05  # seconds a status change sent without a wake-up waits at most
-_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # keeps -inf (a log probability)
 
 
 class Status(NamedTuple):
@@ -46,16 +47,22 @@ def stream_key(prefix: str) -> str:
 
 
 def encode(event: Delta | Status) -> bytes:
+    """One event's bytes: a JSON string (a status) or array (a delta). orjson (a tenth of json's time: every
+    token of every job is encoded once); a delta carrying per-token fields (log probabilities, which can be
+    -inf, which orjson would write as null) through json."""
     if isinstance(event, Status):
-        return _dumps(event.status).encode()
+        return orjson.dumps(event.status)
     d = event
     if d.fields:
         return _dumps([d.start, d.token_ids, d.text_start, d.text, d.finish_reason, d.fields]).encode()
-    return _dumps([d.start, d.token_ids, d.text_start, d.text, d.finish_reason]).encode()
+    return orjson.dumps((d.start, d.token_ids, d.text_start, d.text, d.finish_reason))
 
 
 def decode(payload: bytes) -> Delta | Status:
-    value = json.loads(payload)
+    try:
+        value = orjson.loads(payload)
+    except orjson.JSONDecodeError:  # -Infinity in a delta's fields
+        value = json.loads(payload)
     if isinstance(value, str):
         return Status(value)
     return Delta(*value)

@@ -36,7 +36,7 @@ from jobstore.models import Job, JobStatus
 from jobstore.requests import JobCreate
 from webapi.auth import current_tenant, require_api_key
 from webapi.errors import APIError, from_validation_error
-from webapi.events import HEARTBEAT, Ended, Tick, acquire_slot, follow, read_job
+from webapi.events import FLUSH, HEARTBEAT, Ended, Tick, acquire_slot, follow, in_writes, read_job
 from webapi.extensions import Services, services
 from webapi.jobs import submit_job
 from webapi.metrics import JOBS_CANCELLED
@@ -297,6 +297,8 @@ def stream(
                 yield chunks.error(error.code, error.message)
                 ended = True
                 return
+            elif item is FLUSH:
+                yield FLUSH
             elif isinstance(item, Tick):
                 yield HEARTBEAT  # a client gone is noticed at a write
         cancel(found, job)  # COMPLETION_TIMEOUT_SECONDS passed
@@ -312,7 +314,7 @@ def stream(
             cancel(found, job)
 
     response = Response(
-        chunks_of_events(),
+        in_writes(chunks_of_events()),  # the steps of a stream that fell behind in one write
         mimetype="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},  # no proxy buffering
     )

@@ -6,6 +6,9 @@ while at least one caller follows a job, and hands each followed job's events to
 a follower costs a queue, not a thread, a connection or a read of its own (under gunicorn's gevent workers
 it is a greenlet waiting on its queue).
 
+A follower takes every event queued for it at once (Inbox) and yields FLUSH before it waits again, so a
+response built on it (in_writes) writes the steps that came together in one write.
+
 `follow()` joins the two sources by position (jobstore.deltas): it subscribes first, then reads the row,
 sends what the row holds beyond the caller's position, then each event trimmed to what the caller lacks.
 An event that starts beyond the caller (it joined late and the row lagged, events were lost, Redis went
@@ -16,10 +19,10 @@ follower goes on from there. So a caller gets every token once, in order, whiche
 from __future__ import annotations
 
 import logging
-import queue
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -31,6 +34,13 @@ from jobstore import jobs
 from jobstore.deltas import Delta, Gap, Position, trim
 from jobstore.events import Status, decode, publish_status, stream_key
 from jobstore.models import Job, JobStatus
+
+try:  # gunicorn's gevent workers (the api extra); importing it patches nothing
+    from gevent import get_hub as gevent_hub
+    from gevent import monkey as gevent_monkey
+    from gevent.hub import Waiter as GeventWaiter
+except ImportError:
+    gevent_monkey = None
 
 log = logging.getLogger(__name__)
 START = Position()
@@ -52,10 +62,99 @@ class Tick(NamedTuple):
     """Nothing came for a while: time for a HEARTBEAT (and a chance to notice a caller gone)."""
 
 
+class Flush(NamedTuple):
+    """Everything that was ready has been given out; the follower waits now: time to write (in_writes)."""
+
+
+FLUSH = Flush()
+
+
 class Ended(NamedTuple):
     """The job ended and its row holds the result."""
 
     job: Job
+
+
+class Inbox:
+    """A follower's queue of events: the hub appends, the follower takes everything queued at once.
+
+    Taking all of it at once is what lets a follower that fell behind (thousands of streams, each woken
+    once per engine step) send the steps it missed as one chunk: one wake-up and one write, not one per
+    step (vLLM's output collector merges a slow consumer's deltas the same way). Cheaper than a
+    queue.Queue per event: no lock and no timer when events are already there."""
+
+    __slots__ = ("_items", "_ready")
+
+    def __init__(self):
+        self._items: deque = deque()
+        self._ready = threading.Event()
+
+    def put(self, item) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+    def take(self, timeout: float) -> list:
+        """Everything queued, in order; waits up to `timeout` seconds for the first ([] when none came)."""
+        items = self._items
+        if not items:
+            deadline = time.monotonic() + timeout
+            while not items:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._ready.wait(left):
+                    return []
+                self._ready.clear()
+        self._ready.clear()
+        taken = list(items)
+        for _ in range(len(taken)):
+            items.popleft()
+        return taken
+
+
+class GreenInbox(Inbox):
+    """An Inbox for a follower that is a greenlet (gunicorn's gevent workers): it sleeps in gevent's hub on a
+    Waiter, with one timer kept for its wait (restarted, not made anew). A streamed token wakes a follower
+    once; threading.Event.wait(timeout) under gevent builds a Timeout and a timer watcher for each wait,
+    a third of what a chunk costs a gevent server (bench/job_cpu.py, issue 25)."""
+
+    __slots__ = ("_waiter", "_loop", "_timer", "_period")
+
+    def __init__(self):
+        self._items = deque()
+        self._waiter = None  # the Waiter of a take() under way
+        self._loop = gevent_hub().loop
+        self._timer = None
+        self._period = 0.0
+
+    def put(self, item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            self._loop.run_callback(waiter.switch, True)  # a Waiter is switched from gevent's hub
+
+    def take(self, timeout: float) -> list:
+        items = self._items
+        if not items and timeout > 0:
+            if self._timer is None or self._period != timeout:
+                if self._timer is not None:
+                    self._timer.close()
+                self._timer, self._period = self._loop.timer(timeout, timeout), timeout
+            waiter = self._waiter = GeventWaiter()
+            self._timer.again(waiter.switch, False)
+            try:
+                waiter.get()  # until put() or the timer; a late switch only lands in this spent Waiter
+            finally:
+                self._timer.stop()
+                self._waiter = None
+        taken = list(items)
+        for _ in range(len(taken)):
+            items.popleft()
+        return taken
+
+
+def inbox_type() -> type[Inbox]:
+    """GreenInbox where gevent has patched threading (followers are greenlets), else Inbox."""
+    return GreenInbox if gevent_monkey is not None and gevent_monkey.is_module_patched("threading") else Inbox
 
 
 class Hub:
@@ -66,14 +165,15 @@ class Hub:
         self._prefix, self._key = prefix, stream_key(prefix)
         self._idle_seconds = idle_seconds
         self._lock = threading.Lock()
-        self._followers: dict[str, set[queue.Queue]] = {}
+        self._followers: dict[str, set[Inbox]] = {}
         self._last_id: bytes | None = None  # where the reader is in the stream; None: not reading
         self._reading = False
         self._positioned = threading.Event()
+        self._inbox_type = inbox_type()
 
-    def subscribe(self, key: str) -> queue.Queue:
-        """A queue that gets job `key`'s events from now on (its position in the stream is fixed on return)."""
-        inbox: queue.Queue = queue.Queue()
+    def subscribe(self, key: str) -> Inbox:
+        """An inbox that gets job `key`'s events from now on (its position in the stream is fixed on return)."""
+        inbox = self._inbox_type()
         with self._lock:
             self._followers.setdefault(key, set()).add(inbox)
             start = not self._reading
@@ -93,7 +193,7 @@ class Hub:
         positioned.wait(5)  # the reader's place in the stream is fixed: every later event reaches `inbox`
         return inbox
 
-    def unsubscribe(self, key: str, inbox: queue.Queue) -> None:
+    def unsubscribe(self, key: str, inbox: Inbox) -> None:
         with self._lock:
             inboxes = self._followers.get(key)
             if inboxes is not None:
@@ -156,6 +256,21 @@ class Hub:
             inbox.put(item)
 
 
+def in_writes(pieces: Iterator[bytes | Flush]) -> Iterator[bytes]:
+    """A response's pieces joined into one write up to each FLUSH: a stream that fell behind (its steps'
+    events came together) sends them in one write, the events themselves unchanged (one per step)."""
+    gathered: list[bytes] = []
+    for piece in pieces:
+        if piece is FLUSH:
+            if gathered:
+                yield gathered[0] if len(gathered) == 1 else b"".join(gathered)
+                gathered = []
+        else:
+            gathered.append(piece)
+    if gathered:
+        yield b"".join(gathered)
+
+
 def row_delta(job: Job) -> Delta:
     """What a job's row holds of its output, as a delta from the start."""
     ended = JobStatus(job.status).finished
@@ -170,14 +285,14 @@ def follow(
     job_id,
     since: Position = START,
     *,
-    inbox: queue.Queue | None = None,
+    inbox: Inbox | None = None,
     row: Job | None = None,
     tick_seconds: float = 1.0,
     resync_seconds: float = 10.0,
     deadline: float | None = None,
-) -> Iterator[Delta | Status | Tick | Ended]:
+) -> Iterator[Delta | Status | Tick | Flush | Ended]:
     """A job's output beyond `since` as deltas, its status changes, Ticks when nothing comes for
-    `tick_seconds`, and last Ended once its row holds the result (or return at `deadline`, monotonic).
+    `tick_seconds`, a Flush before each wait, and last Ended once its row holds the result (or return at `deadline`, monotonic).
     `read_row()` reads the job's row (None: gone). `inbox`: a subscription to the job made earlier (before
     the job was sent to the queue: then no event of it can come before); `row`: the job's row as read just
     before (then it is not read again to start). Without any event for
@@ -187,6 +302,7 @@ def follow(
     key = job_id.hex
     inbox = inbox if inbox is not None else hub.subscribe(key)
     pending: list[Delta] = []  # events beyond what the caller holds, waiting for the row to catch up
+    taken: deque = deque()  # events taken from the inbox, not handled yet
     read_at = 0.0
     finished = False  # a delta with the finish was sent
     try:
@@ -232,19 +348,21 @@ def follow(
                     return
             if pending:  # the row lags the events: read it again soon
                 wait = min(wait, max(0.0, read_at + GAP_READ_SECONDS - time.monotonic()))
-            try:
-                event = inbox.get(timeout=wait)
-            except queue.Empty:
-                if pending or time.monotonic() - quiet_since >= resync:
-                    if not pending:  # quiet again after this read (or it failed): the next one later
-                        resync = min(resync * 2, MAX_RESYNC_FACTOR * resync_seconds)
-                    job, quiet_since = read_row(), time.monotonic()
-                    if job is None:
-                        return
+            if not taken:
+                yield FLUSH  # all that was ready went out: write it before waiting
+                taken.extend(inbox.take(wait))
+                if not taken:
+                    if pending or time.monotonic() - quiet_since >= resync:
+                        if not pending:  # quiet again after this read (or it failed): the next one later
+                            resync = min(resync * 2, MAX_RESYNC_FACTOR * resync_seconds)
+                        job, quiet_since = read_row(), time.monotonic()
+                        if job is None:
+                            return
+                        continue
+                    yield Tick()
                     continue
-                yield Tick()
-                continue
-            quiet_since, resync = time.monotonic(), first_resync
+                quiet_since, resync = time.monotonic(), first_resync
+            event = taken.popleft()
             if event is LOST:
                 job = read_row()
                 if job is None:

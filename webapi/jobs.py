@@ -21,7 +21,7 @@ from jobstore.events import Status
 from jobstore.models import Job, JobStatus
 from webapi.auth import current_tenant, require_api_key
 from webapi.errors import APIError
-from webapi.events import HEARTBEAT, RETRY, Ended, acquire_slot, follow, read_job
+from webapi.events import FLUSH, HEARTBEAT, RETRY, Ended, acquire_slot, follow, in_writes, read_job
 from webapi.extensions import db, services
 from webapi.metrics import JOBS_CANCELLED, JOBS_SUBMITTED
 from webapi.prompts import NoChatTemplate, check_length, prepare_prompt
@@ -125,10 +125,12 @@ def job_events(job_id: uuid.UUID):
             elif isinstance(item, Ended):
                 yield sse("result", JobOut.from_job(item.job).model_dump(mode="json"), held)
                 return
+            elif item is FLUSH:
+                yield FLUSH
             else:
                 yield HEARTBEAT
 
-    response = Response(stream(), mimetype="text/event-stream", headers=SSE_HEADERS)
+    response = Response(in_writes(stream()), mimetype="text/event-stream", headers=SSE_HEADERS)
     response.call_on_close(release)
     return response
 

@@ -118,16 +118,16 @@ def test_a_stream_that_waits_for_its_first_token_is_read_whole_by_vllms_client(n
     """The stream waits in the queue behind a running job for 2 s, longer than KEEPALIVE_SECONDS, so the
     server writes heartbeats before its first token: vLLM's benchmark client still reads every event (a comment
     line there made it count half the requests of a loaded `vllm bench serve` as failed)."""
-    # priority 0, as a /v1 call's: of equal priority, the stream's job waits for it (no hand-back)
-    blocker = narrow.submit(
-        prompt="A long story", max_tokens=1500, temperature=0, ignore_eos=True, priority=0
-    )
-    narrow.wait(blocker, until=lambda j: j["status"] == "running")
-    cancel = threading.Timer(
-        2.0, lambda: narrow.client.post(f"/jobs/{blocker}/cancel", headers=narrow.headers)
-    )
     want = greedy(offline_engine, PROMPT, 8)
-    with serve_api(narrow.settings) as url:
+    with serve_api(narrow.settings) as url:  # started first: the blocker's 1,500 tokens last a few seconds
+        # priority 0, as a /v1 call's: of equal priority, the stream's job waits for it (no hand-back)
+        blocker = narrow.submit(
+            prompt="A long story", max_tokens=1500, temperature=0, ignore_eos=True, priority=0
+        )
+        narrow.wait(blocker, until=lambda j: j["status"] == "running")
+        cancel = threading.Timer(
+            2.0, lambda: narrow.client.post(f"/jobs/{blocker}/cancel", headers=narrow.headers)
+        )
         started = time.monotonic()
         cancel.start()  # the blocker goes in 2 s; until then, the stream gets only heartbeats
         with requests.post(
