@@ -32,6 +32,10 @@ from jobstore.deltas import Delta
 
 log = logging.getLogger(__name__)
 STREAM = "genq:events"
+# An entry holding this field says events were lost (a publisher dropped what it could not send while Redis
+# was unreachable): every reader reads its jobs' rows again. With it, and the API's hub noticing when it
+# fell behind the stream's retention, a reader needs no frequent rereads of its own.
+LOST_FIELD = b"*"
 LINGER = 0.05  # seconds a status change sent without a wake-up waits at most
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # keeps -inf (a log probability)
 
@@ -73,7 +77,8 @@ class EventPublisher:
 
     Whatever was handed to it since its last send goes in one pipeline: one XADD per engine step (all its
     jobs) and one for the status changes. Sending never blocks the caller; if Redis is unreachable the
-    events are dropped (readers recover from Postgres), and it says so once per outage."""
+    events are dropped, it says so once per outage, and its first send after it starts with a LOST_FIELD
+    entry (readers read the rows, Postgres holds the output)."""
 
     def __init__(self, client: redis.Redis, prefix: str, retention_seconds: float):
         self._client, self._key = client, stream_key(prefix)
@@ -128,6 +133,8 @@ class EventPublisher:
         if not entries:
             return
         minid = int(time.time() * 1000) - self._retention_ms
+        if self._failing:  # what failed to go out is gone: readers learn it before what comes after
+            entries = [{LOST_FIELD: b"lost"}, *entries]
         try:
             pipe = self._client.pipeline(transaction=False)
             for fields in entries:

@@ -146,7 +146,8 @@ class ApiSettings(StoreSettings):
     completion_slots: int = Field(4, ge=0)
     completion_timeout_seconds: float = Field(600.0, gt=0)  # a completion not done by then is cancelled (503)
     # a call following a job (a stream, ?wait) reads its row again after this long without an event of it
-    events_resync_seconds: float = Field(10.0, gt=0)
+    # (doubling while quiet, up to 6x): a last resort, lost events are announced (jobstore/events.py's LOST_FIELD)
+    events_resync_seconds: float = Field(30.0, gt=0)
     log_level: str = "INFO"
 
     def served_models(self) -> frozenset[str]:

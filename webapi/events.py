@@ -32,7 +32,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from jobstore import jobs
 from jobstore.deltas import Delta, Gap, Position, trim
-from jobstore.events import Status, decode, publish_status, stream_key
+from jobstore.events import LOST_FIELD, Status, decode, publish_status, stream_key
 from jobstore.models import Job, JobStatus
 
 try:  # gunicorn's gevent workers (the api extra); importing it patches nothing
@@ -160,10 +160,14 @@ def inbox_type() -> type[Inbox]:
 class Hub:
     """Reads the token events of one API process's followed jobs, one blocking XREAD at a time."""
 
-    def __init__(self, redis_url: str, prefix: str, idle_seconds: float = 30.0):
+    def __init__(
+        self, redis_url: str, prefix: str, idle_seconds: float = 30.0, retention_seconds: float = 60.0
+    ):
         self._client = redis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=10)
         self._prefix, self._key = prefix, stream_key(prefix)
         self._idle_seconds = idle_seconds
+        # a read this long after the one before may have missed entries trimmed meanwhile (EVENTS_RETENTION)
+        self._stall_seconds = retention_seconds / 2
         self._lock = threading.Lock()
         self._followers: dict[str, set[Inbox]] = {}
         self._last_id: bytes | None = None  # where the reader is in the stream; None: not reading
@@ -209,7 +213,7 @@ class Hub:
             log.warning("status change not sent as an event (%s)", exc.__class__.__name__)
 
     def _read(self) -> None:
-        idle_since = time.monotonic()
+        idle_since = read_at = time.monotonic()
         backoff = 0.1
         while True:
             with self._lock:
@@ -224,6 +228,10 @@ class Hub:
                     self._last_id = last[0][0] if last else b"0-0"
                 replies = self._client.xread({self._key: self._last_id}, block=1000, count=1000)
                 backoff = 0.1
+                if time.monotonic() - read_at > self._stall_seconds:  # this process stalled (CPU, GC, stop)
+                    log.warning("token events: the hub fell behind the stream; followers read their rows")
+                    self._broadcast(LOST)
+                read_at = time.monotonic()
             except redis.RedisError as exc:
                 log.warning("token events: Redis unavailable (%s); followers read Postgres", exc)
                 self._last_id = None
@@ -237,6 +245,9 @@ class Hub:
                     self._dispatch(fields)
 
     def _dispatch(self, fields: dict[bytes, bytes]) -> None:
+        if LOST_FIELD in fields:  # a publisher dropped events: every follower reads its row
+            self._broadcast(LOST)
+            return
         with self._lock:
             followers = self._followers
             if len(fields) <= len(followers):

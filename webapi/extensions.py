@@ -88,7 +88,9 @@ def init_extensions(app: Flask, settings: ApiSettings) -> None:
         QueueSize(engine),
         BulkSender(celery, settings),
         threading.BoundedSemaphore(settings.completion_slots) if settings.completion_slots else None,
-        Hub(settings.redis_url, settings.redis_key_prefix),
+        Hub(
+            settings.redis_url, settings.redis_key_prefix, retention_seconds=settings.events_retention_seconds
+        ),
     )
     app.teardown_appcontext(_close_session)
     app.register_error_handler(RateLimitExceeded, _rate_limited)

@@ -326,6 +326,8 @@ class JobBook:
                 self.on_change()
             log.info("job %s stopped: cancelled or no longer leased by this worker", h.job.id)
             metrics.job_done(h.job, h.handle, Outcome.STOPPED)
+            # followers read the row on an ended status: cancelled, or back in the queue, it says which
+            self._status([(h, JobStatus.CANCELLED)])
 
     def _write_results(self, ended: list[HeldJob]) -> None:
         """Results of requests the engine ended: successes in one statement, failures one by one (rare).
