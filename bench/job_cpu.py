@@ -41,7 +41,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -51,9 +50,8 @@ from sqlalchemy import text  # noqa: E402
 
 from bench.harness import own_seconds as own_cpu  # noqa: E402
 from bench.harness import proc_stat, session_cpu  # noqa: E402
-from bench.stack import bench_settings, local_stack  # noqa: E402
+from bench.stack import bench_settings, local_stack, private_redis  # noqa: E402
 from jobstore.db import make_engine  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
 
 PROMPT = "Once upon a time"
 TARGETS = {"batch": 2.0, "jobs": 4.0}
@@ -336,26 +334,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--json", default="bench/out/job_cpu.json")
     ap.add_argument("--profile", type=Path, help="a folder for py-spy profiles of the API and the worker")
     args = ap.parse_args(argv)
-    port, folder = free_port(), tempfile.mkdtemp(prefix="genq-jobcpu-redis-")
-    redis_server = subprocess.Popen(
-        [
-            shutil.which("redis-server"),
-            "--port",
-            str(port),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            folder,
-        ],
-        stdout=subprocess.DEVNULL,
-    )
     results = []
-    try:
-        settings = bench_settings(redis_url=f"redis://127.0.0.1:{port}/0")
+    with private_redis() as own_redis:
+        settings = bench_settings(redis_url=f"redis://127.0.0.1:{own_redis.port}/0")
         with local_stack(settings, log_dir=Path("bench/out/logs/job_cpu")) as stack:
-            meter = Meter(stack, redis_server.pid, settings.database_url)
+            meter = Meter(stack, own_redis.pid, settings.database_url)
             profiler = Profiler(args.profile, meter)
             for round_ in range(args.repeat):
                 for path in args.paths.split(","):
@@ -366,10 +349,6 @@ def main(argv=None) -> list[dict]:
                     result["load_before"], result["round"] = load, round_
                     results.append(result)
                     report(result, load)
-    finally:
-        redis_server.terminate()
-        redis_server.wait()
-        shutil.rmtree(folder, ignore_errors=True)
     per_token = streamed_token_cost(results)
     if per_token:
         median = {part: statistics.median(r[part] for r in per_token) for part in per_token[0]}
