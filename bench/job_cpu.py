@@ -198,6 +198,7 @@ class Profiler:
                     "-r",
                     "250",
                     "--nonblocking",
+                    "--gil",
                     "-f",
                     "raw",
                 ]
@@ -349,6 +350,13 @@ def main(argv=None) -> list[dict]:
                     result["load_before"], result["round"] = load, round_
                     results.append(result)
                     report(result, load)
+    if args.repeat > 1:
+        for path in args.paths.split(","):
+            rounds = [r["stack_ms_per_job"] for r in results if r["path"] == path]
+            print(
+                f"{path:>6}: stack {statistics.median(rounds):.2f} ms/job, the median of {len(rounds)} rounds "
+                f"({', '.join(f'{v:.2f}' for v in rounds)}; target {TARGETS.get(path, '-')})"
+            )
     per_token = streamed_token_cost(results)
     if per_token:
         median = {part: statistics.median(r[part] for r in per_token) for part in per_token[0]}

@@ -104,6 +104,11 @@ class Inbox:
                     return []
                 self._ready.clear()
         self._ready.clear()
+        return self._drain()
+
+    def _drain(self) -> list:
+        """What is queued now, taken out; a put meanwhile stays for the next take."""
+        items = self._items
         taken = list(items)
         for _ in range(len(taken)):
             items.popleft()
@@ -146,10 +151,7 @@ class GreenInbox(Inbox):
             finally:
                 self._timer.stop()
                 self._waiter = None
-        taken = list(items)
-        for _ in range(len(taken)):
-            items.popleft()
-        return taken
+        return self._drain()
 
 
 def inbox_type() -> type[Inbox]:
@@ -291,7 +293,7 @@ def in_writes(pieces: Iterator[bytes | Flush]) -> Iterator[bytes]:
     for piece in pieces:
         if piece is FLUSH:
             if gathered:
-                yield gathered[0] if len(gathered) == 1 else b"".join(gathered)
+                yield b"".join(gathered)
                 gathered = []
         else:
             gathered.append(piece)
@@ -320,7 +322,8 @@ def follow(
     deadline: float | None = None,
 ) -> Iterator[Delta | Status | Tick | Flush | Ended]:
     """A job's output beyond `since` as deltas, its status changes, Ticks when nothing comes for
-    `tick_seconds`, a Flush before each wait, and last Ended once its row holds the result (or return at `deadline`, monotonic).
+    `tick_seconds`, a Flush before each wait, and last Ended once its row holds the result (or return at
+    `deadline`, monotonic).
     `read_row()` reads the job's row (None: gone). `inbox`: a subscription to the job made earlier (before
     the job was sent to the queue: then no event of it can come before); `row`: the job's row as read just
     before (then it is not read again to start). Without any event for

@@ -315,6 +315,7 @@ class JobBook:
         outputs = [h.output() for h in held]
         with self._sessions() as session:
             ours = jobs.save_progress(session, [o for o, _ in outputs], self._settings.lease_seconds)
+        stopped = []
         for h, (output, position) in zip(held, outputs):
             if (h.job.id, h.lease) in ours:
                 h.saved(output, position)
@@ -326,8 +327,10 @@ class JobBook:
                 self.on_change()
             log.info("job %s stopped: cancelled or no longer leased by this worker", h.job.id)
             metrics.job_done(h.job, h.handle, Outcome.STOPPED)
-            # followers read the row on an ended status: cancelled, or back in the queue, it says which
-            self._status([(h, JobStatus.CANCELLED)])
+            stopped.append(h)
+        # followers read the row on an ended status (cancelled here or by a batch's cancel or expiry, which
+        # publish nothing; or back in the queue: the row says which)
+        self._status([(h, JobStatus.CANCELLED) for h in stopped])
 
     def _write_results(self, ended: list[HeldJob]) -> None:
         """Results of requests the engine ended: successes in one statement, failures one by one (rare).
