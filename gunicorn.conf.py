@@ -29,14 +29,16 @@ import tempfile
 from jobstore.cpus import available_cpus
 
 bind = f"{os.environ.get('API_HOST', '127.0.0.1')}:{os.environ.get('API_PORT', '8000')}"
-worker_class = os.environ.get("API_WORKER_CLASS", "gevent")
+worker_kind = os.environ.get("API_WORKER_CLASS", "gevent")
+# gevent: gunicorn's gevent worker, with one system call per streamed chunk (webapi/gevent_worker.py)
+worker_class = {"gevent": "webapi.gevent_worker.GeventWorker"}.get(worker_kind, worker_kind)
 workers = int(os.environ.get("API_WORKERS", 2 * available_cpus()))  # CPUs of the cgroup quota, not the host
-threads = int(os.environ.get("API_THREADS", 8 if worker_class == "gthread" else 1))
+threads = int(os.environ.get("API_THREADS", 8 if worker_kind == "gthread" else 1))
 worker_connections = int(os.environ.get("API_WORKER_CONNECTIONS", 10000))  # gevent: open sockets per process
 # calls waiting on a job at once per process (ApiSettings.completion_slots). gevent: most of its connections,
 # the rest kept for quick calls; gthread: all threads but two; sync: none (a wait would hold the process)
 _slots = {"gevent": max(0, worker_connections - 1000), "gthread": max(0, threads - 2)}
-os.environ.setdefault("COMPLETION_SLOTS", str(_slots.get(worker_class, 0)))
+os.environ.setdefault("COMPLETION_SLOTS", str(_slots.get(worker_kind, 0)))
 accesslog = os.environ.get("API_ACCESS_LOG", "-") or None  # "" turns the access log off
 preload_app = False  # each worker builds its own app: no database or Redis connection crosses a fork
 

@@ -3,19 +3,29 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from flask import Flask
+if TYPE_CHECKING:
+    from flask import Flask
 
-from jobstore.settings import ApiSettings
-from webapi import batches, completions, docs, files, jobs, ops, served_models, tokens
-from webapi.cli import keys
-from webapi.errors import init_errors
-from webapi.extensions import init_extensions
-from webapi.metrics import init_metrics
+    from jobstore.settings import ApiSettings
 
 
 def create_app(settings: ApiSettings | None = None) -> Flask:
-    """Build the app; settings default to the environment (see .env.example)."""
+    """Build the app; settings default to the environment (see .env.example).
+
+    The app's modules are imported here, not when the package is: gunicorn's master process loads the
+    worker class (webapi.gevent_worker) from this package, and must not import the app's clients (Redis,
+    Postgres, threads) before a gevent worker patches them."""
+    from flask import Flask
+
+    from jobstore.settings import ApiSettings
+    from webapi import batches, completions, docs, files, jobs, ops, served_models, tokens
+    from webapi.cli import keys
+    from webapi.errors import init_errors
+    from webapi.extensions import init_extensions
+    from webapi.metrics import init_metrics
+
     settings = settings or ApiSettings.from_env()
     app = Flask(__name__)
     app.config.update(MAX_CONTENT_LENGTH=settings.max_body_bytes)

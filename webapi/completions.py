@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Iterator
 from types import SimpleNamespace
 
+import orjson
 from flask import Blueprint, Response
 from pydantic import ValidationError
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -36,7 +37,7 @@ from jobstore.models import Job, JobStatus
 from jobstore.requests import JobCreate
 from webapi.auth import current_tenant, require_api_key
 from webapi.errors import APIError, from_validation_error
-from webapi.events import FLUSH, HEARTBEAT, Ended, Tick, acquire_slot, follow, in_writes, read_job
+from webapi.events import FLUSH, HEARTBEAT, Ended, Tick, acquire_slot, follow, read_job
 from webapi.extensions import Services, services
 from webapi.jobs import submit_job
 from webapi.metrics import JOBS_CANCELLED
@@ -50,6 +51,7 @@ from webapi.openai_schemas import (
 )
 from webapi.prompts import NoChatTemplate, check_length, prepare_prompt, tokenizer_for
 from webapi.spec import endpoint
+from webapi.sse import SSE_HEADERS, sse_response
 
 log = logging.getLogger(__name__)
 bp = Blueprint("completions", __name__, url_prefix="/v1")
@@ -313,13 +315,7 @@ def stream(
             log.info("completion job %s: the client went away; cancelling it", job.id)
             cancel(found, job)
 
-    response = Response(
-        in_writes(chunks_of_events()),  # the steps of a stream that fell behind in one write
-        mimetype="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},  # no proxy buffering
-    )
-    response.call_on_close(close)
-    return response
+    return sse_response(chunks_of_events(), close)  # the steps of a stream that fell behind in one write
 
 
 def stream_many(
@@ -397,13 +393,18 @@ def stream_many(
 
     for index, (job, (_, inbox)) in enumerate(zip(submitted, subscribed, strict=True)):
         threading.Thread(target=pump, args=(index, job, inbox), name=f"follow-{job.id}", daemon=True).start()
-    response = Response(
-        chunks_of_events(),
-        mimetype="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    response = Response(chunks_of_events(), mimetype="text/event-stream", headers=SSE_HEADERS)
     response.call_on_close(close)
     return response
+
+
+def _json_string(text: str) -> bytes:
+    """`text` as a JSON string: orjson (UTF-8, a seventh of json.dumps's time, once per streamed token);
+    json's escapes for what orjson refuses (a lone surrogate)."""
+    try:
+        return orjson.dumps(text)
+    except orjson.JSONEncodeError:
+        return json.dumps(text).encode()
 
 
 _MARK = "\x00genq-text\x00"  # stands for the text while a text chunk's template is rendered
@@ -480,7 +481,7 @@ class Chunks:
                 head, _, tail = marked.partition(json.dumps(_MARK).encode())
                 self._text_template = (head, tail)
             head, tail = self._text_template
-            return head + json.dumps(text).encode() + tail
+            return head + _json_string(text) + tail
         return self.event(delta={"content": text}, text=text, logprobs=logprobs)
 
     def logprobs(self, entries: list, tokenizer) -> dict:

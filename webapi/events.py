@@ -7,7 +7,7 @@ a follower costs a queue, not a thread, a connection or a read of its own (under
 it is a greenlet waiting on its queue).
 
 A follower takes every event queued for it at once (Inbox) and yields FLUSH before it waits again, so a
-response built on it (in_writes) writes the steps that came together in one write.
+response built on it (webapi/sse.py) writes the steps that came together in one write.
 
 `follow()` joins the two sources by position (jobstore.deltas): it subscribes first, then reads the row,
 sends what the row holds beyond the caller's position, then each event trimmed to what the caller lacks.
@@ -63,7 +63,7 @@ class Tick(NamedTuple):
 
 
 class Flush(NamedTuple):
-    """Everything that was ready has been given out; the follower waits now: time to write (in_writes)."""
+    """Everything that was ready has been given out; the follower waits now: time to write (webapi/sse.py)."""
 
 
 FLUSH = Flush()
@@ -284,21 +284,6 @@ class Hub:
             inboxes = [inbox for group in self._followers.values() for inbox in group]
         for inbox in inboxes:
             inbox.put(item)
-
-
-def in_writes(pieces: Iterator[bytes | Flush]) -> Iterator[bytes]:
-    """A response's pieces joined into one write up to each FLUSH: a stream that fell behind (its steps'
-    events came together) sends them in one write, the events themselves unchanged (one per step)."""
-    gathered: list[bytes] = []
-    for piece in pieces:
-        if piece is FLUSH:
-            if gathered:
-                yield b"".join(gathered)
-                gathered = []
-        else:
-            gathered.append(piece)
-    if gathered:
-        yield b"".join(gathered)
 
 
 def row_delta(job: Job) -> Delta:

@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime
 
-from flask import Blueprint, Response, request, url_for
+from flask import Blueprint, request, url_for
 from kombu.exceptions import KombuError
 from redis.exceptions import RedisError
 
@@ -21,12 +21,13 @@ from jobstore.events import Status
 from jobstore.models import Job, JobStatus
 from webapi.auth import current_tenant, require_api_key
 from webapi.errors import APIError
-from webapi.events import FLUSH, HEARTBEAT, RETRY, Ended, acquire_slot, follow, in_writes, read_job
+from webapi.events import FLUSH, HEARTBEAT, RETRY, Ended, acquire_slot, follow, read_job
 from webapi.extensions import db, services
 from webapi.metrics import JOBS_CANCELLED, JOBS_SUBMITTED
 from webapi.prompts import NoChatTemplate, check_length, prepare_prompt
 from webapi.schemas import JobOut, JobPage, JobQuery, JobSubmit, ListQuery
 from webapi.spec import endpoint
+from webapi.sse import sse_response
 
 log = logging.getLogger(__name__)
 bp = Blueprint("jobs", __name__, url_prefix="/jobs")
@@ -34,7 +35,6 @@ bp.before_request(require_api_key)
 
 IDEMPOTENCY_HELP = "Retrying with the same key returns the same job (a different body is a 422)."
 LAST_EVENT_ID_HELP = "The id of the last event received: the stream goes on after it, nothing sent twice."
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
 
 
 @bp.post("")
@@ -130,9 +130,7 @@ def job_events(job_id: uuid.UUID):
             else:
                 yield HEARTBEAT
 
-    response = Response(in_writes(stream()), mimetype="text/event-stream", headers=SSE_HEADERS)
-    response.call_on_close(release)
-    return response
+    return sse_response(stream(), release)
 
 
 @bp.get("")

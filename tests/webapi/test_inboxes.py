@@ -10,7 +10,8 @@ import time
 import gevent
 import pytest
 
-from webapi.events import FLUSH, GreenInbox, Inbox, in_writes
+from webapi.events import FLUSH, GreenInbox, Inbox
+from webapi.sse import in_writes
 
 
 def test_a_take_gets_everything_queued_in_order():
@@ -85,4 +86,26 @@ def test_a_put_after_a_timed_out_take_reaches_the_next_take_only():
     ],
 )
 def test_a_response_writes_what_was_ready_together(pieces, writes):
-    assert list(in_writes(iter(pieces))) == writes
+    closed = []
+    assert list(in_writes(iter(pieces), lambda: closed.append(True))) == [b"", *writes]
+    assert closed == [True]
+
+
+def test_a_response_closed_early_runs_its_clean_up_once():
+    """The client went away after the first write: gunicorn closes the iterator, which closes the pieces
+    (the follower unsubscribes) and runs the clean-up (the slot released, the job cancelled)."""
+    closed, pieces_closed = [], []
+
+    def pieces():
+        try:
+            yield b"a"
+            yield FLUSH
+            yield b"b"
+            yield FLUSH
+        finally:
+            pieces_closed.append(True)
+
+    writes = in_writes(pieces(), lambda: closed.append(True))
+    assert next(writes) == b"" and next(writes) == b"a"
+    writes.close()
+    assert closed == [True] and pieces_closed == [True]

@@ -176,7 +176,7 @@ def test_gunicorn_runs_two_processes_per_cpu_of_the_quota(monkeypatch, tmp_path,
     conf = runpy.run_path(str(ROOT / "gunicorn.conf.py"))
     affinity = len(os.sched_getaffinity(0))
     assert conf["workers"] == 2 * min(affinity, cpus or affinity)
-    assert conf["worker_class"] == "gevent" and conf["preload_app"] is False
+    assert conf["worker_class"] == "webapi.gevent_worker.GeventWorker" and conf["preload_app"] is False
 
 
 def dry_run(target: str) -> list[list[str]]:
