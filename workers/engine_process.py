@@ -44,6 +44,9 @@ class Update(NamedTuple):
     prompt_token_ids: list[int] | None  # in the request's first update only
     prompt_logprobs: list | None = None  # in the first update, when the request asked (TokenLogprob.as_list)
 
+    def __reduce__(self):
+        return tuple.__new__, (Update, tuple(self))  # rebuilt in C, as a Delta is (jobstore/deltas.py)
+
 
 class StepReport(NamedTuple):
     """One engine step, as the worker gets it."""

@@ -18,6 +18,7 @@ from celery.signals import worker_init
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from workers.outcomes import Outcome
+from workers.weighted_histogram import WeightedHistogram
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +79,10 @@ ATTENTION_PATH = Gauge(
 ABORTED = Counter("genq_engine_aborted_requests_total", "Requests aborted in the engine (cancel, lost lease)")
 
 TTFT = Histogram("genq_job_ttft_seconds", "Job submission to its first token", ["priority"], buckets=_LATENCY)
-TBT = Histogram(
+TBT = WeightedHistogram(  # observed a step at a time: a step's equal gaps in one call
     "genq_job_time_between_tokens_seconds",
     "Time between two tokens of a request, per token",
-    ["priority"],
+    "priority",
     buckets=_FAST,
 )
 LATENCY = Histogram(
@@ -109,8 +110,7 @@ FAILURES = Counter(
 # engine counters already seen, so Prometheus counters advance by the difference (reader thread only)
 _seen: dict[str, float] = {}
 # request id -> time of its last token, for time-between-tokens (the engine host's reader thread only)
-_last_token: dict[str, tuple[float, int]] = {}
-_tbt: dict = {}  # priority -> its TBT histogram child (labels() looked up once)
+_last_token: dict[str, float] = {}
 _server_lock = threading.Lock()
 _server_started = False
 
@@ -154,16 +154,19 @@ def observe_steps(stats: dict, step_times: list[float], tokens) -> None:
 
 
 def _observe_token_gaps(tokens) -> None:
+    """Each request's tokens of this report: the time since its previous token, split evenly among them.
+    Requests whose previous token came at the same time (nearly all: the step before) are counted together."""
     now = time.monotonic()
+    gaps: dict[tuple[int, float, int], int] = {}  # (priority, previous token's time, tokens made) -> requests
     for request_id, priority, made, finished in tokens:
         last = _last_token.pop(request_id, None)
         if last is not None and made:
-            gap = (now - last) / made
-            tbt = _tbt.get(priority) or _tbt.setdefault(priority, TBT.labels(str(priority)))
-            for _ in range(made):
-                tbt.observe(gap)
+            key = (priority, last, made)
+            gaps[key] = gaps.get(key, 0) + 1
         if not finished:
             _last_token[request_id] = now if made or last is None else last
+    for (priority, last, made), requests in gaps.items():
+        TBT.observe(str(priority), (now - last) / made, made * requests)
     if len(_last_token) > 10_000:  # requests aborted without a final output; forget the stalest
         for request_id, _ in sorted(_last_token.items(), key=lambda kv: kv[1])[:5_000]:
             del _last_token[request_id]

@@ -76,3 +76,17 @@ def test_per_token_fields_fill_under_tokens_held_already():
     t.add(Delta(3, [8], 3, "d", "stop", {"logprobs": [[8, -4.0, []]]}))
     t.add(Delta(3, [8], 3, "d", "stop", {"logprobs": [[8, -4.0, []]]}))  # a repeat adds nothing
     assert [e[1] for e in t.fields["logprobs"]] == [-1.0, -2.0, -3.0, -4.0] and t.token_ids == [5, 6, 7, 8]
+
+
+def test_a_delta_and_an_engine_update_cross_a_pipe_unchanged():
+    """Both are pickled by the engine process for every request every step, rebuilt without their __new__."""
+    import pickle
+
+    from workers.engine_process import Update
+
+    delta = Delta(3, [5, 6], 10, "ab", "stop", {"logprobs": [[5, -0.5, []], [6, -1.0, []]]})
+    update = Update("req-1", delta, 2, 123.5, [1, 2, 3])
+    for protocol in (2, pickle.HIGHEST_PROTOCOL):
+        back = pickle.loads(pickle.dumps(update, protocol=protocol))
+        assert type(back) is Update and type(back.delta) is Delta
+        assert back == update and back.delta.end == Position(5, 12) and back.prompt_logprobs is None
