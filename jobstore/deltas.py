@@ -32,7 +32,9 @@ class Delta(NamedTuple):
 
     @property
     def end(self) -> Position:
-        return Position(self.start + len(self.token_ids), self.text_start + len(self.text))
+        # tuple.__new__ (C) rather than Position(...) (the named tuple's __new__ is Python): every delta's end
+        # is taken by each of its holders
+        return tuple.__new__(Position, (self.start + len(self.token_ids), self.text_start + len(self.text)))
 
     def __reduce__(self):
         # pickle rebuilds it with tuple.__new__ (C), not the class's __new__ (Python): the engine process
@@ -109,10 +111,11 @@ class Transcript:
         Raises Gap when the delta starts beyond what is held."""
         held = self.position
         new = trim(delta, held, self.finish_reason is not None)
-        for name, values in (delta.fields or {}).items():  # a resumed job's saved tokens come without them:
-            kept = self.fields.setdefault(name, [])  # each field fills up to where the delta knows it
-            if delta.start <= len(kept) < delta.start + len(values):
-                kept.extend(values[len(kept) - delta.start :])
+        if delta.fields:  # a resumed job's saved tokens come without them: each fills up to where it is known
+            for name, values in delta.fields.items():
+                kept = self.fields.setdefault(name, [])
+                if delta.start <= len(kept) < delta.start + len(values):
+                    kept.extend(values[len(kept) - delta.start :])
         if new is None:
             return None
         self.token_ids.extend(new.token_ids)
