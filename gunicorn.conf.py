@@ -1,8 +1,8 @@
 """gunicorn settings for the API: `gunicorn "webapi:create_app()"` reads this file from the working
 directory. Command-line flags (--bind, --workers, ...) override it; so do the variables below.
 
-Worker class: gevent (API_WORKER_CLASS). A call that waits on a job (a streamed or synchronous /v1 completion,
-GET /jobs/<id>/events, GET /jobs/<id>?wait=) follows it through the process's token-event hub
+Worker class: gevent (API_WORKER_CLASS; gunicorn's, as webapi/gevent_worker.py subclasses it). A call that
+waits on a job (a streamed or synchronous /v1 completion, GET /jobs/<id>/events, GET /jobs/<id>?wait=) follows it through the process's token-event hub
 (webapi/events.py): under gevent that is a greenlet waiting on a queue, a few kB, so one process holds
 thousands (API_WORKER_CONNECTIONS sockets, of which COMPLETION_SLOTS may wait; beyond, a waiting call answers
 429 naming COMPLETION_SLOTS). Measured on the 2-core development machine (bench/job_cpu.py, issue 25; that run
