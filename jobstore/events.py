@@ -59,7 +59,7 @@ def encode(event: Delta | Status) -> bytes:
     d = event
     if d.fields:
         return _dumps([d.start, d.token_ids, d.text_start, d.text, d.finish_reason, d.fields]).encode()
-    return orjson.dumps((d.start, d.token_ids, d.text_start, d.text, d.finish_reason))
+    return orjson.dumps((d.start, d.token_ids, d.text_start, d.text, d.finish_reason, None))
 
 
 def decode(payload: bytes) -> Delta | Status:
@@ -69,7 +69,9 @@ def decode(payload: bytes) -> Delta | Status:
         value = json.loads(payload)
     if isinstance(value, str):
         return Status(value)
-    return Delta(*value)
+    if len(value) == len(Delta._fields):  # every field: built in C (Delta(*value) runs Python, per token)
+        return tuple.__new__(Delta, value)
+    return Delta(*value)  # an older worker's event, without the last fields
 
 
 class EventPublisher:
