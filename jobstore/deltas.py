@@ -36,11 +36,6 @@ class Delta(NamedTuple):
         # is taken by each of its holders
         return tuple.__new__(Position, (self.start + len(self.token_ids), self.text_start + len(self.text)))
 
-    def __reduce__(self):
-        # pickle rebuilds it with tuple.__new__ (C), not the class's __new__ (Python): the engine process
-        # sends a Delta per running request per step, and this is a quarter of the worker's unpickling
-        return tuple.__new__, (Delta, tuple(self))
-
 
 class Position(NamedTuple):
     """How much of an output someone holds: tokens and characters of text."""

@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 from batching import EngineConfig, RequestOutput, SamplingParams
 from jobstore.deltas import Delta, Gap, Transcript
 from workers import engine_process, metrics
-from workers.engine_process import StepReport, Update
+from workers.engine_process import RequestNews, StepReport
 
 log = logging.getLogger(__name__)
 
@@ -99,20 +99,21 @@ class RequestHandle:
             self.priority,
         )
 
-    def _apply(self, update: Update) -> Delta | None:
-        """The update's delta, trimmed to what this handle lacked (None: nothing new)."""
-        if update.prompt_token_ids is not None:
-            self.prompt_token_ids = update.prompt_token_ids
-        if update.prompt_logprobs is not None:
-            self.prompt_logprobs = update.prompt_logprobs
-        if self.first_token_at is None and update.first_token_time is not None:
-            self.first_token_at = datetime.fromtimestamp(update.first_token_time, timezone.utc)
-        self.num_preemptions = update.num_preemptions
+    def _apply(self, delta: Delta, news: RequestNews | None) -> Delta | None:
+        """A step's delta, trimmed to what this handle lacked (None: nothing new), and its news, if any."""
+        if news is not None:
+            if news.prompt_token_ids is not None:
+                self.prompt_token_ids = news.prompt_token_ids
+            if news.prompt_logprobs is not None:
+                self.prompt_logprobs = news.prompt_logprobs
+            if self.first_token_at is None and news.first_token_time is not None:
+                self.first_token_at = datetime.fromtimestamp(news.first_token_time, timezone.utc)
+            self.num_preemptions = news.num_preemptions
         self.updated = True
         try:
-            return self.transcript.add(update.delta)
+            return self.transcript.add(delta)
         except Gap:  # cannot happen: the engine reports every step of every request, in order
-            log.error("request %s: %s", self.request_id, update.delta)
+            log.error("request %s: %s", self.request_id, delta)
             return None
 
     def _fail(self, error: Exception) -> None:
@@ -395,18 +396,19 @@ class EngineHost:
         """One step's updates to their handles and to `on_step`; handles of finished requests end (outside
         the lock)."""
         ended, tokens, added = [], [], []
+        news = report.news
         with self._lock:
-            for update in report.updates:
-                handle = self._handles.get(update.request_id)
+            for request_id, delta in report.deltas():
+                handle = self._handles.get(request_id)
                 if handle is None:
                     continue
-                delta = handle._apply(update)
-                if delta is not None:
-                    added.append((handle, delta))
-                finished = update.delta.finish_reason is not None
-                tokens.append((update.request_id, handle.priority, len(update.delta.token_ids), finished))
+                new = handle._apply(delta, news.get(request_id) if news else None)
+                if new is not None:
+                    added.append((handle, new))
+                finished = delta.finish_reason is not None
+                tokens.append((request_id, handle.priority, len(delta.token_ids), finished))
                 if finished:
-                    del self._handles[update.request_id]
+                    del self._handles[request_id]
                     ended.append(handle)
         if added and self.on_step is not None:
             self.on_step(added)

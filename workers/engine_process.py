@@ -5,9 +5,10 @@ commands that came in (add, abort, stats, stop), run one step, send what changed
 Python here, so no thread of the worker (Celery's delivery, claims, batched database writes, metrics)
 takes the GIL from the step loop; the worker process imports no torch at all.
 
-What goes back is one message per step (`StepReport`): an `Update` per request that changed, carrying a
-jobstore.deltas.Delta (the step's new token ids and new stable text, at absolute offsets: the engine runs its
-requests with output_kind="delta"), and the engine's stats and step time. So the bytes sent grow with the
+What goes back is one message per step (`StepReport`): for the requests that changed, the fields of a
+jobstore.deltas.Delta each (the step's new token ids and new stable text, at absolute offsets: the engine runs
+its requests with output_kind="delta"), what else changed for some of them (`RequestNews`), and the engine's
+stats and step time. So the bytes sent grow with the
 tokens made, never with the output's length, and every step's tokens reach the worker as the step ends.
 
     worker ──("add" | "abort" | "stats" | "stop", ...)──▶ commands ──▶ apply; engine.step()
@@ -24,6 +25,8 @@ import logging
 import signal
 import sys
 import traceback
+from collections.abc import Iterator
+from itertools import repeat
 from multiprocessing.connection import Connection
 from typing import NamedTuple
 
@@ -34,26 +37,46 @@ PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when the thread t
 PR_SET_NAME = 15  # prctl(2): the name `ps -o comm` and `top` show
 
 
-class Update(NamedTuple):
-    """What changed for one request in one step."""
+class RequestNews(NamedTuple):
+    """What else changed for one request: sent with its first update, and when one of these changed."""
 
-    request_id: str
-    delta: Delta
     num_preemptions: int
     first_token_time: float | None  # time.time() of the request's first token in this engine
     prompt_token_ids: list[int] | None  # in the request's first update only
     prompt_logprobs: list | None = None  # in the first update, when the request asked (TokenLogprob.as_list)
 
-    def __reduce__(self):
-        return tuple.__new__, (Update, tuple(self))  # rebuilt in C, as a Delta is (jobstore/deltas.py)
-
 
 class StepReport(NamedTuple):
-    """One engine step, as the worker gets it."""
+    """One engine step, as the worker gets it: the requests that changed, a list per Delta field rather than an
+    object per request (a step of 256 requests unpickles in about a third of the time: it is decoded by the
+    worker's reader thread every step), `news` for the few whose other facts changed, and the step's stats."""
 
-    updates: list[Update]
+    request_ids: list[str]
+    starts: list[int]
+    token_ids: list[list[int]]
+    text_starts: list[int]
+    texts: list[str]
+    finish_reasons: list[str | None]
+    fields: (
+        list[dict | None] | None
+    )  # None when no request of the step has per-token fields (log probabilities)
+    news: dict[str, RequestNews]
     stats: dict
     step_time: float
+
+    def deltas(self) -> Iterator[tuple[str, Delta]]:
+        """(request id, its Delta) for each request that changed."""
+        fields = self.fields or repeat(None)
+        for row in zip(
+            self.request_ids,
+            self.starts,
+            self.token_ids,
+            self.text_starts,
+            self.texts,
+            self.finish_reasons,
+            fields,
+        ):
+            yield row[0], tuple.__new__(Delta, row[1:])  # built in C: Delta(...) runs Python, per token
 
 
 class Reporter:
@@ -62,33 +85,57 @@ class Reporter:
     def __init__(self, events: Connection):
         self._events = events
         self._sent: dict[str, Position] = {}  # request id -> tokens and characters reported so far
+        self._told: dict[str, tuple[int, float | None]] = {}  # request id -> the news it was last sent
 
     def send(self, outputs, stats: dict) -> None:
-        updates = [self._update(out) for out in outputs]
-        self._events.send(StepReport(updates, stats, stats["last_step_time_s"]))
+        ids, starts, token_ids, text_starts, texts, reasons, fields = [], [], [], [], [], [], []
+        news: dict[str, RequestNews] = {}
+        for out in outputs:
+            request_id = out.request_id
+            at = self._sent.pop(request_id, None)
+            told = self._told.pop(request_id, None)
+            if told is None or told != (out.num_preemptions, out.first_token_time):
+                first = at is None
+                news[request_id] = RequestNews(
+                    out.num_preemptions,
+                    out.first_token_time,
+                    out.prompt_token_ids if first else None,
+                    [lp.as_list() for lp in out.prompt_logprobs]
+                    if first and out.prompt_logprobs is not None
+                    else None,
+                )
+            at = at or Position()
+            ids.append(request_id)
+            starts.append(at.tokens)
+            token_ids.append(out.token_ids)
+            text_starts.append(at.chars)
+            texts.append(out.text)
+            reasons.append(out.finish_reason)
+            fields.append(
+                None if out.logprobs is None else {"logprobs": [lp.as_list() for lp in out.logprobs]}
+            )
+            if not out.finished:
+                self._sent[request_id] = Position(at.tokens + len(out.token_ids), at.chars + len(out.text))
+                self._told[request_id] = (out.num_preemptions, out.first_token_time)
+        has_fields = any(f is not None for f in fields)
+        report = StepReport(
+            ids,
+            starts,
+            token_ids,
+            text_starts,
+            texts,
+            reasons,
+            fields if has_fields else None,
+            news,
+            stats,
+            stats["last_step_time_s"],
+        )
+        self._events.send(report)
 
     def forget(self, request_ids) -> None:
         for request_id in request_ids:
             self._sent.pop(request_id, None)
-
-    def _update(self, out) -> Update:
-        at = self._sent.pop(out.request_id, None)
-        first = at is None
-        at = at or Position()
-        fields = None if out.logprobs is None else {"logprobs": [lp.as_list() for lp in out.logprobs]}
-        delta = Delta(at.tokens, out.token_ids, at.chars, out.text, out.finish_reason, fields)
-        if not out.finished:
-            self._sent[out.request_id] = delta.end
-        return Update(
-            out.request_id,
-            delta,
-            out.num_preemptions,
-            out.first_token_time,
-            out.prompt_token_ids if first else None,
-            [lp.as_list() for lp in out.prompt_logprobs]
-            if first and out.prompt_logprobs is not None
-            else None,
-        )
+            self._told.pop(request_id, None)
 
 
 def serve(

@@ -78,15 +78,11 @@ def test_per_token_fields_fill_under_tokens_held_already():
     assert [e[1] for e in t.fields["logprobs"]] == [-1.0, -2.0, -3.0, -4.0] and t.token_ids == [5, 6, 7, 8]
 
 
-def test_a_delta_and_an_engine_update_cross_a_pipe_unchanged():
-    """Both are pickled by the engine process for every request every step, rebuilt without their __new__."""
+def test_a_delta_crosses_a_pipe_unchanged():
+    """Pickled whole (a job's transcript crosses processes in tests and tools)."""
     import pickle
 
-    from workers.engine_process import Update
-
     delta = Delta(3, [5, 6], 10, "ab", "stop", {"logprobs": [[5, -0.5, []], [6, -1.0, []]]})
-    update = Update("req-1", delta, 2, 123.5, [1, 2, 3])
     for protocol in (2, pickle.HIGHEST_PROTOCOL):
-        back = pickle.loads(pickle.dumps(update, protocol=protocol))
-        assert type(back) is Update and type(back.delta) is Delta
-        assert back == update and back.delta.end == Position(5, 12) and back.prompt_logprobs is None
+        back = pickle.loads(pickle.dumps(delta, protocol=protocol))
+        assert type(back) is Delta and back == delta and back.end == Position(5, 12)
