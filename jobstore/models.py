@@ -187,8 +187,10 @@ class Job(Base):
             unique=True,
             postgresql_where=text("idempotency_key IS NOT NULL"),
         ),
-        # reconciler: expired leases, and queued jobs never sent to Redis
-        Index("ix_jobs_running_lease", "lease_expires_at", postgresql_where=text("status = 'running'")),
+        # reconciler: expired leases (of the running jobs), and queued jobs never sent to Redis. Not keyed by
+        # lease_expires_at, which every progress write renews: with no index on what it changes, and room on
+        # the page (fillfactor, below), a progress write is a heap-only update (migration 0008)
+        Index("ix_jobs_running_worker", "worker_id", postgresql_where=text("status = 'running'")),
         Index(
             "ix_jobs_queued_unsent",
             "created_at",
@@ -210,6 +212,7 @@ class Job(Base):
         ),
         # a batch's jobs in input order: its request counts, its output file
         Index("ix_jobs_batch", "batch_id", "batch_index", postgresql_where=text("batch_id IS NOT NULL")),
+        {"postgresql_with": {"fillfactor": 80}},  # room on each page for a running job's next row version
     )
 
 

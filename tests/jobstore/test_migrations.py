@@ -54,4 +54,38 @@ def test_constraint_names_follow_the_convention(database):
         engine.dispose()
     assert names and all(n.split("_")[0] in {"pk", "fk", "ck", "uq"} for n in names), names
     assert {"ck_jobs_priority_range", "ck_jobs_status", "fk_jobs_tenant_id_tenants", "pk_jobs"} <= set(names)
-    assert {"ix_jobs_tenant_created", "ix_jobs_running_lease", "ix_jobs_queued_unsent"} <= set(indexes)
+    assert {"ix_jobs_tenant_created", "ix_jobs_running_worker", "ix_jobs_queued_unsent"} <= set(indexes)
+
+
+def test_a_progress_write_is_a_heap_only_update(database, sessions):
+    """A running job's progress write (new tokens, a renewed lease) touches no index: Postgres writes the row's
+    new version on its page (HOT), instead of an entry in each of the table's indexes (migration 0008)."""
+    from jobstore import jobs
+    from jobstore.keys import create_key
+    from jobstore.requests import JobCreate
+
+    with sessions.begin() as session:
+        create_key(session, "hot-updates")
+        tenant = session.execute(text("SELECT id FROM tenants WHERE name = 'hot-updates'")).scalar_one()
+        request = JobCreate.model_validate({"prompt": "Once upon a time", "max_tokens": 64}).model_dump()
+        job, _ = jobs.create_job(session, tenant, request)
+        assert job is not None
+        jobs.claim_jobs(session, [(job.id, "hot-worker")], 60)
+    engine = make_engine(database)
+    try:
+        with engine.connect() as conn, conn.begin():  # the transaction's own counts of the table's updates
+            for step in range(3):
+                output = jobs.Output(job.id, "hot-worker", step * 4, [1, 2, 3, 4], step * 4, b"abcd")
+                # a lease renewed to another expiry each time, as a write in a transaction of its own renews it
+                assert jobs.save_progress(conn, [output], 60 + step) == {(job.id, "hot-worker")}
+            updated, heap_only = conn.execute(
+                text(
+                    "SELECT pg_stat_get_xact_tuples_updated('jobs'::regclass), "
+                    "pg_stat_get_xact_tuples_hot_updated('jobs'::regclass)"
+                )
+            ).one()
+            tokens = conn.scalar(text("SELECT output_token_ids FROM jobs WHERE id = :id"), {"id": job.id})
+    finally:
+        engine.dispose()
+    assert tokens == [1, 2, 3, 4] * 3
+    assert (updated, heap_only) == (3, 3)
