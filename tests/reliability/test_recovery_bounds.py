@@ -97,7 +97,10 @@ def test_the_reconciler_keeps_its_interval_under_a_priority_0_backlog(
     for job_id in backlog:
         client.post(f"/jobs/{job_id}/cancel", headers=headers)
     assert still_waiting >= 20, still_waiting  # the backlog stood in front of the reconciler all along
-    assert sum(row["status"] == "running" for row in rows.values()) == 2
+    # the worker's own jobs were never taken from it (none claimed twice), and it stayed full: two of them
+    # running, or one of them just done (a 1,500-token job can end in this time) and the next being claimed
+    assert all(row["attempts"] <= 1 for row in rows.values()), [row["attempts"] for row in rows.values()]
+    assert sum(row["status"] in ("running", "succeeded") for row in rows.values()) >= 2
     assert max(recovered) < bound + 2.0, recovered  # the lease counted from the orphan's creation
     assert max(ages) < 3 * st.reconcile_interval + 1.0, max(ages)  # never a run missed for long
     figures["reconciler_under_priority_0_backlog"] = {

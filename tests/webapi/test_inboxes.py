@@ -109,3 +109,28 @@ def test_a_response_closed_early_runs_its_clean_up_once():
     assert next(writes) == b"" and next(writes) == b"a"
     writes.close()
     assert closed == [True] and pieces_closed == [True]
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+def test_an_sse_response_runs_its_clean_up_once_and_a_head_follows_nothing(method):
+    from flask import Flask
+
+    from webapi.sse import sse_response
+
+    started, closed = [], []
+
+    def pieces():
+        started.append(True)
+        yield b"data: 1\n\n"
+        yield FLUSH
+
+    app = Flask(__name__)
+    with app.test_request_context("/jobs/x/events", method=method):
+        response = sse_response(pieces(), lambda: closed.append(True))
+    assert response.mimetype == "text/event-stream" and response.headers["Cache-Control"] == "no-cache"
+    if method == "HEAD":  # headers only: nothing followed, the slot given back at once
+        assert closed == [True] and not started
+        return
+    assert closed == [] and list(response.response) == [b"data: 1\n\n"]
+    response.response.close()  # what gunicorn does at the end
+    assert closed == [True] and started == [True]
