@@ -2,10 +2,10 @@
 directory. Command-line flags (--bind, --workers, ...) override it; so do the variables below.
 
 Worker class: gevent (API_WORKER_CLASS; gunicorn's, as webapi/gevent_worker.py subclasses it). A call that
-waits on a job (a streamed or synchronous /v1 completion, GET /jobs/<id>/events, GET /jobs/<id>?wait=) follows it through the process's token-event hub
-(webapi/events.py): under gevent that is a greenlet waiting on a queue, a few kB, so one process holds
-thousands (API_WORKER_CONNECTIONS sockets, of which COMPLETION_SLOTS may wait; beyond, a waiting call answers
-429 naming COMPLETION_SLOTS). Measured on the 2-core development machine (bench/job_cpu.py, issue 25; that run
+waits on a job (a streamed or synchronous /v1 completion, GET /jobs/<id>/events, GET /jobs/<id>?wait=)
+follows it through the process's token-event hub (webapi/events.py): under gevent that is a greenlet
+waiting on a queue, a few kB, so one process holds thousands (API_WORKER_CONNECTIONS sockets, of which
+COMPLETION_SLOTS may wait; beyond, a waiting call answers 429 naming COMPLETION_SLOTS). Measured on the 2-core development machine (bench/job_cpu.py, issue 25; that run
 is in bench/RESULTS.md's git history): gevent against gthread (8 threads) for POST /jobs and for streams.
 gthread (API_THREADS threads, at most threads - 2 waiting) and sync (no waiting calls: COMPLETION_SLOTS=0,
 they answer 503) remain available. 2 processes per core keep the cores busy (2 x cores + 1 measured no

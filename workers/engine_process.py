@@ -8,8 +8,8 @@ takes the GIL from the step loop; the worker process imports no torch at all.
 What goes back is one message per step (`StepReport`): for the requests that changed, the fields of a
 jobstore.deltas.Delta each (the step's new token ids and new stable text, at absolute offsets: the engine runs
 its requests with output_kind="delta"), what else changed for some of them (`RequestNews`), and the engine's
-stats and step time. So the bytes sent grow with the
-tokens made, never with the output's length, and every step's tokens reach the worker as the step ends.
+stats and step time. So the bytes sent grow with the tokens made, never with the output's length, and every
+step's tokens reach the worker as the step ends.
 
     worker ──("add" | "abort" | "stats" | "stop", ...)──▶ commands ──▶ apply; engine.step()
     worker ◀──("ready" | StepReport | "refused" | "step_failed" | "stats" | "start_failed", ...)── events
@@ -57,9 +57,8 @@ class StepReport(NamedTuple):
     text_starts: list[int]
     texts: list[str]
     finish_reasons: list[str | None]
-    fields: (
-        list[dict | None] | None
-    )  # None when no request of the step has per-token fields (log probabilities)
+    # None when no request of the step has per-token fields (log probabilities)
+    fields: list[dict | None] | None
     news: dict[str, RequestNews]
     stats: dict
     step_time: float
@@ -84,18 +83,17 @@ class Reporter:
 
     def __init__(self, events: Connection):
         self._events = events
-        self._sent: dict[str, Position] = {}  # request id -> tokens and characters reported so far
-        self._told: dict[str, tuple[int, float | None]] = {}  # request id -> the news it was last sent
+        # request id -> what it was sent so far: (tokens and characters, preemptions, first token's time)
+        self._sent: dict[str, tuple[Position, int, float | None]] = {}
 
     def send(self, outputs, stats: dict) -> None:
         ids, starts, token_ids, text_starts, texts, reasons, fields = [], [], [], [], [], [], []
         news: dict[str, RequestNews] = {}
         for out in outputs:
             request_id = out.request_id
-            at = self._sent.pop(request_id, None)
-            told = self._told.pop(request_id, None)
-            if told is None or told != (out.num_preemptions, out.first_token_time):
-                first = at is None
+            sent = self._sent.pop(request_id, None)
+            first = sent is None
+            if first or sent[1:] != (out.num_preemptions, out.first_token_time):
                 news[request_id] = RequestNews(
                     out.num_preemptions,
                     out.first_token_time,
@@ -104,7 +102,7 @@ class Reporter:
                     if first and out.prompt_logprobs is not None
                     else None,
                 )
-            at = at or Position()
+            at = Position() if first else sent[0]
             ids.append(request_id)
             starts.append(at.tokens)
             token_ids.append(out.token_ids)
@@ -115,8 +113,8 @@ class Reporter:
                 None if out.logprobs is None else {"logprobs": [lp.as_list() for lp in out.logprobs]}
             )
             if not out.finished:
-                self._sent[request_id] = Position(at.tokens + len(out.token_ids), at.chars + len(out.text))
-                self._told[request_id] = (out.num_preemptions, out.first_token_time)
+                end = Position(at.tokens + len(out.token_ids), at.chars + len(out.text))
+                self._sent[request_id] = (end, out.num_preemptions, out.first_token_time)
         has_fields = any(f is not None for f in fields)
         report = StepReport(
             ids,
@@ -135,7 +133,6 @@ class Reporter:
     def forget(self, request_ids) -> None:
         for request_id in request_ids:
             self._sent.pop(request_id, None)
-            self._told.pop(request_id, None)
 
 
 def serve(
