@@ -215,9 +215,12 @@ class JobBook:
     def hand_back(self, lease: str, outcome: Outcome = Outcome.PREEMPTED) -> HeldJob | None:
         """Take a held job out of the engine now; the writer saves its tokens and sends it back to the queue."""
         with self.lock:
-            held = self._held.pop(lease, None)
-            if held is None:
+            held = self._held.get(lease)
+            # a job whose last step ended it in the engine (its finish applied, its end on the way) is not handed
+            # back: its result is written (_ended_in_engine); resumed, it would go on past its end (its EOS)
+            if held is None or held.handle.transcript.finished:
                 return None
+            del self._held[lease]
             self._host.abort(held.handle.request_id)
             self._returning.append((held, outcome))
             self.on_change()
