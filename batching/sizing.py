@@ -14,6 +14,12 @@ log = logging.getLogger(__name__)
 
 CPU_MEMORY_SHARE = 0.25  # on the CPU the "device" pool shares RAM with everything else
 HOST_MEMORY_SHARE = 0.25
+# On CUDA, memory the pool leaves to the driver even at memory_utilization 1.0: the kernels it loads
+# after sizing (Triton compiles per shape, lazily), library workspaces, and the mapping of the pool
+# itself. A pool of exactly the free bytes fails to allocate (an H200, 2026-11-26: 132.90 GiB asked,
+# 132.90 GiB free).
+CUDA_DRIVER_HEADROOM_SHARE = 0.01
+CUDA_DRIVER_HEADROOM_MIN = 512 << 20
 
 
 def size_pools(
@@ -27,15 +33,17 @@ def size_pools(
     """(num_device_blocks, num_host_blocks). On CUDA the device pool takes its share of the memory
     left free after `activation_bytes`, what a step at the configured width needs beyond the weights
     (`trial_step_bytes`), kept free twice over when CUDA graphs keep a pool of their own, and after
-    `state_bytes`, the state slots of a model with state layers (state_cache.py). A model with no
-    attention layers (`block_bytes` 0) has blocks for bookkeeping only: as many as can be used."""
+    `state_bytes`, the state slots of a model with state layers (state_cache.py), and after the
+    driver's headroom (CUDA_DRIVER_HEADROOM_*). A model with no attention layers (`block_bytes` 0)
+    has blocks for bookkeeping only: as many as can be used."""
     # never more than max_num_seqs full-length sequences could use
     useful = config.max_num_seqs * blocks_for(max_model_len, config.block_size)
     if config.num_device_blocks is not None:
         device_blocks = config.num_device_blocks
     else:
         if device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(device)
+            free, total = torch.cuda.mem_get_info(device)
+            free -= max(CUDA_DRIVER_HEADROOM_MIN, int(total * CUDA_DRIVER_HEADROOM_SHARE))
             reserve = activation_bytes * (2 if config.cuda_graphs else 1)
             budget = free * config.memory_utilization - reserve
         else:
