@@ -40,7 +40,7 @@ from webapi.errors import APIError, from_validation_error
 from webapi.events import FLUSH, HEARTBEAT, Ended, Tick, acquire_slot, follow, read_job
 from webapi.extensions import Services, services
 from webapi.jobs import submit_job
-from webapi.metrics import JOBS_CANCELLED
+from webapi.metrics import JOBS_CANCELLED, STREAMED_DELTAS
 from webapi.openai_schemas import (
     CHAT_ENDPOINT,
     COMPLETIONS_ENDPOINT,
@@ -51,7 +51,7 @@ from webapi.openai_schemas import (
 )
 from webapi.prompts import NoChatTemplate, check_length, prepare_prompt, tokenizer_for
 from webapi.spec import endpoint
-from webapi.sse import SSE_HEADERS, sse_response
+from webapi.sse import SSE_HEADERS, direct_writer, sse_response
 
 log = logging.getLogger(__name__)
 bp = Blueprint("completions", __name__, url_prefix="/v1")
@@ -96,10 +96,11 @@ def complete(body: ChatCompletionCreate | CompletionCreate, endpoint: str):
         if not subscribed:  # an existing job (not sent by this call): follow it from its row
             subscribed.append((job.id.hex, found.hub.subscribe(job.id.hex)))
         # a job just created is queued with no output: no need to read its row to start
-        events = follow_job(found, job, subscribed[0][1], row=job if job.status == JobStatus.QUEUED else None)
+        row = job if job.status == JobStatus.QUEUED else None
         if body.stream:
             streaming = True
-            return stream(found, job, endpoint, body, events, prompt_tokens, release, subscribed[0])
+            return stream(found, job, endpoint, body, row, prompt_tokens, release, subscribed[0])
+        events = follow_job(found, job, subscribed[0][1], row=row)
         done = next((item.job for item in events if isinstance(item, Ended)), None)
         if done is None:
             cancel(found, job)
@@ -207,7 +208,7 @@ def completion_job(
         raise from_validation_error(exc, document=fields) from None
 
 
-def follow_job(found: Services, job: Job, inbox, row: Job | None) -> Iterator:
+def follow_job(found: Services, job: Job, inbox, row: Job | None, direct=None) -> Iterator:
     """The job's events (webapi/events.follow) until it ends or COMPLETION_TIMEOUT_SECONDS pass."""
     return follow(
         found.hub,
@@ -218,6 +219,7 @@ def follow_job(found: Services, job: Job, inbox, row: Job | None) -> Iterator:
         tick_seconds=KEEPALIVE_SECONDS,
         resync_seconds=found.settings.events_resync_seconds,
         deadline=time.monotonic() + found.settings.completion_timeout_seconds,
+        direct=direct,
     )
 
 
@@ -273,19 +275,32 @@ def timeout_error(found: Services) -> APIError:
 
 
 def stream(
-    found: Services, job: Job, endpoint: str, body, events, prompt_tokens: int, release, subscription
+    found: Services, job: Job, endpoint: str, body, row: Job | None, prompt_tokens: int, release, subscription
 ) -> Response:
     """Server-sent events of the job's text, each step's piece as the worker sends it; `release` frees the
-    slot when the response closes (all sent, or the client went away: then the job is cancelled)."""
+    slot when the response closes (all sent, or the client went away: then the job is cancelled). Under the
+    gevent worker the hub writes a step's plain text chunk itself while the stream waits (`direct`)."""
     ended = False
+    chunks = Chunks(endpoint, found.settings.model, job.id, job)
+    writer = direct_writer()
+
+    def direct(item: Delta) -> bool:
+        """What chunks.step() would write for a step without a finish, written now, or False."""
+        if item.fields is not None or chunks.echo or chunks.tokenizer is not None or chunks.alone:
+            return False
+        return writer.write(chunks.text(item.text)) if item.token_ids or item.text else True
+
+    events = follow_job(found, job, subscription[1], row, direct if writer is not None else None)
+
+    written = 0  # steps' deltas written by this stream's greenlet (the hub's: writer.written)
 
     def chunks_of_events() -> Iterator[bytes]:
-        nonlocal ended
-        chunks = Chunks(endpoint, found.settings.model, job.id, job)
+        nonlocal ended, written
         yield from chunks.opening()
         tokens = 0
         for item in events:
             if isinstance(item, Delta):
+                written += 1
                 tokens = chunks.completion_tokens(item)
                 yield from chunks.step(item)
                 if item.finish_reason in ("stop", "length"):
@@ -311,11 +326,14 @@ def stream(
     def close() -> None:
         release()
         found.hub.unsubscribe(*subscription)  # also when the generator never started
+        STREAMED_DELTAS.labels("stream").inc(written)
+        if writer is not None:
+            STREAMED_DELTAS.labels("hub").inc(writer.written)
         if not ended:  # the client went away before the end: nobody will read the rest
             log.info("completion job %s: the client went away; cancelling it", job.id)
             cancel(found, job)
 
-    return sse_response(chunks_of_events(), close)  # the steps of a stream that fell behind in one write
+    return sse_response(chunks_of_events(), close, writer)
 
 
 def stream_many(

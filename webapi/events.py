@@ -9,6 +9,13 @@ it is a greenlet waiting on its queue).
 A follower takes every event queued for it at once (Inbox) and yields FLUSH before it waits again, so a
 response built on it (webapi/sse.py) writes the steps that came together in one write.
 
+Under the gevent worker a stream's follower may also hand the hub a `direct` writer: while the follower
+waits with nothing queued and the caller holds the output up to exactly where an event starts, the hub has
+the event written at once (webapi/gevent_worker.DirectWriter) instead of waking the follower to write it:
+per token per caller, no wake-up, no switch there and back, no pass through the generators between the
+follower and the socket. Everything else (a status, a finish, a gap, a socket that is full) wakes the
+follower as before, which goes on from the position the direct writes reached.
+
 `follow()` joins the two sources by position (jobstore.deltas): it subscribes first, then reads the row,
 sends what the row holds beyond the caller's position, then each event trimmed to what the caller lacks.
 An event that starts beyond the caller (it joined late and the row lagged, events were lost, Redis went
@@ -23,7 +30,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import redis
@@ -121,7 +128,7 @@ class GreenInbox(Inbox):
     once; threading.Event.wait(timeout) under gevent builds a Timeout and a timer watcher for each wait,
     a third of what a chunk costs a gevent server (bench/job_cpu.py, issue 25)."""
 
-    __slots__ = ("_waiter", "_loop", "_timer", "_period")
+    __slots__ = ("_waiter", "_loop", "_timer", "_period", "direct")
 
     def __init__(self):
         self._items = deque()
@@ -129,13 +136,20 @@ class GreenInbox(Inbox):
         self._loop = gevent_hub().loop
         self._timer = None
         self._period = 0.0
+        # set by a follower while it waits: direct(item) -> True when it handled the item without waking it
+        self.direct = None
 
     def put(self, item) -> None:
-        self._items.append(item)
         waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            self._loop.run_callback(waiter.switch, True)  # a Waiter is switched from gevent's hub
+        if waiter is None:
+            self._items.append(item)
+            return
+        direct = self.direct  # the follower waits, so nothing is queued: the item may be handled at once
+        if direct is not None and direct(item):
+            return
+        self._items.append(item)
+        self._waiter = None
+        self._loop.run_callback(waiter.switch, True)  # a Waiter is switched from gevent's hub
 
     def take(self, timeout: float) -> list:
         items = self._items
@@ -305,6 +319,7 @@ def follow(
     tick_seconds: float = 1.0,
     resync_seconds: float = 10.0,
     deadline: float | None = None,
+    direct: Callable[[Delta], bool] | None = None,
 ) -> Iterator[Delta | Status | Tick | Flush | Ended]:
     """A job's output beyond `since` as deltas, its status changes, Ticks when nothing comes for
     `tick_seconds`, a Flush before each wait, and last Ended once its row holds the result (or return at
@@ -314,13 +329,37 @@ def follow(
     before (then it is not read again to start). Without any event for
     about `resync_seconds` (spread +-25%, and doubled after each quiet read up to MAX_RESYNC_FACTOR times), the
     row is read again (a lost event never leaves a follower waiting for ever); a read that fails is tried
-    again the same way."""
+    again the same way.
+    `direct(delta) -> bool`: writes a delta to the caller from the hub's greenlet while this follower waits
+    (a GreenInbox; the module's docstring), or says False; the deltas it wrote are not yielded, and a Tick
+    comes only when neither they nor anything else came for `tick_seconds`."""
     key = job_id.hex
     inbox = inbox if inbox is not None else hub.subscribe(key)
     pending: list[Delta] = []  # events beyond what the caller holds, waiting for the row to catch up
     taken: deque = deque()  # events taken from the inbox, not handled yet
     read_at = 0.0
     finished = False  # a delta with the finish was sent
+    written_at = 0.0  # when `direct` last wrote a delta
+
+    def write_directly(event) -> bool:
+        """The hub's put while this follower waits: a delta that goes on exactly where the caller is, written."""
+        nonlocal held, quiet_since, resync, written_at
+        if (
+            type(event) is not Delta
+            or event.finish_reason is not None
+            or finished
+            or event.start != held.tokens
+            or event.text_start != held.chars
+            or not direct(event)
+        ):
+            return False
+        held = event.end
+        quiet_since = written_at = time.monotonic()
+        resync = first_resync
+        return True
+
+    if direct is not None and not hasattr(inbox, "direct"):  # a thread's Inbox: the follower writes all
+        direct = None
     try:
         held = since
         job = row if row is not None else read_row()
@@ -366,7 +405,12 @@ def follow(
                 wait = min(wait, max(0.0, read_at + GAP_READ_SECONDS - time.monotonic()))
             if not taken:
                 yield FLUSH  # all that was ready went out: write it before waiting
-                taken.extend(inbox.take(wait))
+                if direct is not None and not pending:
+                    inbox.direct = write_directly
+                    taken.extend(inbox.take(wait))
+                    inbox.direct = None
+                else:
+                    taken.extend(inbox.take(wait))
                 if not taken:
                     if pending or time.monotonic() - quiet_since >= resync:
                         if not pending:  # quiet again after this read (or it failed): the next one later
@@ -375,7 +419,8 @@ def follow(
                         if job is None:
                             return
                         continue
-                    yield Tick()
+                    if time.monotonic() - written_at >= tick_seconds:  # else deltas went out directly
+                        yield Tick()
                     continue
                 quiet_since, resync = time.monotonic(), first_resync
             event = taken.popleft()

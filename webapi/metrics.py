@@ -33,6 +33,12 @@ HTTP_REQUESTS = Counter(
 HTTP_LATENCY = Histogram("genq_http_request_duration_seconds", "Time to answer an HTTP request", ["endpoint"])
 JOBS_SUBMITTED = Counter("genq_jobs_submitted_total", "Jobs accepted and sent to the queue", ["priority"])
 JOBS_CANCELLED = Counter("genq_jobs_cancelled_total", "Jobs cancelled through the API", ["priority"])
+STREAMED_DELTAS = Counter(
+    "genq_streamed_deltas_total",
+    "Steps' deltas sent to streamed completions, by who wrote them: the stream's own greenlet, or the "
+    "token-event hub while the stream waited (gevent worker; webapi/events.py)",
+    ["writer"],
+)
 PRIORITIES = range(10)
 log = logging.getLogger(__name__)
 

@@ -5,18 +5,22 @@ through the events, one event per engine step, exactly the engine's own per-step
 - a streamed /v1 completion sends each step's new text as its own chunk;
 - GET /jobs/<id>/events sends each step's tokens as a `delta` event, and a client reconnecting with
   Last-Event-ID gets the rest, nothing twice; GET /jobs/<id>?wait= answers when the job ends;
-- 1,000 concurrent streamed completions all finish, none answered 429 or 5xx.
+- 1,000 concurrent streamed completions all finish, none answered 429 or 5xx;
+- the hub writes a waiting stream's steps itself, and a client that reads late and slowly gets every chunk
+  whole, in order (a socket too full to take a write: tests/webapi/test_gevent_worker.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 
 import openai
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from batching import SamplingParams
 from tests.conftest import serve_api
@@ -199,3 +203,61 @@ def test_a_thousand_concurrent_streams_all_finish(slow_progress, offline_engine)
     statuses = [status for status, _ in results]
     assert statuses.count(200) == 1000, {s: statuses.count(s) for s in set(statuses)}
     assert all(text == want.text for _, text in results)
+
+
+def streamed_deltas(url: str) -> dict[str, float]:
+    """genq_streamed_deltas_total by writer, summed over the API's processes (its /metrics)."""
+    families = text_string_to_metric_families(requests.get(f"{url}/metrics", timeout=10).text)
+    return {
+        sample.labels["writer"]: sample.value
+        for family in families
+        if family.name == "genq_streamed_deltas"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+
+
+def test_the_hub_writes_a_waiting_streams_steps_and_a_slow_reader_gets_every_byte(
+    slow_progress, offline_engine
+):
+    stack, url = slow_progress
+    want = steps(offline_engine, PROMPT, 1500)  # ~200 kB of chunks
+    before = streamed_deltas(url)
+    body = json.dumps(
+        {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 1500, "temperature": 0, "stream": True}
+    ).encode()
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.socket() as client:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window
+        client.connect((host, int(port)))
+        client.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: {stack.headers['Authorization']}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
+        raw = bytearray(client.recv(4096))
+        time.sleep(3)  # reads nothing while the job goes on
+        while piece := client.recv(512):  # then reads slowly
+            raw += piece
+    head, _, payload = bytes(raw).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"chunked" in head.lower(), head
+    events, rest = [], payload
+    while True:  # the chunked coding: every chunk whole, in order
+        size, _, rest = rest.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            break
+        assert rest[n : n + 2] == b"\r\n"
+        events += [e for e in rest[:n].decode().split("\n\n") if e.strip()]
+        rest = rest[n + 2 :]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    pieces = [c["choices"][0]["text"] for c in chunks if c["choices"][0]["text"]]
+    assert pieces == [d.text for d in want if d.text]  # one chunk per engine step, none lost or repeated
+    assert chunks[-1]["choices"][0]["finish_reason"] == want[-1].finish_reason
+    deadline = time.monotonic() + 10
+    while (after := streamed_deltas(url)).get("hub", 0) == before.get(
+        "hub", 0
+    ) and time.monotonic() < deadline:
+        time.sleep(0.1)  # counted when the response closes, just after its last byte
+    assert after.get("hub", 0) - before.get("hub", 0) > len(want) / 2, (before, after)  # most steps: the hub
