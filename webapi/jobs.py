@@ -23,11 +23,11 @@ from webapi.auth import current_tenant, require_api_key
 from webapi.errors import APIError
 from webapi.events import FLUSH, HEARTBEAT, RETRY, Ended, acquire_slot, follow, read_job
 from webapi.extensions import db, services
-from webapi.metrics import JOBS_CANCELLED, JOBS_SUBMITTED
+from webapi.metrics import JOBS_CANCELLED, JOBS_SUBMITTED, STREAMED_DELTAS
 from webapi.prompts import NoChatTemplate, check_length, prepare_prompt
 from webapi.schemas import JobOut, JobPage, JobQuery, JobSubmit, ListQuery
 from webapi.spec import endpoint
-from webapi.sse import sse_response
+from webapi.sse import direct_writer, sse_response
 
 log = logging.getLogger(__name__)
 bp = Blueprint("jobs", __name__, url_prefix="/jobs")
@@ -109,15 +109,33 @@ def job_events(job_id: uuid.UUID):
     found = services()
     release = acquire_slot(found)
     read = read_job(found.autocommit, job.id, job.tenant_id)
+    writer = direct_writer()
+    held = since  # the position of the last event sent (its id)
+    written = 0  # deltas written by the stream's greenlet (the hub's: writer.written)
+
+    def direct(item: Delta) -> bool:
+        """A step's delta event written by the hub while the stream waits (webapi/events.follow), or False."""
+        nonlocal held
+        end = item.end
+        data = {"token_ids": item.token_ids, "text": item.text, "finish_reason": None}
+        if not writer.write(sse("delta", data | (item.fields or {}), end)):
+            return False
+        held = end
+        return True
 
     def stream() -> Iterator[bytes]:
-        held = since
+        nonlocal held, written
         yield b"retry: 1000\n\n"
         for item in follow(
-            found.hub, read, job.id, since, resync_seconds=found.settings.events_resync_seconds
+            found.hub,
+            read,
+            job.id,
+            since,
+            resync_seconds=found.settings.events_resync_seconds,
+            direct=direct if writer is not None else None,
         ):
             if isinstance(item, Delta):
-                held = item.end
+                held, written = item.end, written + 1
                 data = {"token_ids": item.token_ids, "text": item.text, "finish_reason": item.finish_reason}
                 yield sse("delta", data | (item.fields or {}), held)
             elif isinstance(item, Status):
@@ -130,7 +148,13 @@ def job_events(job_id: uuid.UUID):
             else:
                 yield HEARTBEAT
 
-    return sse_response(stream(), release)
+    def close() -> None:
+        release()
+        STREAMED_DELTAS.labels("stream").inc(written)
+        if writer is not None:
+            STREAMED_DELTAS.labels("hub").inc(writer.written)
+
+    return sse_response(stream(), close, writer)
 
 
 @bp.get("")

@@ -35,8 +35,8 @@ JOBS_SUBMITTED = Counter("genq_jobs_submitted_total", "Jobs accepted and sent to
 JOBS_CANCELLED = Counter("genq_jobs_cancelled_total", "Jobs cancelled through the API", ["priority"])
 STREAMED_DELTAS = Counter(
     "genq_streamed_deltas_total",
-    "Steps' deltas sent to streamed completions, by who wrote them: the stream's own greenlet, or the "
-    "token-event hub while the stream waited (gevent worker; webapi/events.py)",
+    "Steps' deltas sent to streams (streamed completions, GET /jobs/<id>/events), by who wrote them: the "
+    "stream's own greenlet, or the token-event hub while the stream waited (gevent worker; webapi/events.py)",
     ["writer"],
 )
 PRIORITIES = range(10)

@@ -91,6 +91,7 @@ def test_a_streamed_completion_sends_each_engine_step_as_it_is_made(slow_progres
 def test_job_events_are_one_per_step_and_resume_after_the_last_event_id(slow_progress, offline_engine):
     stack, url = slow_progress
     want = steps(offline_engine, PROMPT, 64)
+    before = streamed_deltas(url)
     stack.celery.control.cancel_consumer("generate", reply=True, destination=[stack.node])
     try:  # the job waits in Redis until the stream is open: it is followed from its first token
         job = requests.post(
@@ -105,6 +106,13 @@ def test_job_events_are_one_per_step_and_resume_after_the_last_event_id(slow_pro
     deltas = [data for _, kind, data in events if kind == "delta"]
     assert [kind for _, kind, _ in events[:2]] == ["status", "status"], events  # queued, then running
     assert [d["token_ids"] for d in deltas] == [d.token_ids for d in want]  # one event per engine step
+    assert (
+        [e[0] for e in events if e[1] == "delta"]
+        == [  # each delta's id: the position after it
+            f"{sum(len(d.token_ids) for d in want[: i + 1])}.{sum(len(d.text) for d in want[: i + 1])}"
+            for i in range(len(want))
+        ]
+    )
     assert "".join(d["text"] for d in deltas) == want[-1].text or "".join(d.text for d in want)
     statuses = [data["status"] for _, kind, data in events if kind == "status"]
     assert statuses[-1] == "running" and events[-1][1] == "result"
@@ -131,6 +139,8 @@ def test_job_events_are_one_per_step_and_resume_after_the_last_event_id(slow_pro
     assert tokens == result["output"]["token_ids"][int(last_id.split(".")[0]) :]
     text = "".join(data["text"] for _, kind, data in rest if kind == "delta")
     assert text == result["output"]["text"][int(last_id.split(".")[1]) :]
+    after = streamed_deltas(url)  # the first stream's steps: most written by the hub while it waited
+    assert after.get("hub", 0) - before.get("hub", 0) > len(want) / 2, (before, after)
 
 
 def test_a_job_followed_from_its_middle_and_waited_for(slow_progress):
