@@ -148,6 +148,9 @@ class ApiSettings(StoreSettings):
     # a call following a job (a stream, ?wait) reads its row again after this long without an event of it
     # (doubling while quiet, up to 6x): a last resort, lost events are announced (jobstore/events.py's LOST_FIELD)
     events_resync_seconds: float = Field(30.0, gt=0)
+    # Postgres connections each API process keeps (and uses at most): a burst of calls waits its turn for one
+    # rather than opening and closing connections of its own (each a Postgres backend started and stopped)
+    db_pool_size: int = Field(10, ge=1)
     log_level: str = "INFO"
 
     def served_models(self) -> frozenset[str]:

@@ -57,9 +57,16 @@ def init_extensions(app: Flask, settings: ApiSettings) -> None:
     # a gevent process serves thousands of calls at once: in a burst they wait their turn for a connection,
     # as long as it takes (on 2 busy cores, 1,000 streams opened at once waited over 30 s); a database that
     # is down is found by the connection attempt (DB_CONNECT_TIMEOUT), not by this wait. A connection idle
-    # over a second is pinged before use; one reused at once is not (a round trip a request)
+    # over a second is pinged before use; one reused at once is not (a round trip a request). No overflow:
+    # SQLAlchemy's default (5 kept, 10 more opened under load and closed when handed back) made a burst
+    # open and close a connection, and start and stop a Postgres backend, every few calls
     engine = make_engine(
-        settings.database_url, settings.db_connect_timeout, pool_timeout=120, ping_idle_seconds=1.0
+        settings.database_url,
+        settings.db_connect_timeout,
+        pool_size=settings.db_pool_size,
+        max_overflow=0,
+        pool_timeout=120,
+        ping_idle_seconds=1.0,
     )
     limiter = Limiter(
         rate_limit_key,
