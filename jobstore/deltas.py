@@ -105,6 +105,21 @@ class Transcript:
         """Take from `delta` what this transcript lacks; returns that part (None when it adds nothing).
         Raises Gap when the delta starts beyond what is held."""
         held = self.position
+        if (  # nearly every delta: the next step's, where the transcript ends: all of it is new
+            delta.start == held.tokens
+            and delta.text_start == held.chars
+            and self.finish_reason is None
+            and not delta.fields
+            and (delta.token_ids or delta.text)
+        ):
+            self.token_ids.extend(delta.token_ids)
+            if delta.text:
+                self._parts.append(delta.text)
+                self._ends.append(held.chars + len(delta.text))
+            if delta.finish_reason is not None:
+                self.finish_reason = delta.finish_reason
+            self.position = delta.end
+            return delta
         new = trim(delta, held, self.finish_reason is not None)
         if delta.fields:  # a resumed job's saved tokens come without them: each fills up to where it is known
             for name, values in delta.fields.items():

@@ -336,16 +336,23 @@ def _output_params(outputs: Sequence[Output]) -> dict:
         flat.extend(o.new_tokens)
         hi.append(len(flat))
     return dict(
-        ids=[o.job_id for o in outputs],
+        ids=_array_literal(o.job_id.hex for o in outputs),
         workers=[o.worker_id for o in outputs],
-        kept=[o.kept_tokens for o in outputs],
-        lo=lo,
-        hi=hi,
-        tokens=flat,
-        text_kept=[o.kept_text_bytes for o in outputs],
+        kept=_array_literal(o.kept_tokens for o in outputs),
+        lo=_array_literal(lo),
+        hi=_array_literal(hi),
+        tokens=_array_literal(flat),
+        text_kept=_array_literal(o.kept_text_bytes for o in outputs),
         tails=[o.text_tail for o in outputs],
         firsts=[o.first_token_at for o in outputs],
     )
+
+
+def _array_literal(values) -> str:
+    """A Postgres array's text form of integers or hex uuids (no quoting needed), for a CAST in the statement:
+    psycopg dumps a list element by element in Python, 4x the client CPU of this for a progress write of 256
+    jobs' 2,800 new tokens (2.1 against 0.5 ms)."""
+    return "{" + ",".join(map(str, values)) + "}"
 
 
 # One row per job from parallel arrays: the statement's text is the same for 1 job or 500 (planned once).
