@@ -145,8 +145,12 @@ class GreenInbox(Inbox):
             self._items.append(item)
             return
         direct = self.direct  # the follower waits, so nothing is queued: the item may be handled at once
-        if direct is not None and direct(item):
-            return
+        if direct is not None:
+            try:
+                if direct(item):
+                    return
+            except Exception:  # never the hub's end: the follower gets the event the usual way
+                log.exception("a direct write failed; the stream's own greenlet writes the event")
         self._items.append(item)
         self._waiter = None
         self._loop.run_callback(waiter.switch, True)  # a Waiter is switched from gevent's hub

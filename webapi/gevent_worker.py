@@ -67,7 +67,7 @@ class DirectWriter:
         """Send `data` now, or say False (nothing sent: the headers are not out, bytes are still unsent,
         the socket is full or failed; the caller's greenlet writes it the usual way)."""
         response = self._response
-        if self.unsent or not response.headers_sent or response._omits_body:
+        if self.unsent or not response.headers_sent or getattr(response, "_omits_body", False):
             return False
         frame = b"%X\r\n%b\r\n" % (len(data), data) if response.chunked else data
         try:

@@ -197,3 +197,25 @@ def test_a_follower_ticks_when_neither_it_nor_direct_had_anything_for_a_tick(set
     assert ticked == Tick() and written == [Delta(0, [1], 0, "a")]
     assert time.monotonic() - started >= 0.3  # a tick after the direct write's, not the wait's start
     events.close()
+
+
+def test_a_direct_write_that_raises_leaves_the_event_to_the_follower(settings):
+    job = Job(id=uuid.uuid4(), status="running", output_token_ids=[], output_text="", finish_reason=None)
+    inbox = GreenInbox()
+
+    def broken(delta: Delta) -> bool:
+        raise RuntimeError("a bug in a writer")
+
+    events = follow(
+        Hub(settings.redis_url, "unused:"),
+        lambda: job,
+        job.id,
+        inbox=inbox,
+        row=job,
+        tick_seconds=5,
+        direct=broken,
+    )
+    gevent.spawn_later(0.05, inbox.put, Delta(0, [1], 0, "a"))  # the hub's put: it must not raise
+    with gevent.Timeout(3):  # lost, it would never come
+        assert next(item for item in events if isinstance(item, Delta)) == Delta(0, [1], 0, "a")
+    events.close()
