@@ -64,10 +64,15 @@ class DirectWriter:
         return cls(response) if response is not None else None
 
     def write(self, data: bytes) -> bool:
-        """Send `data` now, or say False (nothing sent: the headers are not out, bytes are still unsent,
-        the socket is full or failed; the caller's greenlet writes it the usual way)."""
+        """Send `data` now, or say False (nothing sent: the headers are not out, bytes are still unsent, the
+        response has a Content-Length, the socket is full or failed; the caller's greenlet writes it then)."""
         response = self._response
-        if self.unsent or not response.headers_sent or getattr(response, "_omits_body", False):
+        if (
+            self.unsent
+            or not response.headers_sent
+            or response.response_length is not None  # a body of a set length: gunicorn's writes count it
+            or getattr(response, "_omits_body", False)
+        ):
             return False
         frame = b"%X\r\n%b\r\n" % (len(data), data) if response.chunked else data
         try:

@@ -135,13 +135,15 @@ def unchunk(raw: bytes) -> tuple[bytes, list[bytes]]:
         body = body[n + 2 :]
 
 
-def gunicorn_response(server_side, client_side, request: bytes):
+def gunicorn_response(
+    server_side, client_side, request: bytes, headers=(("Content-Type", "text/event-stream"),)
+):
     """A real gunicorn response (gunicorn's parser and wsgi.create) to `request`, sent by the client end."""
     client_side.sendall(request)
     cfg = Config()
     req = next(iter(RequestParser(cfg, server_side, ("127.0.0.1", 1))))
     response, _ = wsgi.create(req, server_side, ("127.0.0.1", 1), ("127.0.0.1", 2), cfg)
-    response.start_response("200 OK", [("Content-Type", "text/event-stream")])
+    response.start_response("200 OK", list(headers))
     return response
 
 
@@ -189,3 +191,11 @@ def test_a_direct_writer_to_a_client_gone_says_false(connected_pair):
     response.write(b"first")
     client_side.close()
     assert not all(writer.write(b"x" * 1000) for _ in range(100))  # the reset comes after a write or two
+
+
+def test_a_direct_writer_leaves_a_body_of_a_set_length_to_the_response(connected_pair):
+    server_side, client_side = connected_pair()
+    request = b"GET /s HTTP/1.1\r\nHost: x\r\n\r\n"
+    response = gunicorn_response(server_side, client_side, request, [("Content-Length", "10")])
+    response.write(b"first")
+    assert not DirectWriter(response).write(b"second")  # gunicorn counts a set length against its writes
