@@ -105,29 +105,25 @@ class Transcript:
         """Take from `delta` what this transcript lacks; returns that part (None when it adds nothing).
         Raises Gap when the delta starts beyond what is held."""
         held = self.position
-        if (  # nearly every delta: the next step's, where the transcript ends: all of it is new
+        if (  # nearly every delta: the next step's, where the transcript ends: all of it is new (no trim)
             delta.start == held.tokens
             and delta.text_start == held.chars
             and self.finish_reason is None
             and not delta.fields
             and (delta.token_ids or delta.text)
         ):
-            self.token_ids.extend(delta.token_ids)
-            if delta.text:
-                self._parts.append(delta.text)
-                self._ends.append(held.chars + len(delta.text))
-            if delta.finish_reason is not None:
-                self.finish_reason = delta.finish_reason
-            self.position = delta.end
-            return delta
-        new = trim(delta, held, self.finish_reason is not None)
-        if delta.fields:  # a resumed job's saved tokens come without them: each fills up to where it is known
-            for name, values in delta.fields.items():
-                kept = self.fields.setdefault(name, [])
-                if delta.start <= len(kept) < delta.start + len(values):
-                    kept.extend(values[len(kept) - delta.start :])
-        if new is None:
-            return None
+            new = delta
+        else:
+            new = trim(delta, held, self.finish_reason is not None)
+            if (
+                delta.fields
+            ):  # a resumed job's saved tokens come without them: each fills up to where it is known
+                for name, values in delta.fields.items():
+                    kept = self.fields.setdefault(name, [])
+                    if delta.start <= len(kept) < delta.start + len(values):
+                        kept.extend(values[len(kept) - delta.start :])
+            if new is None:
+                return None
         self.token_ids.extend(new.token_ids)
         if new.text:
             self._parts.append(new.text)

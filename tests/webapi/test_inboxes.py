@@ -141,6 +141,23 @@ def test_an_sse_response_runs_its_clean_up_once_and_a_head_follows_nothing(metho
     assert closed == [True] and started == [True]
 
 
+def followed(settings, direct, tick_seconds: float):
+    """A running job with no output yet, its GreenInbox, and follow()'s events of it with `direct`."""
+    job = Job(id=uuid.uuid4(), status="running", output_token_ids=[], output_text="", finish_reason=None)
+    inbox = GreenInbox()
+    events = follow(
+        Hub(settings.redis_url, "unused:"),
+        lambda: job,
+        job.id,
+        inbox=inbox,
+        row=job,
+        tick_seconds=tick_seconds,
+        resync_seconds=60,
+        direct=direct,
+    )
+    return inbox, events
+
+
 def test_a_waiting_follower_has_the_deltas_that_go_on_where_its_caller_is_written_for_it(settings):
     """The hub's puts (here from a greenlet, as the hub's reader is one under gevent) while the follower waits:
     a delta that goes on exactly where the caller is goes to `direct`, and the follower yields nothing for
@@ -179,18 +196,8 @@ def test_a_waiting_follower_has_the_deltas_that_go_on_where_its_caller_is_writte
 
 
 def test_a_follower_ticks_when_neither_it_nor_direct_had_anything_for_a_tick(settings):
-    job = Job(id=uuid.uuid4(), status="running", output_token_ids=[], output_text="", finish_reason=None)
-    inbox, written = GreenInbox(), []
-    events = follow(
-        Hub(settings.redis_url, "unused:"),
-        lambda: job,
-        job.id,
-        inbox=inbox,
-        row=job,
-        tick_seconds=0.2,
-        resync_seconds=60,
-        direct=lambda delta: written.append(delta) or True,
-    )
+    written: list = []
+    inbox, events = followed(settings, lambda delta: written.append(delta) or True, tick_seconds=0.2)
     gevent.spawn_later(0.15, inbox.put, Delta(0, [1], 0, "a"))
     started = time.monotonic()
     ticked = next(item for item in events if isinstance(item, Tick))
@@ -200,21 +207,11 @@ def test_a_follower_ticks_when_neither_it_nor_direct_had_anything_for_a_tick(set
 
 
 def test_a_direct_write_that_raises_leaves_the_event_to_the_follower(settings):
-    job = Job(id=uuid.uuid4(), status="running", output_token_ids=[], output_text="", finish_reason=None)
-    inbox = GreenInbox()
 
     def broken(delta: Delta) -> bool:
         raise RuntimeError("a bug in a writer")
 
-    events = follow(
-        Hub(settings.redis_url, "unused:"),
-        lambda: job,
-        job.id,
-        inbox=inbox,
-        row=job,
-        tick_seconds=5,
-        direct=broken,
-    )
+    inbox, events = followed(settings, broken, tick_seconds=5)
     gevent.spawn_later(0.05, inbox.put, Delta(0, [1], 0, "a"))  # the hub's put: it must not raise
     with gevent.Timeout(3):  # lost, it would never come
         assert next(item for item in events if isinstance(item, Delta)) == Delta(0, [1], 0, "a")
