@@ -115,9 +115,8 @@ class Transcript:
             new = delta
         else:
             new = trim(delta, held, self.finish_reason is not None)
-            if (
-                delta.fields
-            ):  # a resumed job's saved tokens come without them: each fills up to where it is known
+            # a resumed job's saved tokens come without fields: each fills up to where it is known
+            if delta.fields:
                 for name, values in delta.fields.items():
                     kept = self.fields.setdefault(name, [])
                     if delta.start <= len(kept) < delta.start + len(values):

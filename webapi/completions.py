@@ -40,7 +40,7 @@ from webapi.errors import APIError, from_validation_error
 from webapi.events import FLUSH, HEARTBEAT, Ended, Tick, acquire_slot, follow, read_job
 from webapi.extensions import Services, services
 from webapi.jobs import submit_job
-from webapi.metrics import JOBS_CANCELLED, STREAMED_DELTAS
+from webapi.metrics import JOBS_CANCELLED, count_streamed_deltas
 from webapi.openai_schemas import (
     CHAT_ENDPOINT,
     COMPLETIONS_ENDPOINT,
@@ -285,10 +285,11 @@ def stream(
     writer = direct_writer()
 
     def direct(item: Delta) -> bool:
-        """What chunks.step() would write for a step without a finish, written now, or False."""
-        if item.fields is not None or chunks.echo or chunks.tokenizer is not None or chunks.alone:
+        """A plain step's chunk written now by the hub (webapi/events.follow), or False."""
+        chunk = chunks.plain_step(item)
+        if chunk is None:
             return False
-        return writer.write(chunks.text(item.text)) if item.token_ids or item.text else True
+        return writer.write(chunk) if chunk else True
 
     events = follow_job(found, job, subscription[1], row, direct if writer is not None else None)
 
@@ -326,9 +327,7 @@ def stream(
     def close() -> None:
         release()
         found.hub.unsubscribe(*subscription)  # also when the generator never started
-        STREAMED_DELTAS.labels("stream").inc(written)
-        if writer is not None:
-            STREAMED_DELTAS.labels("hub").inc(writer.written)
+        count_streamed_deltas(written, writer)
         if not ended:  # the client went away before the end: nobody will read the rest
             log.info("completion job %s: the client went away; cancelling it", job.id)
             cancel(found, job)
@@ -460,6 +459,13 @@ class Chunks:
             yield self.text(item.text, logprobs and self.logprobs(logprobs, self.tokenizer))
         if item.finish_reason in ("stop", "length"):
             yield self.finish("length" if self.alone else item.finish_reason)
+
+    def plain_step(self, item: Delta) -> bytes | None:
+        """What step() writes for a step without a finish that is only text (b"": nothing), or None when the
+        step needs step() itself (an echo to send, log probabilities, fields, echo_only)."""
+        if item.fields is not None or self.echo or self.tokenizer is not None or self.alone:
+            return None
+        return self.text(item.text) if item.token_ids or item.text else b""
 
     def completion_tokens(self, item: Delta) -> int:
         return 0 if self.alone else item.start + len(item.token_ids)

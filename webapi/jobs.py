@@ -23,7 +23,7 @@ from webapi.auth import current_tenant, require_api_key
 from webapi.errors import APIError
 from webapi.events import FLUSH, HEARTBEAT, RETRY, Ended, acquire_slot, follow, read_job
 from webapi.extensions import db, services
-from webapi.metrics import JOBS_CANCELLED, JOBS_SUBMITTED, STREAMED_DELTAS
+from webapi.metrics import JOBS_CANCELLED, JOBS_SUBMITTED, count_streamed_deltas
 from webapi.prompts import NoChatTemplate, check_length, prepare_prompt
 from webapi.schemas import JobOut, JobPage, JobQuery, JobSubmit, ListQuery
 from webapi.spec import endpoint
@@ -116,11 +116,9 @@ def job_events(job_id: uuid.UUID):
     def direct(item: Delta) -> bool:
         """A step's delta event written by the hub while the stream waits (webapi/events.follow), or False."""
         nonlocal held
-        end = item.end
-        data = {"token_ids": item.token_ids, "text": item.text, "finish_reason": None}
-        if not writer.write(sse("delta", data | (item.fields or {}), end)):
+        if not writer.write(delta_event(item)):
             return False
-        held = end
+        held = item.end
         return True
 
     def stream() -> Iterator[bytes]:
@@ -136,8 +134,7 @@ def job_events(job_id: uuid.UUID):
         ):
             if isinstance(item, Delta):
                 held, written = item.end, written + 1
-                data = {"token_ids": item.token_ids, "text": item.text, "finish_reason": item.finish_reason}
-                yield sse("delta", data | (item.fields or {}), held)
+                yield delta_event(item)
             elif isinstance(item, Status):
                 yield sse("status", {"status": item.status}, held)
             elif isinstance(item, Ended):
@@ -150,9 +147,7 @@ def job_events(job_id: uuid.UUID):
 
     def close() -> None:
         release()
-        STREAMED_DELTAS.labels("stream").inc(written)
-        if writer is not None:
-            STREAMED_DELTAS.labels("hub").inc(writer.written)
+        count_streamed_deltas(written, writer)
 
     return sse_response(stream(), close, writer)
 
@@ -204,6 +199,13 @@ def wait_for(job: Job, seconds: float) -> Job:
         release()
     now = read()
     return job if now is RETRY else owned_job(now)
+
+
+def delta_event(item: Delta) -> bytes:
+    """A delta as its server-sent event: its tokens, text, finish and per-token fields; its id the position
+    after it."""
+    data = {"token_ids": item.token_ids, "text": item.text, "finish_reason": item.finish_reason}
+    return sse("delta", data | (item.fields or {}), item.end)
 
 
 def sse(event: str, data: dict, position: Position) -> bytes:

@@ -40,6 +40,16 @@ STREAMED_DELTAS = Counter(
     ["writer"],
 )
 PRIORITIES = range(10)
+
+
+def count_streamed_deltas(by_stream: int, writer) -> None:
+    """A stream's deltas, as it closes: `by_stream` written by its own greenlet, the rest by the hub through
+    `writer` (webapi/gevent_worker.DirectWriter; None where there is none)."""
+    STREAMED_DELTAS.labels("stream").inc(by_stream)
+    if writer is not None:
+        STREAMED_DELTAS.labels("hub").inc(writer.written)
+
+
 log = logging.getLogger(__name__)
 
 
