@@ -169,3 +169,24 @@ def openai_client(wide, api_url) -> Iterator[openai.OpenAI]:
         base_url=f"{api_url}/v1", api_key=wide.headers["Authorization"].split()[1], max_retries=0, timeout=120
     ) as client:
         yield client
+
+
+def timed(items) -> list[tuple[float, object]]:
+    """Each item of a stream with the time.monotonic() at which the caller got it."""
+    return [(time.monotonic(), item) for item in items]
+
+
+def assert_streamed_as_made(started: float, arrivals: list[float], engine_seconds: float) -> None:
+    """The pieces of a stream came as the engine made them, not held back and sent together at the end.
+
+    `started`: when the call was made; `arrivals`: when each piece of text came; `engine_seconds`: how long
+    the offline engine took to make the same tokens (the worker's engine makes them at about that pace).
+    The first piece must come before half the call's time has gone, and the pieces must be spread over at
+    least a quarter of the engine's time (the factors leave room for a worker faster or slower than the
+    offline engine, and for a loaded 2-core machine). A worker that held a job's deltas until its end
+    fails both: its first piece comes with its last."""
+    first, last = arrivals[0] - started, arrivals[-1] - started
+    assert first < last / 2, f"first piece at {first:.3f} s of {last:.3f} s: not sent as made"
+    assert last - first > engine_seconds / 4, (
+        f"{len(arrivals)} pieces within {last - first:.3f} s, the engine takes {engine_seconds:.3f} s: a burst"
+    )

@@ -18,6 +18,7 @@ import requests
 from batching import SamplingParams
 from batching.tokenizer import load_tokenizer
 from tests.conftest import serve_api
+from tests.workers.conftest import assert_streamed_as_made, timed
 
 CHAT = [
     {"role": "system", "content": "Answer in one word."},
@@ -59,8 +60,11 @@ def test_a_chat_completion_waits_for_its_job_and_answers_in_openai_shape(wide, o
 
 
 def test_a_streamed_chat_completion_sends_the_text_as_it_comes(openai_client, offline_engine):
-    # 1,000 tokens: ~1 s on an idle machine, several of the worker's 0.25 s progress writes (with 300, the
-    # job could end between two of them and come as one piece)
+    # 1,000 tokens: ~1 s on an idle machine, long enough for the engine's pace to show over the API's hops
+    engine_started = time.monotonic()
+    want = greedy(offline_engine, chat_prompt(LONG_CHAT), 1000)
+    engine_s = time.monotonic() - engine_started
+    started = time.monotonic()
     stream = openai_client.chat.completions.create(
         messages=LONG_CHAT,
         model="tiny-llama",
@@ -70,11 +74,15 @@ def test_a_streamed_chat_completion_sends_the_text_as_it_comes(openai_client, of
         stream_options={"include_usage": True},
         extra_body={"priority": 3},
     )
-    chunks = list(stream)
-    want = greedy(offline_engine, chat_prompt(LONG_CHAT), 1000)
+    arrivals, chunks = zip(*timed(stream), strict=True)
     assert chunks[0].choices[0].delta.role == "assistant"
-    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
-    assert "".join(pieces) == want.text and len(pieces) > 1  # in several pieces, as the worker wrote them
+    pieces = [
+        (at, c.choices[0].delta.content)
+        for at, c in zip(arrivals, chunks)
+        if c.choices and c.choices[0].delta.content
+    ]
+    assert "".join(text for _, text in pieces) == want.text
+    assert_streamed_as_made(started, [at for at, _ in pieces], engine_s)  # in pieces, as the engine made them
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
         want.finish_reason
     ]

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batching import SamplingParams
 from tests.conftest import serve_api
-from tests.workers.conftest import worker_stack
+from tests.workers.conftest import assert_streamed_as_made, timed, worker_stack
 
 PROMPT = "Once upon a time"
 
@@ -54,13 +54,16 @@ def steps(offline_engine, prompt, max_tokens: int) -> list:
     return out
 
 
-def sse_events(response) -> list[tuple[str | None, str, dict]]:
-    """(id, event, data) of each server-sent event of a streamed response, as they come."""
+def sse_events(response, arrivals: list[float] | None = None) -> list[tuple[str | None, str, dict]]:
+    """(id, event, data) of each server-sent event of a streamed response, as they come; `arrivals` gets the
+    time.monotonic() at which each came."""
     events, fields = [], {}
     for line in response.iter_lines(decode_unicode=True):
         if line == "":
             if "data" in fields:
                 events.append((fields.get("id"), fields.get("event", "message"), json.loads(fields["data"])))
+                if arrivals is not None:
+                    arrivals.append(time.monotonic())
                 if fields.get("event") == "result":
                     return events
             fields = {}
@@ -72,37 +75,44 @@ def sse_events(response) -> list[tuple[str | None, str, dict]]:
 
 def test_a_streamed_completion_sends_each_engine_step_as_it_is_made(slow_progress, offline_engine):
     stack, url = slow_progress
-    want = steps(offline_engine, PROMPT, 48)
+    engine_started = time.monotonic()
+    want = steps(offline_engine, PROMPT, 600)  # long enough for the engine's pace to show over the API's hops
+    engine_s = time.monotonic() - engine_started
     client = openai.OpenAI(
         base_url=f"{url}/v1", api_key=stack.headers["Authorization"].split()[1], max_retries=0
     )
     started = time.monotonic()
-    chunks = list(
+    chunks = timed(
         client.completions.create(
-            model="tiny-llama", prompt=PROMPT, max_tokens=48, temperature=0, stream=True
+            model="tiny-llama", prompt=PROMPT, max_tokens=600, temperature=0, stream=True
         )
     )
-    pieces = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
-    assert pieces == [d.text for d in want if d.text]  # one chunk per step, as the engine made it
-    assert chunks[-1].choices[0].finish_reason == want[-1].finish_reason
+    texts = [(at, c.choices[0].text) for at, c in chunks if c.choices and c.choices[0].text]
+    assert [text for _, text in texts] == [d.text for d in want if d.text]  # one chunk per step
+    assert chunks[-1][1].choices[0].finish_reason == want[-1].finish_reason
     assert time.monotonic() - started < 30  # not held for a progress write
+    assert_streamed_as_made(started, [at for at, _ in texts], engine_s)  # each step as it was made
 
 
 def test_job_events_are_one_per_step_and_resume_after_the_last_event_id(slow_progress, offline_engine):
     stack, url = slow_progress
-    want = steps(offline_engine, PROMPT, 64)
+    engine_started = time.monotonic()
+    want = steps(offline_engine, PROMPT, 600)
+    engine_s = time.monotonic() - engine_started
     before = streamed_deltas(url)
     stack.celery.control.cancel_consumer("generate", reply=True, destination=[stack.node])
     try:  # the job waits in Redis until the stream is open: it is followed from its first token
         job = requests.post(
-            f"{url}/jobs", json={"prompt": PROMPT, "max_tokens": 64, "temperature": 0}, headers=stack.headers
+            f"{url}/jobs", json={"prompt": PROMPT, "max_tokens": 600, "temperature": 0}, headers=stack.headers
         ).json()
         r = requests.get(f"{url}/jobs/{job['id']}/events", headers=stack.headers, stream=True, timeout=60)
     finally:
         stack.celery.control.add_consumer("generate", reply=True, destination=[stack.node])
+    started = time.monotonic()  # the worker takes the job from here on
     with r:
         assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/event-stream")
-        events = sse_events(r)
+        arrivals: list[float] = []
+        events = sse_events(r, arrivals)
     deltas = [data for _, kind, data in events if kind == "delta"]
     assert [kind for _, kind, _ in events[:2]] == ["status", "status"], events  # queued, then running
     assert [d["token_ids"] for d in deltas] == [d.token_ids for d in want]  # one event per engine step
@@ -113,7 +123,8 @@ def test_job_events_are_one_per_step_and_resume_after_the_last_event_id(slow_pro
             for i in range(len(want))
         ]
     )
-    assert "".join(d["text"] for d in deltas) == want[-1].text or "".join(d.text for d in want)
+    assert "".join(d["text"] for d in deltas) == "".join(d.text for d in want)
+    assert_streamed_as_made(started, [at for at, e in zip(arrivals, events) if e[1] == "delta"], engine_s)
     statuses = [data["status"] for _, kind, data in events if kind == "status"]
     assert statuses[-1] == "running" and events[-1][1] == "result"
     result = events[-1][2]
