@@ -48,6 +48,9 @@ _ATTRIBUTE = {
     attr.columns[0].key: attr.key for attr in inspect(Job).column_attrs
 }  # "metadata" -> "metadata_"
 RECONCILER_LOCK = 0x67656E71  # pg advisory lock id ("genq") taken by the reconciler
+# pg advisory locks (int4, int4) of POST /jobs near a tenant's cap: (this, the tenant's key); the one-bigint
+# locks (the reconciler's) are another key space
+TENANT_CAP_LOCKS = 0x6A6F6273  # "jobs"
 
 
 class IdempotencyConflict(Exception):
@@ -71,8 +74,10 @@ def create_job(
     """Insert a queued job from a validated request, in one statement; returns (job, created).
 
     - With `max_queued`, the job is inserted only while the tenant has fewer queued jobs; at the cap
-      this returns (None, False). The count and the insert are one statement, so concurrent
-      submissions of one tenant can overshoot the cap by at most their number.
+      this returns (None, False). The count is inside the insert, and the insert first takes the
+      tenant's transaction-level advisory lock, so submissions racing each other are counted one after
+      another: `db` must then be in a transaction (the lock is held until it commits; on an autocommit
+      connection the next submission's count could miss this insert).
     - With an `idempotency_key` this tenant used before, returns that job (created=False), or raises
       IdempotencyConflict when its request differed. A known key wins over the cap.
 
@@ -91,6 +96,10 @@ def create_job(
     )
     if max_queued is not None:
         values["max_queued"] = max_queued
+        tenant_key = int.from_bytes(
+            tenant_id.bytes[:4], "big", signed=True
+        )  # tenants sharing one: serialized
+        db.execute(select(func.pg_advisory_xact_lock(TENANT_CAP_LOCKS, tenant_key)))
     row = db.execute(_insert_job(tuple(values)), values).one_or_none()
     if row is not None:
         return _job_from_row(row), True

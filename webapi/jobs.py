@@ -60,7 +60,10 @@ def submit_job(
     # counted apart (webapi/queue_size.py), before taking a connection: a count never waits on a second one
     near_cap = services().queue_size.of(tenant_id) >= cap // 2  # below: see webapi/queue_size.py
     overloaded = overloaded_error()
-    with services().autocommit.connect() as conn:  # one INSERT; near its cap, the tenant's count is inside it
+    # one INSERT on an autocommit connection; near its cap, a transaction: the tenant's lock, then the INSERT
+    # with the tenant's count inside it (jobstore.jobs.create_job), so racing submissions cannot overshoot
+    found = services()
+    with found.engine.begin() if near_cap else found.autocommit.connect() as conn:
         if overloaded and (key is None or jobs.job_for_key(conn, tenant_id, key) is None):
             raise overloaded  # a retry of a job is answered, not a new job
         try:

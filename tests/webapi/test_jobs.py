@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -258,14 +260,25 @@ def test_a_revoked_key_stops_working_after_the_auth_cache_time(settings, session
 
 
 def test_the_per_tenant_cap_is_checked_inside_the_insert(settings, auth):
-    """At the cap nothing is inserted (the count and the insert are one statement); other tenants go on."""
+    """At the cap nothing is inserted, even for submissions racing each other: near its cap a tenant's
+    count and insert run under its advisory lock; other tenants go on."""
     from webapi import create_app
 
-    app = create_app(settings.replace(max_queued_per_tenant=2))
+    app = create_app(settings.replace(max_queued_per_tenant=6))
     client, headers = app.test_client(), auth()
-    codes = [submit(client, headers).status_code for _ in range(4)]
-    assert codes == [202, 202, 429, 429]
-    listed = client.get("/jobs?status=queued", headers=headers).json["jobs"]
-    assert len(listed) == 2
+    codes = [submit(client, headers).status_code for _ in range(3)]  # half the cap: checked from here on
+    assert codes == [202] * 3
+    start = threading.Barrier(12)
+
+    def racing(_):
+        racer = app.test_client()  # one client a thread
+        start.wait()
+        return submit(racer, headers).status_code
+
+    with ThreadPoolExecutor(12) as pool:  # 12 submissions at once, 3 places left
+        codes = sorted(pool.map(racing, range(12)))
+    assert codes == [202] * 3 + [429] * 9, codes
+    listed = client.get("/jobs?status=queued&limit=100", headers=headers).json["jobs"]
+    assert len(listed) == 6
     assert submit(client, auth()).status_code == 202
     app.extensions["genq"].close()
