@@ -49,6 +49,17 @@ Workloads (`--workload`): `record`, the one above; `decode` (decode-heavy: 64 pr
 tokens, 256 new tokens each); `prefill` (prefill-heavy: 16 prompts of 1024-2000 tokens, 16 new
 tokens each). `--dtype bfloat16` runs every system in bfloat16 (the checkpoint is saved in float32).
 
+Roofline (issue 38; bench/roofline.py holds the arithmetic): for each genq path run, the bytes and FLOPs
+of the steps of its fastest pass, as its scheduler made them (`engine.scheduler.schedule` wrapped on the
+instance, read-only: each sequence's cached and scheduled tokens, CUDA graph replays included; where that
+cannot be observed, the simulated schedule above), counted from the model's config: the weights read
+once a step, the KV read by attention and the KV written; the matmuls, the LM head's logits rows and
+causal attention's FLOPs (activations left out). Against the device's bandwidth (a 256 MiB tensor copied
+and summed on the CPU, 1 GiB on CUDA) and matmul rate (a square matmul in the run's dtype), measured
+after the passes in the same process, each step's bound is max(bytes / bandwidth, FLOPs / matmul rate);
+their sum is the roofline time, and genq's fraction is that over genq's time (printed as a table, and
+under "roofline" in the --json figures).
+
 Throughput is useful generated tokens / wall time. With `--repeat N` the systems run in N
 round-robin rounds (genq, static, CB, forward-only, then again), so each meets the same spells of
 background load, and the fastest pass of each counts; beside it we print the share of the
@@ -96,7 +107,9 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
+from bench import roofline  # noqa: E402
 from bench.harness import Interference, code_version, tree_cpu_seconds, wait_for_quiet  # noqa: E402
+from bench.roofline import Step  # noqa: E402
 from bench.vllm_runner import MARK  # noqa: E402
 
 MODEL_KWARGS = dict(
@@ -253,6 +266,33 @@ class StepRecorder:
             self.handle.remove()
 
 
+class ScheduleRecorder:
+    """Wraps genq's `engine.scheduler.schedule` on the instance (read-only: it returns what the scheduler
+    returned) and records each step's make-up as a roofline Step: every step, CUDA graph replays too (the
+    forward hook does not see those). `steps` stays empty where the engine has no such scheduler."""
+
+    def __init__(self, engine):
+        self.steps: list[Step] = []
+        self.scheduler = getattr(engine, "scheduler", None)
+        self.original = getattr(self.scheduler, "schedule", None)
+        if self.original is not None:
+            self.own = "schedule" in vars(self.scheduler)  # an attribute of the instance already: put it back
+            self.scheduler.schedule = self._schedule
+
+    def _schedule(self, *args, **kwargs):
+        out = self.original(*args, **kwargs)
+        if (step := roofline.scheduled_step(out)) is not None:
+            self.steps.append(step)
+        return out
+
+    def close(self):
+        if self.original is not None:
+            if self.own:
+                self.scheduler.schedule = self.original
+            else:
+                del self.scheduler.schedule
+
+
 def genq_run(engine, reqs, list_params: bool, pbar=None):
     """Greedy generation of every request; returns the generated token lists in request order."""
     from batching import SamplingParams
@@ -324,16 +364,19 @@ class GenqSystem:
         genq_run(self.engine, warm_reqs, self.list_params)
         self.model = find_torch_model(self.engine)
         self.steps, self.stats = None, {}
+        self.make_ups: list[list[Step]] = []  # each pass's steps as the scheduler made them (the roofline's)
         self.api = "generate(list of SamplingParams)" if self.list_params else "add_request/step"
 
     def run(self, pbar):
         # every pass starts cold: the prefix cache would otherwise hand it the last pass's prompts
         self.engine.block_manager.reset_prefix_cache()
-        recorder = StepRecorder(self.model, pbar)
+        recorder, schedules = StepRecorder(self.model, pbar), ScheduleRecorder(self.engine)
         t0 = time.perf_counter()
         tokens = genq_run(self.engine, self.reqs, self.list_params)
         elapsed = time.perf_counter() - t0
         recorder.close()
+        schedules.close()
+        self.make_ups.append(schedules.steps)
         if self.steps is None:
             self.steps, self.stats = recorder.steps, self.engine.stats()
         return elapsed, tokens
@@ -447,39 +490,43 @@ def no_mask(*args, **kwargs):
     return None
 
 
-def simulate_schedule(reqs, budget=None, max_num_seqs=None):
-    """[(T, rows)] per step of a stall-free chunked-prefill schedule with ample KV blocks."""
+def simulate_steps(reqs, budget=None, max_num_seqs=None) -> list[Step]:
+    """The steps of a stall-free chunked-prefill schedule with ample KV blocks, with each sequence's
+    cached tokens (the roofline's make-up of a step)."""
     budget, max_num_seqs = budget or BUDGET, max_num_seqs or MAX_NUM_SEQS
-    waiting = [[len(p), n] for p, n in reqs]  # [uncomputed prompt tokens, tokens still to emit]
+    waiting = [[len(p), n, 0] for p, n in reqs]  # [uncomputed prompt tokens, tokens still to emit, computed]
     running: list[list[int]] = []
     steps = []
     while waiting or running:
-        left, rows = budget, 0
+        left, picks = budget, []  # picks: (sequence, tokens it runs this step)
         for seq in running:  # decodes first (prefill done)
             if seq[0] == 0 and left > 0:
+                picks.append((seq, 1))
                 left -= 1
-                rows += 1
-                seq[1] -= 1
         for seq in running:  # prefill chunks in progress
             if seq[0] > 0 and left > 0:
-                k = min(seq[0], left)
-                seq[0] -= k
-                left -= k
-                if seq[0] == 0:
-                    rows += 1
-                    seq[1] -= 1
+                picks.append((seq, min(seq[0], left)))
+                left -= picks[-1][1]
         while waiting and left > 0 and len(running) < max_num_seqs:
             seq = waiting.pop(0)
-            k = min(seq[0], left)
-            seq[0] -= k
-            left -= k
-            if seq[0] == 0:
+            picks.append((seq, min(seq[0], left)))
+            left -= picks[-1][1]
+            running.append(seq)
+        cached, rows = tuple(seq[2] for seq, _ in picks), 0
+        for seq, k in picks:
+            seq[0] -= min(seq[0], k)  # a decode's is 0 already
+            seq[2] += k
+            if seq[0] == 0:  # a decode, or the chunk that ends the prompt: a logits row
                 rows += 1
                 seq[1] -= 1
-            running.append(seq)
-        steps.append((budget - left, rows))
+        steps.append(Step(cached, tuple(k for _, k in picks), rows))
         running = [s for s in running if s[1] > 0]
     return steps
+
+
+def simulate_schedule(reqs, budget=None, max_num_seqs=None):
+    """[(T, rows)] per step of the simulated schedule (simulate_steps)."""
+    return [(s.tokens, s.rows) for s in simulate_steps(reqs, budget, max_num_seqs)]
 
 
 def forward_only(model, steps, device, pbar=None) -> float:
@@ -828,6 +875,10 @@ def main(argv=None):
             )
         fig[key] = entry
 
+    if any(key in fig for key in ("genq", "genq_torch")):
+        fig["roofline"] = roofline_figures(
+            systems, fig, hf_model.config, args.dtype, args.device, reqs, useful
+        )
     fig["load_avg_end"] = os.getloadavg()
     report(fig)
     if args.json:
@@ -835,6 +886,48 @@ def main(argv=None):
         Path(args.json).write_text(json.dumps(fig, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")
     return fig
+
+
+def roofline_figures(systems, fig, config, dtype: str, device: str, reqs, useful: int) -> dict:
+    """The roofline of each genq system's best pass (bench/roofline.py): the bytes and FLOPs of the steps
+    its scheduler made, against the device's bandwidth and matmul rate measured now, in this process."""
+    torch_dtype = getattr(torch, dtype)
+    rates = roofline.measure_device(device, torch_dtype)
+    out = dict(device=rates.as_dict(), systems={})
+    for key in ("genq", "genq_torch"):
+        if key not in fig:
+            continue
+        best = fig[key]["passes"].index(fig[key]["seconds"])
+        steps, source = systems[key].make_ups[best], "genq's scheduler output"
+        if sum(s.rows for s in steps) != useful:  # not observed (or not all): the schedule a step rule makes
+            steps, source = simulate_steps(reqs), "simulated (genq's schedule not observed)"
+        entry = roofline.roofline(config, torch_dtype, steps, rates)
+        entry.update(source=source, genq_seconds=fig[key]["seconds"])
+        entry["fraction"] = entry["bound_seconds"] / entry["genq_seconds"]
+        out["systems"][key] = entry
+    return out
+
+
+def report_roofline(fig):
+    r = fig["roofline"]
+    d = r["device"]
+    print(
+        f"\nroofline: {d['device']} {d['dtype']}, measured now: bandwidth {d['bandwidth'] / 1e9:.1f} GB/s "
+        f"(copy {d['copy_bandwidth'] / 1e9:.1f}, sum {d['sum_bandwidth'] / 1e9:.1f}, {d['tensor_bytes'] >> 20} MiB), "
+        f"matmul {d['matmul'] / 1e12:.3f} TFLOP/s ({d['matmul_n']}^2)"
+    )
+    print(
+        f"{'workload':<10}{'device':<8}{'system':<13}{'steps':>7}{'GB moved':>10}{'TFLOP':>9}"
+        f"{'bound s':>10}{'genq s':>9}{'fraction':>10}   weights / KV read / KV written GB, memory-bound steps"
+    )
+    for key, e in r["systems"].items():
+        print(
+            f"{fig['workload']:<10}{d['device']:<8}{key:<13}{e['steps']:>7}{e['bytes'] / 1e9:>10.3f}"
+            f"{e['flops'] / 1e12:>9.4f}{e['bound_seconds']:>10.3f}{e['genq_seconds']:>9.2f}{e['fraction']:>10.1%}"
+            f"   {e['weight_bytes'] / 1e9:.3f} / {e['kv_read_bytes'] / 1e9:.3f} / {e['kv_written_bytes'] / 1e9:.3f},"
+            f" {e['memory_bound_steps']}/{e['steps']}"
+            + ("" if e["source"] == "genq's scheduler output" else f" ({e['source']})")
+        )
 
 
 def report(fig):
@@ -899,6 +992,8 @@ def report(fig):
         print(
             f"forward-only schedule: {fig['forward_only']['schedule']}, {fig['forward_only']['steps']} steps"
         )
+    if "roofline" in fig:
+        report_roofline(fig)
     fig["ratios"] = ratios
 
 

@@ -11,7 +11,10 @@
    vLLM when VLLM_PYTHON names the python of an environment that has it. On CUDA: the workload of
    record in float32, then 256 requests on a 1B-parameter Llama in bfloat16 at a GPU's batch width;
    on the CPU: the quick workload of record.
-3. The figures, with the device named, in bench/out/gpu-check-<device>.md and .json.
+3. The roofline of each bench (bench/roofline.py): the bytes and FLOPs of the steps genq ran against the
+   device's bandwidth and matmul rate measured in the same run, and genq's fraction of it; the headline
+   is that of the 1B bfloat16 width-256 workload (issue 38's target: >= 50%).
+4. The figures, with the device named, in bench/out/gpu-check-<device>.md and .json.
 
     make gpu-check                      # with the project's virtual environment
     make gpu-check PY=python3           # with a python that already has torch, transformers, triton
@@ -53,6 +56,45 @@ CUDA_BENCHES = [
     ],
 ]  # fmt: skip
 CPU_BENCHES = [["--workload", "record", "--dtype", "float32", "--quick", "--skip", "static"]]
+ROOFLINE_TARGET = 0.5  # issue 38: the 1B bfloat16 width-256 workload at >= 50% of its roofline
+
+
+def is_roofline_headline(fig: dict) -> bool:
+    """The 1B bfloat16 width-256 workload: the one whose roofline fraction issue 38 sets a target for."""
+    return fig.get("model_size") == "1b" and fig["dtype"] == "bfloat16" and fig["max_num_seqs"] == 256
+
+
+def roofline_lines(fig: dict) -> list[str]:
+    """A bench's roofline as markdown: the device's measured rates, then a row per genq path."""
+    if "roofline" not in fig:
+        return []
+    d = fig["roofline"]["device"]
+    lines = [
+        f"Roofline on {d['device']} in {d['dtype']}, measured in the same run: {d['bandwidth'] / 1e9:.0f} GB/s, "
+        f"{d['matmul'] / 1e12:.2f} TFLOP/s.",
+        "",
+        "| genq | steps | GB moved | TFLOP | bound s | genq s | fraction |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for key, e in fig["roofline"]["systems"].items():
+        lines.append(
+            f"| {key} | {e['steps']} | {e['bytes'] / 1e9:.2f} | {e['flops'] / 1e12:.3f} | {e['bound_seconds']:.3f} "
+            f"| {e['genq_seconds']:.2f} | **{e['fraction']:.1%}** |"
+        )
+    return [*lines, ""]
+
+
+def roofline_headline(figures: list[dict]) -> str | None:
+    """genq's fraction of the roofline on the 1B bfloat16 width-256 workload, against the target."""
+    for fig in figures:
+        if is_roofline_headline(fig) and "genq" in fig.get("roofline", {}).get("systems", {}):
+            fraction = fig["roofline"]["systems"]["genq"]["fraction"]
+            verdict = "met" if fraction >= ROOFLINE_TARGET else "not met"
+            return (
+                f"Roofline, 1B bfloat16 width 256: genq at **{fraction:.1%}** of the bound "
+                f"(target >= {ROOFLINE_TARGET:.0%}: {verdict})"
+            )
+    return None
 
 
 def device_name() -> str:
@@ -132,6 +174,9 @@ def markdown(device: str, tests: dict | None, figures: list[dict]) -> str:
         lines += (
             [""] + [f"- {name}: **{ratio:.2f}x**" for name, ratio in fig.get("ratios", {}).items()] + [""]
         )
+        lines += roofline_lines(fig)
+    if (headline := roofline_headline(figures)) is not None:
+        lines[4:4] = [headline, ""]  # under the title, beside the test verdict
     return "\n".join(lines)
 
 
@@ -151,7 +196,12 @@ def main(argv=None) -> int:
     report = markdown(device, tests, figures)
     (out / f"gpu-check-{slug}.md").write_text(report + "\n")
     (out / f"gpu-check-{slug}.json").write_text(
-        json.dumps({"device": device, "tests": tests, "benches": figures}, indent=2, default=str) + "\n"
+        json.dumps(
+            {"device": device, "tests": tests, "roofline": roofline_headline(figures), "benches": figures},
+            indent=2,
+            default=str,
+        )
+        + "\n"
     )
     print("\n" + report)
     print(f"wrote {out / f'gpu-check-{slug}.md'}")
