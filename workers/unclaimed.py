@@ -19,7 +19,8 @@ unclaimed a lease later (what a worker that stops renewing its lease is given) w
 after a last check that no message anywhere in its list names it (jobs moved to the head can make the
 order above look older than it is), it is sent again, at the head of its priority. When each job was first
 found unclaimed is kept in a Redis hash, so the grace spans runs and reconcilers. The bound: a lease and
-two reconciler intervals after the message was taken. A job sent again whose first message survives (a live
+two reconciler intervals after the message was taken, or after the job's send was recorded when that came
+later (a job counts as sent once recorded: the API records sends every 0.5 s, webapi/sent_marks.py). A job sent again whose first message survives (a live
 worker slow to claim) has two; the second finds it claimed and is dropped.
 """
 

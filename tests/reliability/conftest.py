@@ -26,6 +26,13 @@ from workers.reconciler import reconcile
 
 FINISHED = ("succeeded", "failed", "cancelled")
 FIGURES = ROOT / "bench" / "out" / "reliability.json"
+# What a recovery test allows beyond a bound RELIABILITY.md documents: the reconciler's run itself (its SQL
+# and Redis reads, tens of ms idle, more on 2 shared cores) and the test's poll (50-100 ms). A reconciler
+# running at half its pace misses it.
+MARGIN_S = 0.5
+# The API records the sends of its jobs (jobs.enqueued_at) in batches this often (webapi/sent_marks.py): a
+# job whose message is taken before its send is recorded is not yet seen as sent by the reconciler
+SENT_MARKS_INTERVAL_S = 0.5
 
 
 @pytest.fixture(autouse=True)
