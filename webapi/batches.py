@@ -49,7 +49,7 @@ def create_batch(body: BatchCreate):
     if file.lines > settings.max_batch_requests:
         raise APIError(
             400,
-            "too_many_requests",
+            "too_many_batch_requests",
             f"input_file_id: {file.lines:,} requests, more than the {settings.max_batch_requests:,} a batch may hold",
         )
     priority = int((body.metadata or {}).get("priority", settings.batch_priority))

@@ -61,7 +61,7 @@ def upload_file():
             )
     except FileLimitExceeded as exc:
         raise APIError(
-            400, "file_too_large" if "bytes" in str(exc) else "too_many_requests", str(exc)
+            400, "file_too_large" if "bytes" in str(exc) else "too_many_batch_requests", str(exc)
         ) from None
     return FileObject.of(stored).model_dump()
 

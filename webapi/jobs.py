@@ -195,7 +195,14 @@ def wait_for(job: Job, seconds: float) -> Job:
     read = read_job(found.autocommit, job.id, job.tenant_id)
     try:
         deadline = time.monotonic() + seconds
-        for item in follow(found.hub, read, job.id, row=job, deadline=deadline):
+        for item in follow(
+            found.hub,
+            read,
+            job.id,
+            row=job,
+            deadline=deadline,
+            resync_seconds=found.settings.events_resync_seconds,
+        ):
             if isinstance(item, Ended):
                 return item.job
     finally:

@@ -78,6 +78,7 @@ def test_upload_limits_are_named(settings, database, redis_client, new_key):
         client, headers = app.test_client(), {"Authorization": f"Bearer {new_key()}"}
         r = upload(client, headers, jsonl(chat_line(i) for i in range(3)))
         assert r.status_code == 400 and "more than 2 requests" in r.json["error"]["message"]
+        assert r.json["error"]["code"] == "too_many_batch_requests"  # not the 429's too_many_requests
         r = upload(client, headers, b'{"x": "' + b"y" * 5000 + b'"}\n')
         assert r.status_code in (400, 413) and "4,000 bytes" in r.json["error"]["message"]
         r = client.post(
