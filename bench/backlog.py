@@ -3,7 +3,8 @@
 Each section runs a fresh stack (bench/stack.py: its own database and Redis keys, gunicorn, real
 Celery workers) and compares it with a baseline measured in the same run:
 
-1. Urgent TTFT under a backlog. Default settings (MAX_NUM_SEQS 64, so a worker holds 72 jobs). Idle:
+1. Urgent TTFT under a backlog. Default settings (MAX_NUM_SEQS unset: the engine's 256, so a worker holds
+   288 jobs). Idle:
    priority-0 jobs one at a time on the empty stack. Backlog: `--backlog-factor` (10) + 3 times what the
    workers hold in priority-9 jobs (so that >= 10x still waits in Redis once the workers are full), then the same priority-0 jobs one at a time while the backlog waits
    in Redis. TTFT as the client sees it: from sending POST /jobs to the first token on the job's event
@@ -35,6 +36,7 @@ JSON goes to bench/out/backlog.json (its headline table to backlog.md), the plot
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import shutil
@@ -48,6 +50,7 @@ from sqlalchemy import select
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from batching.config import EngineConfig  # noqa: E402
 from bench.harness import markdown_table, pct, run_info, write_result  # noqa: E402
 from bench.stack import bench_settings, local_stack  # noqa: E402
 from jobstore.models import Job, JobStatus  # noqa: E402
@@ -55,6 +58,11 @@ from jobstore.models import Job, JobStatus  # noqa: E402
 OUT = Path(__file__).resolve().parent / "out"
 WORDS = "the tea cat sky mud river stone light song road".split()
 CORES = len(os.sched_getaffinity(0))
+
+
+def engine_default(name: str):
+    """An EngineConfig field's default: what the worker's engine takes when the setting is unset."""
+    return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == name)
 
 
 def prompt(rng: random.Random, tag: str) -> str:
@@ -74,7 +82,7 @@ def seconds(a, b) -> float:
 def urgent_ttft(workers: int, n_urgent: int, backlog_factor: int, worker_env: dict, seed: int = 11) -> dict:
     rng = random.Random(seed)
     settings = bench_settings()  # defaults: MAX_NUM_SEQS and WORKER_RESERVE unset
-    capacity = settings.worker_capacity(64) * workers
+    capacity = settings.worker_capacity(settings.max_num_seqs or engine_default("max_num_seqs")) * workers
 
     def urgent_body(i: int) -> dict:
         return {"prompt": prompt(rng, f"urgent {i}"), "max_tokens": 8, "priority": 0, "temperature": 0.0}

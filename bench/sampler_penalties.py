@@ -4,7 +4,10 @@ git (`--baseline`: a commit whose batching/sampler.py walked every row's tokens 
 alternating passes of the same process. Each pass runs `--steps` steps over `--rows` sequences of
 `--context` tokens, appending each step's tokens as the engine does.
 
-    python bench/sampler_penalties.py --baseline e4d74bb --rows 32 128 --context 512 4096
+    python bench/sampler_penalties.py --baseline COMMIT --rows 32 128 --context 512 4096
+
+The baseline bench/RESULTS.md used (e4d74bb) is not in this repository's history (squashed into d859f9a),
+and no commit here has such a sampler: run it from a clone whose history has one (bench/README.md).
 """
 
 from __future__ import annotations
@@ -30,9 +33,12 @@ from bench.harness import Interference, pct, wait_for_quiet  # noqa: E402
 
 def baseline_sampler(commit: str):
     """The Sampler class of batching/sampler.py at `commit`."""
-    source = subprocess.run(
-        ["git", "show", f"{commit}:batching/sampler.py"], cwd=ROOT, check=True, capture_output=True, text=True
-    ).stdout
+    shown = subprocess.run(
+        ["git", "show", f"{commit}:batching/sampler.py"], cwd=ROOT, capture_output=True, text=True
+    )
+    if shown.returncode:
+        raise SystemExit(f"--baseline {commit}: not in this repository ({shown.stderr.strip()})")
+    source = shown.stdout
     path = Path(f"/tmp/genq_baseline_sampler_{commit}.py")
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(f"baseline_sampler_{commit}", path)
