@@ -273,17 +273,25 @@ class Engine:
 
     def _postprocess(self, sched: SchedulerOutput, sample_seqs: list[Sequence], tokens: list[int]):
         outputs, self._pending_outputs = self._pending_outputs, []
+        counters = self._counters
+        prompt_tokens = 0
         for seq, n in zip(sched.seqs, sched.num_scheduled_tokens, strict=True):
-            if seq.num_output_tokens == 0 or seq.num_computed_tokens < seq.num_tokens - 1:
-                self._counters["num_prompt_tokens_computed"] += n
+            if (
+                seq.num_computed_tokens < len(seq.token_ids) - 1
+                or len(seq.token_ids) == seq.num_prompt_tokens
+            ):
+                prompt_tokens += n  # a prompt's (or resumed tokens') chunk, not a decode
             seq.num_computed_tokens += n
+        counters["num_prompt_tokens_computed"] += prompt_tokens
+        counters["num_generated_tokens"] += len(tokens)
         now = time.time()
         for seq, token in zip(sample_seqs, tokens, strict=True):
             seq.token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            self._counters["num_generated_tokens"] += 1
-            status = self.stop_checker.check(seq, token)
+        statuses = self.stop_checker.check_step(sample_seqs, tokens)
+        output = self._output
+        for seq, token, status in zip(sample_seqs, tokens, statuses):
             if seq.grammar is not None and seq.grammar.consume_token(token) and seq.grammar.is_stopped():
                 status = SequenceStatus.FINISHED_STOPPED  # its JSON is complete
             if status is not None:
@@ -291,7 +299,7 @@ class Engine:
                 self.sampler.forget(seq)
                 seq.finish_time = now
                 del self.requests[seq.req_id]
-            outputs.append(self._output(seq))
+            outputs.append(output(seq))
         return outputs
 
     @staticmethod
@@ -345,30 +353,31 @@ class Engine:
         """What changed since the request's last output: new token ids and new text (the prompt ids only in
         the first). Until it ends (stopped or at its length), the text's last `holdback` characters wait: a
         stop string may cut them. An aborted request keeps them back too: it may be resumed elsewhere."""
-        first = seq.num_reported_tokens == 0 and seq.num_reported_chars == 0
-        token_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_reported_tokens :]
-        ended = seq.finished and seq.status != SequenceStatus.FINISHED_ABORTED
-        end = len(seq.text) if ended else max(seq.num_reported_chars, len(seq.text) - seq.params.holdback)
-        text = seq.text[seq.num_reported_chars : end]
-        p = seq.params
-        logprobs = seq.logprobs[seq.num_reported_tokens :] if p.logprobs is not None else None
-        prompt_logprobs = list(seq.prompt_logprobs) if p.prompt_logprobs is not None and first else None
-        seq.num_reported_tokens += len(token_ids)
-        seq.num_reported_chars = max(seq.num_reported_chars, end)
+        p, status, text = seq.params, seq.status, seq.text
+        reported_tokens, reported_chars = seq.num_reported_tokens, seq.num_reported_chars
+        first = reported_tokens == 0 and reported_chars == 0
+        token_ids = seq.token_ids[seq.num_prompt_tokens + reported_tokens :]
+        finished = status >= SequenceStatus.FINISHED_STOPPED
+        if finished and status != SequenceStatus.FINISHED_ABORTED:
+            end = len(text)
+        else:
+            end = max(reported_chars, len(text) - (p.holdback if p.stop else 0))
+        seq.num_reported_tokens = reported_tokens + len(token_ids)
+        seq.num_reported_chars = max(reported_chars, end)
         return RequestOutput(
-            request_id=seq.req_id,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens] if first else [],
-            token_ids=token_ids,
-            text=text,
-            finished=seq.finished,
-            finish_reason=FINISH_REASONS.get(seq.status),
-            num_preemptions=seq.num_preemptions,
-            arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time,
-            finish_time=seq.finish_time,
-            priority=seq.priority,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            seq.req_id,
+            seq.token_ids[: seq.num_prompt_tokens] if first else [],
+            token_ids,
+            text[reported_chars:end],
+            finished,
+            FINISH_REASONS.get(status) if finished else None,
+            seq.num_preemptions,
+            seq.arrival_time,
+            seq.first_token_time,
+            seq.finish_time,
+            seq.priority,
+            seq.logprobs[reported_tokens:] if p.logprobs is not None else None,
+            list(seq.prompt_logprobs) if p.prompt_logprobs is not None and first else None,
         )
 
     # --- offline use ------------------------------------------------------------------------------

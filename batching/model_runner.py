@@ -13,6 +13,7 @@ steps replay a CUDA graph of the whole forward (cuda_graphs.py) fed through the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,6 +37,7 @@ from batching.state_layers import build_step
 if TYPE_CHECKING:
     from batching.cuda_graphs import DecodeGraphs
 
+_computed = attrgetter("num_computed_tokens")
 PREFILL_TILE = 16  # queries of one chunk per Triton program (triton_attention.py)
 BACKENDS = ("triton", "cpu_kernel", "torch")
 
@@ -135,7 +137,18 @@ class ModelRunner:
         chunks = [(s, n) for s, n in zip(sched.seqs, sched.num_scheduled_tokens) if n > 1]
         rows = StepRows([], [], [], [], [], [], [], len(singles))
         # single-query sequences (decodes), longest context first, one token each
-        singles.sort(key=lambda seq: seq.num_computed_tokens, reverse=True)
+        singles.sort(key=_computed, reverse=True)
+        positions = [seq.num_computed_tokens for seq in singles]
+        if all(p + 1 == len(seq.token_ids) for seq, p in zip(singles, positions)):
+            # every one samples (the common step): the rows in a few comprehensions
+            rows.input_ids = [seq.token_ids[-1] for seq in singles]
+            rows.positions = positions
+            rows.slot_mapping = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(singles, positions)]
+            rows.logits_rows = list(range(len(singles)))
+            rows.sample_seqs = list(singles)
+            rows.seqs = list(singles)
+            rows.q_lens = [1] * len(singles)
+            singles = []
         for seq in singles:
             pos = seq.num_computed_tokens
             rows.input_ids.append(seq.token_ids[pos])

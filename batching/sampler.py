@@ -105,6 +105,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits: [N, V], one row per sequence that gets a new token this step."""
+        if all(s.plain for s in seqs):  # the common step: greedy rows only
+            return logits.argmax(dim=-1).tolist()
         if any(s.params.logit_bias for s in seqs):  # a copy, as below: before everything else
             logits = apply_logit_bias(logits, seqs)
         early = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]

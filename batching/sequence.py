@@ -63,6 +63,7 @@ class Sequence:
         "logprobs",
         "prompt_logprobs",
         "grammar",
+        "plain",
     )
 
     def __init__(
@@ -111,6 +112,16 @@ class Sequence:
         # with params.json_schema: its grammar matcher (batching/grammar.py), fed every output token; it
         # stays with the sequence through preemption and swap
         self.grammar: LLMatcher | None = None
+        # its next token is the logits' argmax and nothing else is kept: the sampler's and the step's fast path
+        self.plain = (
+            params.greedy
+            and not params.logit_bias
+            and not params.penalized
+            and params.min_tokens == 0
+            and params.json_schema is None
+            and params.logprobs is None
+            and params.prompt_logprobs is None
+        )
 
     @property
     def num_tokens(self) -> int:
