@@ -153,13 +153,15 @@ class Scheduler:
     def _schedule_decodes(self, fill: _Fill) -> None:
         """A token for every running decode (up to the budget in tokens), most urgent first; a decode
         that finds the pool empty preempts the least urgent running sequence not yet scheduled (itself,
-        if that is it)."""
+        if that is it). A decode whose last token (still on the device, engine.py) is its last is not
+        scheduled: it ends when that token reaches the host."""
         bm = self.block_manager
         decoding = sorted(
             (
                 s
                 for s in self.running
                 if s.num_computed_tokens == len(s.token_ids) - 1 > s.num_prompt_tokens - 1
+                and len(s.token_ids) < s.max_num_tokens
             ),
             key=_urgency_key,
         )

@@ -33,6 +33,9 @@ FINISH_REASONS = {
 }
 
 
+PENDING_TOKEN = -1  # token_ids' last entry while its value is still on the device (engine.py)
+
+
 class Sequence:
     """One request. `token_ids` = prompt + generated; KV exists for the first `num_computed_tokens`."""
 
@@ -64,6 +67,9 @@ class Sequence:
         "prompt_logprobs",
         "grammar",
         "plain",
+        "overlappable",
+        "pending_row",
+        "max_num_tokens",
     )
 
     def __init__(
@@ -122,6 +128,19 @@ class Sequence:
             and params.logprobs is None
             and params.prompt_logprobs is None
         )
+        # the next step may be scheduled before its token is on the host (engine.py, async scheduling):
+        # nothing that step computes depends on the token's value on the host
+        self.overlappable = (
+            params.json_schema is None
+            and not params.penalized
+            and params.logprobs is None
+            and params.prompt_logprobs is None
+        )
+        # with async scheduling, while its last token is still on the device: token_ids ends with a
+        # placeholder (PENDING_TOKEN), and this is that token's row in its step's sampled tokens; else -1
+        self.pending_row = -1
+        # it stops at this length whatever it samples (max_tokens, or the model's length: set by the engine)
+        self.max_num_tokens = self.num_prompt_tokens + params.max_tokens
 
     @property
     def num_tokens(self) -> int:
