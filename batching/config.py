@@ -33,6 +33,9 @@ class EngineConfig:
     # "auto": the Triton kernel on CUDA, the C++ kernels on the CPU (if cpu_attention_kernel), else
     # torch; "triton" on the CPU runs only under TRITON_INTERPRET=1 (the suite's check of the CUDA path)
     attention_backend: str = "auto"
+    # schedule and pack the next step while the device runs this one; its tokens stay on the device as the
+    # next step's inputs (engine.py). None: on with CUDA (on the CPU the forward runs in the caller's thread)
+    async_scheduling: bool | None = None
     cuda_graphs: bool = True  # CUDA: replay captured graphs of the forward for decode-only steps
     cpu_packed_linears: bool = (
         True  # CPU float32/bfloat16: linear layers through oneDNN, weights packed once (cpu_linear.py)
@@ -79,6 +82,10 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(
+                f"async_scheduling must be None (auto), True or False, got {self.async_scheduling!r}"
             )
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")

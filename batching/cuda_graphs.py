@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from batching.model_runner import MetadataPacker, ModelRunner, StepRows
+from batching.host_to_device import device_tensor
+from batching.model_runner import MetadataPacker, ModelRunner, StepRows, fill_pending
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class DecodeGraphs:
     def _replay(self, graph: _Graph, rows: StepRows) -> torch.Tensor:
         host, _, _, _ = self.packer.layout(rows, self.runner.block_size, pad_to=graph.size, width=self.width)
         self.packer.send(host, into=graph.buffer)
+        fill_pending(graph.buffer[: graph.size], rows)  # input_ids come first in the buffer
         graph.graph.replay()
         self.num_replays += 1
         return sampled_rows(graph.logits, rows)
@@ -109,4 +111,4 @@ def sampled_rows(logits: torch.Tensor, rows: StepRows) -> torch.Tensor:
     wanted, n = rows.logits_rows, len(rows.seqs)  # a prompt's token fed alone (budget 1) samples nothing
     if len(wanted) == n:  # every decode samples (rows are ascending): the first n rows
         return logits[:n]
-    return logits[torch.tensor(wanted, dtype=torch.long, device=logits.device)]
+    return logits[device_tensor(wanted, logits.device)]

@@ -37,7 +37,7 @@ from batching.outputs import RequestOutput
 from batching.sampler import Sampler
 from batching.sampling_params import SamplingParams
 from batching.scheduler import Scheduler, SchedulerOutput
-from batching.sequence import FINISH_REASONS, Sequence, SequenceStatus
+from batching.sequence import FINISH_REASONS, PENDING_TOKEN, Sequence, SequenceStatus
 from batching.sizing import size_pools, trial_step_bytes
 from batching.state_cache import StateCache
 from batching.step_cost import attention_context_per_token
@@ -134,6 +134,11 @@ class Engine:
 
         self.requests: dict[str, Sequence] = {}
         self._pending_outputs: list[RequestOutput] = []  # aborted between steps, reported by the next
+        # async scheduling: the step whose tokens are still on their way to the host (step())
+        self.async_scheduling = (
+            config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        )
+        self._inflight: _Launched | None = None
         self._ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self._counters = dict(
@@ -146,6 +151,7 @@ class Engine:
             last_step_budget_used=0,
             last_step_num_seqs=0,
             last_step_time_s=0.0,
+            num_overlapped_steps=0,  # steps whose tokens reached the host while the next one ran
         )
         self._warm_up()
         graphable = self.state_cache is None  # state layers run per sequence in Python: no graph
@@ -226,6 +232,7 @@ class Engine:
         )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seq = Sequence(request_id, prompt_ids, params, priority, seed, resumed, arrival_time)
+        seq.max_num_tokens = min(seq.max_num_tokens, self.max_model_len)
         seq.grammar = grammar
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -235,6 +242,9 @@ class Engine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
+        if seq.pending_row >= 0:  # its token in flight is dropped, never delivered
+            seq.token_ids.pop()
+            seq.pending_row = -1
         self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         self.sampler.forget(seq)
         seq.finish_time = time.time()
@@ -243,23 +253,31 @@ class Engine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending_outputs)
+        return bool(self.requests) or bool(self._pending_outputs) or self._inflight is not None
 
     # --- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; returns the outputs of requests that changed (new tokens, finished, aborted)."""
+        """Run one batch; returns the outputs of requests that changed (new tokens, finished, aborted).
+
+        With async scheduling the step launches its batch, then finishes the last step's (its tokens come
+        to the host while this one runs), so its outputs are the last step's: schedule → run → postprocess,
+        with the postprocess one step behind. A step whose tokens the next needs on the host (a grammar,
+        penalties, log probabilities) is finished at once."""
         started = time.perf_counter()
+        prev, self._inflight = self._inflight, None
         sched = self.scheduler.schedule()
         cost_model = self.step_costs if sched.seqs else None  # it learns from steps that ran a batch
         make_up = step_cost.features(sched.seqs, sched.num_scheduled_tokens) if cost_model else None
-        logits, sample_seqs, prompt_logits, spans = self.runner.execute(sched)
-        tokens = self.sampler(logits, sample_seqs) if logits is not None and sample_seqs else []
-        if prompt_logits is not None:
-            self._record_prompt_logprobs(prompt_logits, spans)
-        if logits is not None and any(s.params.logprobs is not None for s in sample_seqs):
-            self._record_logprobs(logits, sample_seqs, tokens)
-        outputs = self._postprocess(sched, sample_seqs, tokens)
+        launched = self._launch(sched, prev)
+        outputs, self._pending_outputs = self._pending_outputs, []
+        if prev is not None:
+            outputs += self._finish(prev)
+        if launched is not None:
+            if self.async_scheduling and launched.overlappable:
+                self._hold(launched)
+            else:
+                outputs += self._finish(launched)
         seconds = time.perf_counter() - started
         self._record_step(sched, seconds)
         if cost_model and make_up is not None and (costs := cost_model.record(make_up, seconds)) is not None:
@@ -271,19 +289,68 @@ class Engine:
             self.scheduler.set_costs(costs)
         return outputs
 
-    def _postprocess(self, sched: SchedulerOutput, sample_seqs: list[Sequence], tokens: list[int]):
-        outputs, self._pending_outputs = self._pending_outputs, []
+    def _launch(self, sched: SchedulerOutput, prev: _Launched | None) -> _Launched | None:
+        """Run the step's forward and sample its tokens, which stay on the device (their copy to the host
+        started); the scheduled sequences advance. None if nothing was sampled."""
+        pending = prev.tokens if prev is not None else None
+        logits, sample_seqs, prompt_logits, spans = self.runner.execute(sched, pending)
+        prompt_tokens = 0
         for seq, n in zip(sched.seqs, sched.num_scheduled_tokens, strict=True):
-            if seq.num_output_tokens == 0 or seq.num_computed_tokens < seq.num_tokens - 1:
-                self._counters["num_prompt_tokens_computed"] += n
+            if (
+                seq.num_computed_tokens < len(seq.token_ids) - 1
+                or len(seq.token_ids) == seq.num_prompt_tokens
+            ):
+                prompt_tokens += n  # a prompt's (or resumed tokens') chunk, not a decode
             seq.num_computed_tokens += n
+        self._counters["num_prompt_tokens_computed"] += prompt_tokens
+        if logits is None or not sample_seqs:
+            if prompt_logits is not None:
+                self._record_prompt_logprobs(prompt_logits, spans)
+            return None
+        tokens = self.sampler.sample(logits, sample_seqs)
+        overlappable = prompt_logits is None and all(s.overlappable for s in sample_seqs)
+        return _Launched(sample_seqs, tokens, _to_host(tokens), logits, prompt_logits, spans, overlappable)
+
+    def _hold(self, launched: _Launched) -> None:
+        """Leave `launched` in flight: its sequences' tokens wait on the device, placeholders on the host,
+        and the next step is scheduled meanwhile (its inputs read them on the device)."""
+        launched.logits = None
+        for i, seq in enumerate(launched.seqs):
+            if seq.status < SequenceStatus.FINISHED_STOPPED:  # (one that the last step ended runs moot)
+                seq.token_ids.append(PENDING_TOKEN)
+                seq.pending_row = i
+        self._inflight = launched
+        self._counters["num_overlapped_steps"] += 1
+
+    def _finish(self, launched: _Launched) -> list[RequestOutput]:
+        """The host's part of a launched step, once its tokens are there: log probabilities, the tokens
+        appended, stops, outputs. A sequence that ended meanwhile (a stop, a cancel) drops its token."""
+        tokens = launched.host_tokens()
+        seqs = launched.seqs
+        if launched.prompt_logits is not None:
+            self._record_prompt_logprobs(launched.prompt_logits, launched.spans)
+        if launched.logits is not None and any(s.params.logprobs is not None for s in seqs):
+            self._record_logprobs(launched.logits, seqs, tokens)
+        live = [i for i, seq in enumerate(seqs) if seq.status < SequenceStatus.FINISHED_STOPPED]
+        if len(live) < len(seqs):
+            seqs, tokens = [seqs[i] for i in live], [tokens[i] for i in live]
+        return self._postprocess(seqs, tokens)
+
+    def _postprocess(self, sample_seqs: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
+        self._counters["num_generated_tokens"] += len(tokens)
         now = time.time()
         for seq, token in zip(sample_seqs, tokens, strict=True):
-            seq.token_ids.append(token)
+            if seq.pending_row >= 0:  # its placeholder, last in token_ids
+                seq.token_ids[-1] = token
+                seq.pending_row = -1
+            else:
+                seq.token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            self._counters["num_generated_tokens"] += 1
-            status = self.stop_checker.check(seq, token)
+        statuses = self.stop_checker.check_step(sample_seqs, tokens)
+        outputs = []
+        output = self._output
+        for seq, token, status in zip(sample_seqs, tokens, statuses):
             if seq.grammar is not None and seq.grammar.consume_token(token) and seq.grammar.is_stopped():
                 status = SequenceStatus.FINISHED_STOPPED  # its JSON is complete
             if status is not None:
@@ -291,7 +358,7 @@ class Engine:
                 self.sampler.forget(seq)
                 seq.finish_time = now
                 del self.requests[seq.req_id]
-            outputs.append(self._output(seq))
+            outputs.append(output(seq))
         return outputs
 
     @staticmethod
@@ -345,30 +412,31 @@ class Engine:
         """What changed since the request's last output: new token ids and new text (the prompt ids only in
         the first). Until it ends (stopped or at its length), the text's last `holdback` characters wait: a
         stop string may cut them. An aborted request keeps them back too: it may be resumed elsewhere."""
-        first = seq.num_reported_tokens == 0 and seq.num_reported_chars == 0
-        token_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_reported_tokens :]
-        ended = seq.finished and seq.status != SequenceStatus.FINISHED_ABORTED
-        end = len(seq.text) if ended else max(seq.num_reported_chars, len(seq.text) - seq.params.holdback)
-        text = seq.text[seq.num_reported_chars : end]
-        p = seq.params
-        logprobs = seq.logprobs[seq.num_reported_tokens :] if p.logprobs is not None else None
-        prompt_logprobs = list(seq.prompt_logprobs) if p.prompt_logprobs is not None and first else None
-        seq.num_reported_tokens += len(token_ids)
-        seq.num_reported_chars = max(seq.num_reported_chars, end)
+        p, status, text = seq.params, seq.status, seq.text
+        reported_tokens, reported_chars = seq.num_reported_tokens, seq.num_reported_chars
+        first = reported_tokens == 0 and reported_chars == 0
+        token_ids = seq.token_ids[seq.num_prompt_tokens + reported_tokens :]
+        finished = status >= SequenceStatus.FINISHED_STOPPED
+        if finished and status != SequenceStatus.FINISHED_ABORTED:
+            end = len(text)
+        else:
+            end = max(reported_chars, len(text) - (p.holdback if p.stop else 0))
+        seq.num_reported_tokens = reported_tokens + len(token_ids)
+        seq.num_reported_chars = max(reported_chars, end)
         return RequestOutput(
-            request_id=seq.req_id,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens] if first else [],
-            token_ids=token_ids,
-            text=text,
-            finished=seq.finished,
-            finish_reason=FINISH_REASONS.get(seq.status),
-            num_preemptions=seq.num_preemptions,
-            arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time,
-            finish_time=seq.finish_time,
-            priority=seq.priority,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            seq.req_id,
+            seq.token_ids[: seq.num_prompt_tokens] if first else [],
+            token_ids,
+            text[reported_chars:end],
+            finished,
+            FINISH_REASONS.get(status) if finished else None,
+            seq.num_preemptions,
+            seq.arrival_time,
+            seq.first_token_time,
+            seq.finish_time,
+            seq.priority,
+            seq.logprobs[reported_tokens:] if p.logprobs is not None else None,
+            list(seq.prompt_logprobs) if p.prompt_logprobs is not None and first else None,
         )
 
     # --- offline use ------------------------------------------------------------------------------
@@ -509,6 +577,40 @@ class Engine:
         for key in self._counters:
             self._counters[key] = 0 if isinstance(self._counters[key], int) else 0.0
         self.block_manager.reset_prefix_cache()  # the warm-up's KV is nobody's prefix
+
+
+class _Launched:
+    """A step whose forward and sampling were launched: its sampled sequences, their tokens on the device
+    and on their way to the host, and what its finish needs (logits only when it is finished at once)."""
+
+    __slots__ = ("seqs", "tokens", "_host", "logits", "prompt_logits", "spans", "overlappable")
+
+    def __init__(self, seqs, tokens, host, logits, prompt_logits, spans, overlappable):
+        self.seqs: list[Sequence] = seqs
+        self.tokens: torch.Tensor = tokens  # [N] on the device: the next step's inputs read them there
+        self._host = host  # (tensor, event): the one device-to-host copy of the step
+        self.logits: torch.Tensor | None = logits
+        self.prompt_logits: torch.Tensor | None = prompt_logits
+        self.spans: list = spans
+        self.overlappable: bool = overlappable  # nothing the next step computes needs its tokens on the host
+
+    def host_tokens(self) -> list[int]:
+        """The tokens as a list, once their copy has arrived (waits for it, and only for it)."""
+        host, event = self._host
+        if event is not None:
+            event.synchronize()
+        return host.tolist()
+
+
+def _to_host(tokens: torch.Tensor):
+    """Start the copy of a step's sampled tokens to (pinned) host memory: (host tensor, its CUDA event)."""
+    if tokens.device.type == "cpu":
+        return tokens, None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
 
 
 def triton_unavailable(device, dtype) -> str | None:

@@ -513,10 +513,13 @@ class _RecordingSampler:
         self.sampler = sampler
         self.rows: dict[str, list[tuple[int, torch.Tensor]]] = {}  # req_id -> [(num_tokens, logits [V])]
 
-    def __call__(self, logits, seqs):
+    def sample(self, logits, seqs):
         for row, seq in zip(logits, seqs):
             self.rows.setdefault(seq.req_id, []).append((seq.num_tokens, row.detach().clone()))
-        return self.sampler(logits, seqs)
+        return self.sampler.sample(logits, seqs)
+
+    def __call__(self, logits, seqs):
+        return self.sample(logits, seqs).tolist()
 
     def forget(self, seq) -> None:
         self.sampler.forget(seq)

@@ -13,6 +13,7 @@ steps replay a CUDA graph of the whole forward (cuda_graphs.py) fed through the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,6 +28,7 @@ from batching.attention_metadata import (
     TileLaunch,
 )
 from batching.cpu_attention import PagedAttentionKernel, PrefillTables
+from batching.host_to_device import device_tensor
 from batching.kv_cache import KVCache
 from batching.scheduler import SchedulerOutput
 from batching.sequence import Sequence
@@ -36,6 +38,7 @@ from batching.state_layers import build_step
 if TYPE_CHECKING:
     from batching.cuda_graphs import DecodeGraphs
 
+_computed = attrgetter("num_computed_tokens")
 PREFILL_TILE = 16  # queries of one chunk per Triton program (triton_attention.py)
 BACKENDS = ("triton", "cpu_kernel", "torch")
 
@@ -65,6 +68,11 @@ class StepRows:
     # and for each such sequence (it, its first such position, their number), in the same order
     logprob_rows: list[int] = field(default_factory=list)
     logprob_spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    # async scheduling (engine.py): rows whose input token is still on the device, and each one's row in
+    # `pending_tokens`, the last step's sampled tokens there
+    pending_rows: list[int] = field(default_factory=list)
+    pending_sources: list[int] = field(default_factory=list)
+    pending_tokens: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -93,10 +101,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, sched: SchedulerOutput
+        self, sched: SchedulerOutput, pending_tokens: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | None, list[Sequence], torch.Tensor | None, list[tuple[Sequence, int, int]]]:
         """Swap blocks, then one packed forward. Returns (logits [N, V] or None, the N sequences, the logits
-        of the rows that give asked-for prompt log probabilities [P, V] or None, their spans)."""
+        of the rows that give asked-for prompt log probabilities [P, V] or None, their spans).
+        `pending_tokens`: the last step's sampled tokens on the device, where some of this step's input
+        tokens still are (Sequence.pending_row)."""
         self.kv_cache.swap(sched.swap_out, sched.swap_in)
         if self.state_cache is not None:
             self.state_cache.swap(sched.state_swap_out, sched.state_swap_in)
@@ -104,6 +114,9 @@ class ModelRunner:
             self.kv_cache.wait_for_copies()
             return None, [], None, []
         rows = self.step_rows(sched)
+        if rows.pending_rows:
+            assert pending_tokens is not None, "an input token on the device, and no tokens given"
+            rows.pending_tokens = pending_tokens
         extra = len(rows.logprob_rows)
         if not extra and self.graphs is not None and (replay := self.graphs.match(rows)) is not None:
             self.kv_cache.wait_for_copies()
@@ -111,6 +124,7 @@ class ModelRunner:
         n = len(rows.logits_rows)
         rows.logits_rows += rows.logprob_rows  # one pass of the head over both
         batch = self.prepare(sched, rows)
+        fill_pending(batch.input_ids[0], rows)
         self.kv_cache.wait_for_copies()
         logits = self.forward(batch)  # [N + P, V]
         return logits[:n], rows.sample_seqs, logits[n:] if extra else None, rows.logprob_spans
@@ -135,9 +149,27 @@ class ModelRunner:
         chunks = [(s, n) for s, n in zip(sched.seqs, sched.num_scheduled_tokens) if n > 1]
         rows = StepRows([], [], [], [], [], [], [], len(singles))
         # single-query sequences (decodes), longest context first, one token each
-        singles.sort(key=lambda seq: seq.num_computed_tokens, reverse=True)
+        singles.sort(key=_computed, reverse=True)
+        positions = [seq.num_computed_tokens for seq in singles]
+        if all(p + 1 == len(seq.token_ids) for seq, p in zip(singles, positions)):
+            # every one samples (the common step): the rows in a few comprehensions
+            rows.input_ids = [seq.token_ids[-1] for seq in singles]
+            rows.positions = positions
+            rows.slot_mapping = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(singles, positions)]
+            rows.logits_rows = list(range(len(singles)))
+            rows.sample_seqs = list(singles)
+            rows.seqs = list(singles)
+            rows.q_lens = [1] * len(singles)
+            for i, seq in enumerate(singles):
+                if seq.pending_row >= 0:
+                    rows.pending_rows.append(i)
+                    rows.pending_sources.append(seq.pending_row)
+            singles = []
         for seq in singles:
             pos = seq.num_computed_tokens
+            if seq.pending_row >= 0 and pos + 1 == seq.num_tokens:
+                rows.pending_rows.append(len(rows.input_ids))
+                rows.pending_sources.append(seq.pending_row)
             rows.input_ids.append(seq.token_ids[pos])
             rows.positions.append(pos)
             rows.slot_mapping.append(seq.block_table[pos // bs] * bs + pos % bs)
@@ -150,6 +182,7 @@ class ModelRunner:
             rows.q_lens.append(1)
         # prefill chunks: n rows each
         for seq, n in chunks:
+            assert seq.pending_row < 0, f"{seq}: a prefill chunk with a token still on the device"
             start, c = len(rows.input_ids), seq.num_computed_tokens
             table = seq.block_table
             rows.input_ids.extend(seq.token_ids[c : c + n])
@@ -411,6 +444,17 @@ class MetadataPacker:
             attn=attn,
             sample_seqs=rows.sample_seqs,
         )
+
+
+def fill_pending(input_ids: torch.Tensor, rows: StepRows) -> None:
+    """Write into `input_ids` [T] (the step's, on the device) the tokens its rows take from the last step's
+    sampled tokens (async scheduling): one gather and one scatter on the device, no wait for it."""
+    if not rows.pending_rows:
+        return
+    assert rows.pending_tokens is not None
+    dev = input_ids.device
+    at, src = device_tensor(rows.pending_rows, dev), device_tensor(rows.pending_sources, dev)
+    input_ids.index_copy_(0, at, rows.pending_tokens.index_select(0, src))
 
 
 MIN_GROUP = 8  # fewer rows than this are not worth a call of their own

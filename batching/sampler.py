@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from batching.grammar import allowed_tokens
+from batching.host_to_device import device_tensor
 from batching.sequence import Sequence
 from batching.token_counts import TokenCounts
 
@@ -53,7 +54,7 @@ def apply_penalties(
     counts = counts.to(logits.dtype)
 
     def column(name: str) -> torch.Tensor:  # [P, 1]: each row's value of a parameter
-        return torch.tensor([getattr(s.params, name) for s in seqs], dtype=logits.dtype, device=dev)[:, None]
+        return device_tensor([getattr(s.params, name) for s in seqs], dev, logits.dtype)[:, None]
 
     repetition, presence, frequency = (
         column(n) for n in ("repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -68,8 +69,8 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     ids = [t for s in seqs for t in s.params.logit_bias]
     bias = [b for s in seqs for b in s.params.logit_bias.values()]
     dev = logits.device
-    index = (torch.tensor(rows, device=dev), torch.tensor(ids, device=dev))
-    return logits.index_put(index, torch.tensor(bias, dtype=logits.dtype, device=dev), accumulate=True)
+    index = (device_tensor(rows, dev), device_tensor(ids, dev))
+    return logits.index_put(index, device_tensor(bias, dev, logits.dtype), accumulate=True)
 
 
 def hold_back_stops(logits: torch.Tensor, rows: list[int], stops: list[list[int]]) -> torch.Tensor:
@@ -77,9 +78,9 @@ def hold_back_stops(logits: torch.Tensor, rows: list[int], stops: list[list[int]
     sequence unless ignored, and stop_token_ids): min_tokens not reached yet (vLLM's MinTokensLogitsProcessor,
     transformers' MinNewTokensLengthLogitsProcessor)."""
     dev = logits.device
-    at = torch.tensor([r for r, ids in zip(rows, stops, strict=True) for _ in ids], device=dev)
-    ids = torch.tensor([t for s in stops for t in s], device=dev)
-    return logits.index_put((at, ids), torch.tensor(float("-inf"), dtype=logits.dtype, device=dev))
+    at = device_tensor([r for r, ids in zip(rows, stops, strict=True) for _ in ids], dev)
+    ids = device_tensor([t for s in stops for t in s], dev)
+    return logits.index_put((at, ids), logits.new_full((), float("-inf")))
 
 
 def apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -105,6 +106,12 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits: [N, V], one row per sequence that gets a new token this step."""
+        return self.sample(logits, seqs).tolist()
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The tokens [N] (int64, on the logits' device; nothing waits for the device) of `__call__`."""
+        if all(s.plain for s in seqs):  # the common step: greedy rows only
+            return logits.argmax(dim=-1)
         if any(s.params.logit_bias for s in seqs):  # a copy, as below: before everything else
             logits = apply_logit_bias(logits, seqs)
         early = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
@@ -114,12 +121,12 @@ class Sampler:
                 logits = hold_back_stops(logits, early, stops)
         constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if constrained:  # a copy, as for penalties
-            index = torch.tensor(constrained, device=logits.device)
+            index = device_tensor(constrained, logits.device)
             masked = apply_grammars(logits.index_select(0, index), [seqs[i] for i in constrained])
             logits = logits.index_copy(0, index, masked)
         penalized = [i for i, s in enumerate(seqs) if s.params.penalized]
         if penalized:  # a copy: log probabilities are the model's (engine.py takes them from `logits`)
-            at = torch.tensor(penalized, device=logits.device)
+            at = device_tensor(penalized, logits.device)
             counted = [seqs[i] for i in penalized]
             rows, seen, counts = self.token_counts.gather(counted, logits.shape[-1], logits.device)
             changed = apply_penalties(logits.index_select(0, at), counted, seen, counts)
@@ -128,11 +135,11 @@ class Sampler:
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
             rows_sampled = [seqs[i] for i in sampled]
-            index = torch.tensor(sampled, device=logits.device)
+            index = device_tensor(sampled, logits.device)
             tokens = tokens.index_copy(0, index, self._sample(logits.index_select(0, index), rows_sampled))
         if penalized:  # this step's tokens join the counts on the device
             self.token_counts.add(counted, rows, tokens.index_select(0, at))
-        return tokens.tolist()
+        return tokens
 
     def _stop_ids(self, seq: Sequence) -> list[int]:
         p = seq.params
@@ -143,16 +150,16 @@ class Sampler:
     def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """logits: [R, V] of sampled rows; their tokens [R]."""
         dev, vocab = logits.device, logits.shape[-1]
-        temperature = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32, device=dev)
+        temperature = device_tensor([s.params.temperature for s in seqs], dev, torch.float32)
         x = logits.float() / temperature[:, None]  # [R, V]
         top_k = [s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs]
         top_p = [s.params.top_p for s in seqs]
         if min(top_k) < vocab or min(top_p) < 1.0:
             sorted_x, order = torch.sort(x, dim=-1, descending=True)  # [R, V]
             ranks = torch.arange(vocab, device=dev)
-            k = torch.tensor(top_k, device=dev)
+            k = device_tensor(top_k, dev)
             sorted_x = sorted_x.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
-            p = torch.tensor(top_p, dtype=torch.float32, device=dev)
+            p = device_tensor(top_p, dev, torch.float32)
             probs = torch.softmax(sorted_x, dim=-1)
             # keep the smallest set reaching top_p (rows with top_p 1 keep all)
             drop = (probs.cumsum(dim=-1) - probs >= p[:, None]) & (p < 1.0)[:, None]
@@ -160,12 +167,8 @@ class Sampler:
         probs = torch.softmax(x, dim=-1).double()
         min_p = [s.params.min_p for s in seqs]
         if max(min_p) > 0.0:  # drop what is less likely than min_p times the row's most likely token
-            floor = torch.tensor(min_p, dtype=torch.float64, device=dev)[:, None] * probs.amax(
-                dim=-1, keepdim=True
-            )
+            floor = device_tensor(min_p, dev, torch.float64)[:, None] * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < floor, 0.0)
         # exponential race (equivalent to sampling from probs), with noise from (seed, token index) only
-        keys = torch.tensor(
-            [token_seed(s.sample_seed, s.num_output_tokens) for s in seqs], dtype=torch.int64, device=dev
-        )
+        keys = device_tensor([token_seed(s.sample_seed, s.num_output_tokens) for s in seqs], dev, torch.int64)
         return (probs / exponential_noise(keys, vocab)).argmax(dim=-1)

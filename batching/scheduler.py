@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from batching.block_manager import BlockManager, CachedPrefix, blocks_for
 from batching.config import EngineConfig
@@ -152,9 +153,21 @@ class Scheduler:
     def _schedule_decodes(self, fill: _Fill) -> None:
         """A token for every running decode (up to the budget in tokens), most urgent first; a decode
         that finds the pool empty preempts the least urgent running sequence not yet scheduled (itself,
-        if that is it)."""
+        if that is it). A decode whose last token (still on the device, engine.py) is its last is not
+        scheduled: it ends when that token reaches the host."""
         bm = self.block_manager
-        for seq in sorted((s for s in self.running if s.is_decoding), key=_urgency):
+        decoding = sorted(
+            (
+                s
+                for s in self.running
+                if s.num_computed_tokens == len(s.token_ids) - 1 > s.num_prompt_tokens - 1
+                and len(s.token_ids) < s.max_num_tokens
+            ),
+            key=_urgency_key,
+        )
+        if len(decoding) <= self.max_num_batched_tokens and self._schedule_decodes_at_once(decoding, fill):
+            return
+        for seq in decoding:
             if len(fill.decodes) == self.max_num_batched_tokens:
                 break
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
@@ -169,11 +182,35 @@ class Scheduler:
                 fill.out.add(seq, 1)
                 fill.decodes[seq] = self._decode_cost(seq)
 
+    def _schedule_decodes_at_once(self, decoding: list[Sequence], fill: _Fill) -> bool:
+        """The common step: the pool has a block for every decode that needs one, so none preempts and
+        all are scheduled in one pass (what the loop above would do, without its per-sequence checks).
+        False, and nothing done, when it does not."""
+        bm, bs = self.block_manager, self.block_manager.block_size
+        growing = [s for s in decoding if len(s.block_table) * bs <= s.num_computed_tokens]
+        if sum(bm.num_new_blocks(s, 1) for s in growing) > bm.num_free_device_blocks:
+            return False
+        for seq in growing:
+            bm.allocate(seq, 1)
+        out = fill.out
+        out.seqs.extend(decoding)
+        out.num_scheduled_tokens.extend([1] * len(decoding))
+        tokens, c = self.costs.decode_tokens, self.costs.decode_context_per_token
+        if c:
+            fill.decodes.update((s, tokens + s.num_computed_tokens / c) for s in decoding)
+        else:
+            fill.decodes.update(dict.fromkeys(decoding, tokens + 0.0))
+        return True
+
     def _prefill_order(self) -> list[Sequence]:
         """Who gets the budget left after decodes: by priority; within a priority, prefills in progress
         first (stall-free), then swapped and waiting sequences by arrival. A less urgent prefill in
         progress therefore never holds back a more urgent request (its blocks stay; it only waits)."""
-        prefilling = [s for s in self.running if not s.is_decoding]
+        prefilling = [
+            s
+            for s in self.running
+            if not s.num_computed_tokens == len(s.token_ids) - 1 > s.num_prompt_tokens - 1
+        ]  # not is_decoding
         return sorted(prefilling + self.swapped + self.waiting, key=_prefill_key)
 
     def _schedule_prefills(self, fill: _Fill) -> None:
@@ -464,6 +501,9 @@ class _Fill:
     out: SchedulerOutput
     decodes: dict[Sequence, float] = field(default_factory=dict)
     taken: int = 0
+
+
+_urgency_key = attrgetter("priority", "arrival_time")  # _urgency, in C
 
 
 def _urgency(seq: Sequence) -> tuple[int, float]:

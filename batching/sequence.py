@@ -33,6 +33,9 @@ FINISH_REASONS = {
 }
 
 
+PENDING_TOKEN = -1  # token_ids' last entry while its value is still on the device (engine.py)
+
+
 class Sequence:
     """One request. `token_ids` = prompt + generated; KV exists for the first `num_computed_tokens`."""
 
@@ -63,6 +66,10 @@ class Sequence:
         "logprobs",
         "prompt_logprobs",
         "grammar",
+        "plain",
+        "overlappable",
+        "pending_row",
+        "max_num_tokens",
     )
 
     def __init__(
@@ -111,6 +118,29 @@ class Sequence:
         # with params.json_schema: its grammar matcher (batching/grammar.py), fed every output token; it
         # stays with the sequence through preemption and swap
         self.grammar: LLMatcher | None = None
+        # its next token is the logits' argmax and nothing else is kept: the sampler's and the step's fast path
+        self.plain = (
+            params.greedy
+            and not params.logit_bias
+            and not params.penalized
+            and params.min_tokens == 0
+            and params.json_schema is None
+            and params.logprobs is None
+            and params.prompt_logprobs is None
+        )
+        # the next step may be scheduled before its token is on the host (engine.py, async scheduling):
+        # nothing that step computes depends on the token's value on the host
+        self.overlappable = (
+            params.json_schema is None
+            and not params.penalized
+            and params.logprobs is None
+            and params.prompt_logprobs is None
+        )
+        # with async scheduling, while its last token is still on the device: token_ids ends with a
+        # placeholder (PENDING_TOKEN), and this is that token's row in its step's sampled tokens; else -1
+        self.pending_row = -1
+        # it stops at this length whatever it samples (max_tokens, or the model's length: set by the engine)
+        self.max_num_tokens = self.num_prompt_tokens + params.max_tokens
 
     @property
     def num_tokens(self) -> int:

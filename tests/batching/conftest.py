@@ -21,13 +21,16 @@ from batching.tokenizer import BOS_ID, EOS_ID, byte_level_tokenizer  # noqa: E40
 # prefix cache) run on each one this machine has. The C++ kernels and torch on the CPU always;
 # on a CUDA machine the Triton kernel (with CUDA graphs for decodes) and torch on the device.
 # GENQ_TEST_PATHS (comma-separated names) picks some (`make gpu-check` picks the CUDA ones).
+# "-async": the next step scheduled while this one's tokens are still on the device (engine.py; on by
+# default with CUDA, so the CUDA torch path runs without it).
 ENGINE_PATHS = {
     "cpu-kernel": dict(device="cpu", attention_backend="cpu_kernel"),
+    "cpu-kernel-async": dict(device="cpu", attention_backend="cpu_kernel", async_scheduling=True),
     "cpu-torch": dict(device="cpu", attention_backend="torch"),
 }
 if CUDA:
     ENGINE_PATHS["cuda-triton"] = dict(device="cuda", attention_backend="triton")
-    ENGINE_PATHS["cuda-torch"] = dict(device="cuda", attention_backend="torch")
+    ENGINE_PATHS["cuda-torch"] = dict(device="cuda", attention_backend="torch", async_scheduling=False)
 if os.environ.get("GENQ_TEST_PATHS"):
     ENGINE_PATHS = {name: ENGINE_PATHS[name] for name in os.environ["GENQ_TEST_PATHS"].split(",")}
 # Triton's kernel is slow under the interpreter: the tests in test_attention_paths.py run it on a

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batching import Engine, EngineConfig
+from batching import Engine, EngineConfig, SamplingParams
 from tests.batching.conftest import CUDA, greedy, random_prompts, run_to_completion
 
 pytestmark = pytest.mark.skipif(not CUDA, reason="no CUDA device here: run `make gpu-check` on a GPU host")
@@ -86,3 +86,29 @@ def test_the_pool_leaves_a_full_step_free(llama_path):
     prompts = random_prompts(5, [1000] + [1] * 20)
     outs = engine.generate(prompts, greedy(2))
     assert all(len(out.token_ids) == 2 for out in outs)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_async_steps_never_make_the_host_wait_for_the_device(llama_path, sampled):
+    """With async scheduling on (CUDA's default), a step launches the next batch without any synchronizing
+    call (torch's sync debug mode raises on one: a pageable copy, .item(), .tolist() of a device tensor);
+    the only wait is for the last step's token copy, on its event."""
+    engine = cuda_engine(llama_path, max_num_seqs=16, max_num_batched_tokens=64)
+    assert engine.async_scheduling
+    params = (
+        SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
+        if sampled
+        else greedy(40)
+    )
+    for i, prompt in enumerate(random_prompts(6, [5, 9, 14, 3, 30, 22])):
+        engine.add_request(f"r{i}", prompt, params)
+    for _ in range(6):  # every prompt in, decoding
+        engine.step()
+    before = engine.stats()["num_overlapped_steps"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(10):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert engine.stats()["num_overlapped_steps"] - before == 10

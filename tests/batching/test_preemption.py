@@ -104,6 +104,7 @@ def test_urgent_request_gets_first_token_in_next_step(make_engine, llama_path, r
     slots = 3 if "slots" in full else 16
     blocks = 30 if "blocks" in full else 200
     engine = make_engine(
+        async_scheduling=False,  # which step an output comes from: async delivers it a step later
         block_size=2,
         num_device_blocks=blocks,
         num_host_blocks=64 if mode == "swap" else 0,
@@ -139,7 +140,13 @@ def test_urgent_request_gets_first_token_in_next_step(make_engine, llama_path, r
 def test_urgent_request_overtakes_a_low_priority_prefill_in_progress(make_engine, llama_path, reference):
     """A long priority-9 prompt whose prefill takes the whole budget for many steps must not hold back a
     priority-0 request: the urgent one gets its first token from the next step."""
-    engine = make_engine(block_size=4, num_device_blocks=100, max_num_batched_tokens=16, max_num_seqs=8)
+    engine = make_engine(
+        async_scheduling=False,  # which step an output comes from: async delivers it a step later
+        block_size=4,
+        num_device_blocks=100,
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+    )
     long_prompt, urgent = random_prompts(42, [150, 8])
     engine.add_request("long", long_prompt, greedy(4), priority=9)
     engine.step()
@@ -185,6 +192,7 @@ def test_no_preemption_for_equal_priority(make_engine, mode):
     """Slots full of priority-5 work: a new priority-5 request waits for a slot instead of preempting;
     a priority-4 one preempts (strictly more urgent)."""
     engine = make_engine(
+        async_scheduling=False,  # which step an output comes from: async delivers it a step later
         block_size=2,
         num_device_blocks=200,
         num_host_blocks=100 if mode == "swap" else 0,
@@ -221,6 +229,7 @@ def test_preempted_sequence_keeps_arrival_time_and_place(make_engine, llama_path
     """A preempted request keeps its arrival time, so it resumes before a same-priority request that
     arrived after it."""
     engine = make_engine(
+        async_scheduling=False,  # which step an output comes from: async delivers it a step later
         block_size=2,
         num_device_blocks=200,
         num_host_blocks=100 if mode == "swap" else 0,
@@ -262,6 +271,7 @@ def test_an_urgent_prefill_runs_in_a_short_step(make_engine, llama_path, referen
     urgent chunk, so the urgent first token is not held back by a budget padded with bulk prompt tokens.
     The bulk prompt's chunks resume in the next step, and every output stays exact."""
     engine = make_engine(
+        async_scheduling=False,  # which step an output comes from: async delivers it a step later
         block_size=4,
         num_device_blocks=200,
         max_num_batched_tokens=32,

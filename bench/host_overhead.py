@@ -1,0 +1,185 @@
+"""The engine's own host work per step, outside the model's forward, at several batch widths.
+
+A Llama whose forward is nearly free (2 layers, hidden 64, 4 heads, the byte-level tokenizer's 259 ids,
+so every generated token is also detokenized and stop-checked as in real use) runs W sequences of short
+prompts in pure decode. For each width the bench times `engine.step()` and, inside it, the model's
+forward (from a forward pre-hook to its post-hook, the device synchronized at both ends on CUDA), over
+`--steps` steady decode steps; host work = step time - forward time. It prints per step and per sequence,
+and the same as the main thread's CPU time (step less forward: what other processes on a busy
+machine do not inflate), with the issue's target beside it (<= 1 us a sequence + 100 us a step; <= 100 us at width 1).
+
+    python bench/host_overhead.py                     # widths 1, 64, 256
+    python bench/host_overhead.py --widths 256 --profile   # cProfile's top functions of the 256 run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from transformers import AutoConfig, LlamaForCausalLM  # noqa: E402
+
+from batching import Engine, EngineConfig, SamplingParams  # noqa: E402
+from batching.tokenizer import byte_level_tokenizer  # noqa: E402
+
+NEARLY_FREE = dict(
+    vocab_size=259,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def build_model_dir(path: str) -> str:
+    """The nearly-free Llama with seeded random weights and the byte-level tokenizer, saved to `path`."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", **NEARLY_FREE, dtype="float32")
+    LlamaForCausalLM(config).save_pretrained(path)
+    byte_level_tokenizer().save_pretrained(path)
+    return path
+
+
+class ForwardTimer:
+    """Sums the wall time of the model's forwards (hooks on the top module)."""
+
+    def __init__(self, model, device):
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.total = 0.0
+        self.cpu_total = 0.0  # the calling thread's CPU time in forwards
+        self._start = self._cpu_start = 0.0
+        self._handles = [
+            model.register_forward_pre_hook(self._pre),
+            model.register_forward_hook(self._post),
+        ]
+
+    def _pre(self, *args):
+        self.sync()
+        self._start = time.perf_counter()
+        self._cpu_start = time.thread_time()
+
+    def _post(self, *args):
+        self.sync()
+        self.total += time.perf_counter() - self._start
+        self.cpu_total += time.thread_time() - self._cpu_start
+
+    def close(self):
+        for h in self._handles:
+            h.remove()
+
+
+def measure(engine: Engine, width: int, steps: int, profile: bool = False) -> dict:
+    """Host work per step of `width` sequences in steady decode, over `steps` steps (median of 3 runs)."""
+    # deltas, as the worker asks (workers/engine_process.py)
+    params = SamplingParams(max_tokens=steps * 3 + 64, temperature=0, ignore_eos=True, output_kind="delta")
+    prompts = [[3 + (i * 7 + j) % 250 for j in range(8)] for i in range(width)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"w{width}-{i}", prompt, params)
+    while engine.stats()["num_running"] < width or engine.stats()["num_waiting"]:
+        engine.step()
+    for _ in range(8):  # every sequence decoding
+        engine.step()
+    timer = ForwardTimer(engine.model, engine.device)
+    rounds = []
+    profiler = None
+    for r in range(3):
+        if profile and r == 2:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+        timer.total = timer.cpu_total = 0.0
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        for _ in range(steps):
+            engine.step()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        wall, cpu = time.perf_counter() - started, time.thread_time() - cpu_started
+        if profiler is not None:
+            profiler.disable()
+        rounds.append((wall, timer.total, cpu - timer.cpu_total))
+    timer.close()
+    for i in range(width):
+        engine.abort(f"w{width}-{i}")
+    engine.step()
+    wall, forward, _ = sorted(rounds, key=lambda r: r[0] - r[1])[1]
+    host_cpu_us = sorted(r[2] for r in rounds)[1] / steps * 1e6
+    step_us = wall / steps * 1e6
+    forward_us = forward / steps * 1e6
+    host_us = step_us - forward_us
+    target = 100.0 if width == 1 else 100.0 + 1.0 * width
+    result = dict(
+        width=width,
+        step_us=round(step_us, 1),
+        forward_us=round(forward_us, 1),
+        host_us_per_step=round(host_us, 1),
+        host_us_per_seq=round(host_us / width, 2),
+        host_cpu_us_per_step=round(host_cpu_us, 1),
+        target_us=target,
+        met=host_us <= target,
+    )
+    if profiler is not None:
+        import pstats
+
+        pstats.Stats(profiler).sort_stats("cumtime").print_stats(45)
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--widths", default="1,64,256")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--profile", action="store_true", help="cProfile the last round of each width")
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args(argv)
+    widths = [int(w) for w in args.widths.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_model_dir(tmp)
+        engine = Engine(
+            EngineConfig(
+                model=model_dir,
+                dtype="float32",
+                device=args.device,
+                max_num_seqs=max(widths),
+                max_num_batched_tokens=max(512, max(widths)),
+                num_device_blocks=max(widths) * 16 + 64,
+                num_host_blocks=0,
+                enable_prefix_caching=False,
+            )
+        )
+        results = [measure(engine, w, args.steps, args.profile) for w in widths]
+    cpu = platform.processor() or platform.machine()
+    print(f"host work outside the forward ({engine.device}, {cpu}, torch {torch.__version__})")
+    print(
+        f"{'width':>6} {'step us':>9} {'forward us':>11} {'host us':>9} {'us/seq':>7} {'host CPU us':>12}"
+        f" {'target':>7}  met"
+    )
+    for r in results:
+        print(
+            f"{r['width']:>6} {r['step_us']:>9.1f} {r['forward_us']:>11.1f} {r['host_us_per_step']:>9.1f} "
+            f"{r['host_us_per_seq']:>7.2f} {r['host_cpu_us_per_step']:>12.1f} {r['target_us']:>7.0f}"
+            f"  {'yes' if r['met'] else 'no'}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(device=str(engine.device), results=results), indent=1))
+    print("median step:", statistics.median(r["step_us"] for r in results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
