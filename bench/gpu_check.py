@@ -14,7 +14,9 @@
 3. The roofline of each bench (bench/roofline.py): the bytes and FLOPs of the steps genq ran against the
    device's bandwidth and matmul rate measured in the same run, and genq's fraction of it; the headline
    is that of the 1B bfloat16 width-256 workload (issue 38's target: >= 50%).
-4. The figures, with the device named, in bench/out/gpu-check-<device>.md and .json.
+4. The engine's host work per step outside the forward (bench/host_overhead.py), and on CUDA the
+   device's idle time between steps (issue 38's targets).
+5. The figures, with the device named, in bench/out/gpu-check-<device>.md and .json.
 
     make gpu-check                      # with the project's virtual environment
     make gpu-check PY=python3           # with a python that already has torch, transformers, triton
@@ -36,7 +38,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere without installing
-from bench import engine_throughput  # noqa: E402
+from bench import engine_throughput, host_overhead  # noqa: E402
 
 DEVICE_TESTS = [
     "tests/batching/test_exactness.py",
@@ -139,7 +141,16 @@ def run_benches(out: Path, slug: str) -> list[dict]:
     return figures
 
 
-def markdown(device: str, tests: dict | None, figures: list[dict]) -> str:
+def run_host_overhead(out: Path, slug: str) -> dict:
+    """bench/host_overhead.py on the device: the engine's host work per step, and on CUDA the device's idle
+    time between steps."""
+    print("$ python bench/host_overhead.py --widths 1,64,256", flush=True)
+    report = host_overhead.measure_widths([1, 64, 256], 50, "cuda" if torch.cuda.is_available() else "cpu")
+    (out / f"gpu-check-{slug}-host.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def markdown(device: str, tests: dict | None, figures: list[dict], host: dict | None = None) -> str:
     lines = [
         f"# gpu-check on {device}",
         "",
@@ -175,6 +186,8 @@ def markdown(device: str, tests: dict | None, figures: list[dict]) -> str:
             [""] + [f"- {name}: **{ratio:.2f}x**" for name, ratio in fig.get("ratios", {}).items()] + [""]
         )
         lines += roofline_lines(fig)
+    if host is not None:
+        lines += ["## host work per step", "", *host_overhead.table(host), ""]
     if (headline := roofline_headline(figures)) is not None:
         lines[4:4] = [headline, ""]  # under the title, beside the test verdict
     return "\n".join(lines)
@@ -193,11 +206,18 @@ def main(argv=None) -> int:
     print(f"gpu-check on {device}" + ("" if torch.cuda.is_available() else ": the CUDA parts are skipped"))
     tests = None if args.skip_tests else run_tests(out / f"gpu-check-{slug}-tests.xml")
     figures = [] if args.skip_bench else run_benches(out, slug)
-    report = markdown(device, tests, figures)
+    host = None if args.skip_bench else run_host_overhead(out, slug)
+    report = markdown(device, tests, figures, host)
     (out / f"gpu-check-{slug}.md").write_text(report + "\n")
     (out / f"gpu-check-{slug}.json").write_text(
         json.dumps(
-            {"device": device, "tests": tests, "roofline": roofline_headline(figures), "benches": figures},
+            {
+                "device": device,
+                "tests": tests,
+                "roofline": roofline_headline(figures),
+                "benches": figures,
+                "host_overhead": host,
+            },
             indent=2,
             default=str,
         )

@@ -1,23 +1,25 @@
-"""The engine's own host work per step, outside the model's forward, at several batch widths.
+"""The engine's own host work per step, outside the model's forward, at several batch widths (issue 38).
 
 A Llama whose forward is nearly free (2 layers, hidden 64, 4 heads, the byte-level tokenizer's 259 ids,
 so every generated token is also detokenized and stop-checked as in real use) runs W sequences of short
-prompts in pure decode. For each width the bench times `engine.step()` and, inside it, the model's
-forward (from a forward pre-hook to its post-hook, the device synchronized at both ends on CUDA), over
-`--steps` steady decode steps; host work = step time - forward time. It prints per step and per sequence,
-and the same as the main thread's CPU time (step less forward: what other processes on a busy
-machine do not inflate), with the issue's target beside it (<= 1 us a sequence + 100 us a step; <= 100 us at width 1).
+prompts in pure decode, with delta outputs as the worker asks. For each width the bench times
+`engine.step()` and, inside it, the model's forward (from a forward pre-hook to its post-hook, the device
+synchronized at both ends on CUDA), over `--steps` steady decode steps: host work = step time - forward
+time, per step and per sequence, and the same in the engine thread's CPU time (what other processes on
+a busy machine inflate less), with the issue's target beside it (<= 1 us a sequence + 100 us a step;
+<= 100 us at width 1). On CUDA it also profiles the device (torch.profiler, no host timing in the steps):
+its idle time between one step's work and the next's (issue 38's target: <= 200 us).
 
-    python bench/host_overhead.py                     # widths 1, 64, 256
-    python bench/host_overhead.py --widths 256 --profile   # cProfile's top functions of the 256 run
+    python bench/host_overhead.py                          # widths 1, 64, 256
+    python bench/host_overhead.py --widths 256 --profile   # cProfile of the last round, by cumulative time
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -139,6 +141,112 @@ def measure(engine: Engine, width: int, steps: int, profile: bool = False) -> di
     return result
 
 
+def device_gaps(engine: Engine, width: int, steps: int) -> dict:
+    """CUDA: how long the device sits idle between a step's kernels and the next's, in steady decode at
+    `width` with nothing timed from the host (torch.profiler's kernel records): (span - busy) / steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(max_tokens=steps * 2 + 64, temperature=0, ignore_eos=True, output_kind="delta")
+    for i in range(width):
+        engine.add_request(f"g{i}", [3 + (i * 7 + j) % 250 for j in range(8)], params)
+    for _ in range(12):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    for i in range(width):
+        engine.abort(f"g{i}")
+    engine.step()
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    if not spans:
+        return dict(width=width, error="no device events recorded")
+    busy, end = 0.0, spans[0][0]
+    for a, b in spans:  # the union of the kernels' and copies' intervals
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    span = spans[-1][1] - spans[0][0]
+    return dict(
+        width=width,
+        steps=steps,
+        device_busy_us_per_step=round(busy / steps, 1),
+        device_idle_us_per_step=round((span - busy) / steps, 1),
+        target_idle_us=200.0,
+    )
+
+
+def measure_widths(widths: list[int], steps: int, device: str, profile: bool = False) -> dict:
+    """The figures for `widths` on `device` (and, on CUDA, the device's idle time between steps)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = Engine(
+            EngineConfig(
+                model=build_model_dir(tmp),
+                dtype="float32",
+                device=device,
+                max_num_seqs=max(widths),
+                max_num_batched_tokens=max(512, max(widths)),
+                num_device_blocks=max(widths) * 16 + 64,
+            )
+        )
+        results = [measure(engine, w, steps, profile) for w in widths]
+        gaps = [device_gaps(engine, w, steps) for w in widths] if engine.device.type == "cuda" else []
+    return dict(
+        device=str(engine.device),
+        device_name=_device_name(engine.device),
+        async_scheduling=engine.async_scheduling,
+        torch=torch.__version__,
+        results=results,
+        gaps=gaps,
+    )
+
+
+def table(report: dict) -> list[str]:
+    lines = [
+        f"host work outside the forward: {report['device_name']}, async scheduling "
+        f"{'on' if report['async_scheduling'] else 'off'}, torch {report['torch']}",
+        "",
+        "| width | step us | forward us | host us | host us / seq | host CPU us | target us | met |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in report["results"]:
+        lines.append(
+            f"| {r['width']} | {r['step_us']:.0f} | {r['forward_us']:.0f} | {r['host_us_per_step']:.0f} | "
+            f"{r['host_us_per_seq']:.2f} | {r['host_cpu_us_per_step']:.0f} | {r['target_us']:.0f} | "
+            f"{'yes' if r['met'] else 'no'} |"
+        )
+    if report["gaps"]:
+        lines += [
+            "",
+            "| width | device busy us / step | device idle us / step (target <= 200) |",
+            "| --- | --- | --- |",
+        ]
+        for g in report["gaps"]:
+            if "error" in g:
+                lines.append(f"| {g['width']} | {g['error']} | |")
+            else:
+                lines.append(
+                    f"| {g['width']} | {g['device_busy_us_per_step']:.0f} | {g['device_idle_us_per_step']:.0f} |"
+                )
+    return lines
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor() or platform.machine()
+    return f"{model}, {os.cpu_count()} cores"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--widths", default="1,64,256")
@@ -147,37 +255,10 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="cProfile the last round of each width")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
-    widths = [int(w) for w in args.widths.split(",")]
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_model_dir(tmp)
-        engine = Engine(
-            EngineConfig(
-                model=model_dir,
-                dtype="float32",
-                device=args.device,
-                max_num_seqs=max(widths),
-                max_num_batched_tokens=max(512, max(widths)),
-                num_device_blocks=max(widths) * 16 + 64,
-                num_host_blocks=0,
-                enable_prefix_caching=False,
-            )
-        )
-        results = [measure(engine, w, args.steps, args.profile) for w in widths]
-    cpu = platform.processor() or platform.machine()
-    print(f"host work outside the forward ({engine.device}, {cpu}, torch {torch.__version__})")
-    print(
-        f"{'width':>6} {'step us':>9} {'forward us':>11} {'host us':>9} {'us/seq':>7} {'host CPU us':>12}"
-        f" {'target':>7}  met"
-    )
-    for r in results:
-        print(
-            f"{r['width']:>6} {r['step_us']:>9.1f} {r['forward_us']:>11.1f} {r['host_us_per_step']:>9.1f} "
-            f"{r['host_us_per_seq']:>7.2f} {r['host_cpu_us_per_step']:>12.1f} {r['target_us']:>7.0f}"
-            f"  {'yes' if r['met'] else 'no'}"
-        )
+    report = measure_widths([int(w) for w in args.widths.split(",")], args.steps, args.device, args.profile)
+    print("\n".join(table(report)))
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(device=str(engine.device), results=results), indent=1))
-    print("median step:", statistics.median(r["step_us"] for r in results))
+        Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
 
 

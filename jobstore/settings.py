@@ -67,6 +67,8 @@ class WorkerSettings(StoreSettings):
     # auto: Triton on CUDA, the C++ kernels on the CPU; or triton, cpu_kernel, torch
     attention_backend: str = "auto"
     cuda_graphs: bool = True  # CUDA: decode steps replay captured graphs of the forward
+    # schedule the next engine step while the device runs this one (None: on with CUDA, off on the CPU)
+    async_scheduling: bool | None = None
     # torch threads of the worker's engine process. None: OMP_NUM_THREADS if set, else cores - 1, leaving one
     # core to the worker's job I/O, Postgres and Redis (on 2 cores, 2 threads stepped slower than 1 under load)
     engine_threads: int | None = None
@@ -105,6 +107,7 @@ class WorkerSettings(StoreSettings):
             num_host_blocks=self.num_host_blocks,
             attention_backend=self.attention_backend,
             cuda_graphs=self.cuda_graphs,
+            async_scheduling=self.async_scheduling,
         )
         return {k: v for k, v in options.items() if v is not None}
 

@@ -7,9 +7,12 @@ import time
 import uuid
 from datetime import datetime
 
+import pytest
+
 from batching import SamplingParams
 from jobstore import jobs
 from tests.conftest import job_request
+from tests.workers.conftest import worker_stack
 from workers.reconciler import reconcile
 
 PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
@@ -113,3 +116,37 @@ def test_expired_lease_is_redispatched_and_resumes_from_persisted_tokens(wide, s
 def _tenant_of(sessions, job_id: str) -> uuid.UUID:
     with sessions.begin() as s:
         return jobs.get_job(s, uuid.UUID(job_id)).tenant_id
+
+
+@pytest.fixture(scope="module")
+def async_worker(settings, new_key, tmp_path_factory, redis_client):
+    """A worker whose engine schedules each step while the last one's tokens are still on their way to the
+    host (ASYNC_SCHEDULING, the default on CUDA), here on the CPU."""
+    with worker_stack(
+        settings.replace(async_scheduling=True), new_key, tmp_path_factory.mktemp("workers"), max_num_seqs=8
+    ) as stack:
+        yield stack
+
+
+def test_an_async_scheduling_worker_gives_what_generate_gives(async_worker, offline_engine):
+    bodies = mixed_jobs(16)
+    ids = [async_worker.submit(**body) for body in bodies]
+    cancelled = async_worker.submit(prompt="a long one", max_tokens=1500, ignore_eos=True)
+    async_worker.wait(cancelled, until=lambda job: len((job["output"] or {}).get("token_ids", [])) >= 3)
+    assert (
+        async_worker.client.post(f"/jobs/{cancelled}/cancel", headers=async_worker.headers).status_code == 200
+    )
+    results = [async_worker.wait(job_id) for job_id in ids]
+    for body, job, expected in zip(bodies, results, expected_outputs(offline_engine, bodies), strict=True):
+        assert job["status"] == "succeeded", job
+        assert job["output"] == {
+            "text": expected.text,
+            "token_ids": expected.token_ids,
+            "finish_reason": expected.finish_reason,
+        }, body
+    stopped = async_worker.wait(cancelled)
+    (alone,) = offline_engine.generate(["a long one"], SamplingParams(max_tokens=1500, ignore_eos=True))
+    assert stopped["status"] == "cancelled"
+    kept = stopped["output"]["token_ids"]
+    assert kept == alone.token_ids[: len(kept)], "a cancelled job keeps only tokens it was given"
+    assert async_worker.engine_stats()["num_overlapped_steps"] > 0

@@ -17,8 +17,11 @@ from tests.conftest import ROOT
 from workers.engine_host import EngineHost, EngineLost, HostStopped
 
 
-@pytest.fixture()
-def host(settings):
+@pytest.fixture(params=[None, True], ids=["default", "async"])
+def host(settings, request):
+    """The host on its engine's defaults (on the CPU: one step at a time), and with async scheduling (the
+    CUDA default: outputs a step later, tokens in flight dropped on a cancel) run on the CPU."""
+    settings = settings.replace(async_scheduling=request.param)
     host = EngineHost(EngineConfig(**settings.engine_options())).start()
     yield host
     host.stop()
