@@ -81,6 +81,8 @@ def paged_attention(
     q = query[0].transpose(0, 1)  # [T, H, Dk]
     out = q.new_empty(q.shape[0], q.shape[1], value.shape[-1])  # [T, H, Dv]
     if meta.segments is not None:
+        if meta.segments.uncovered_rows:  # a graph's padded rows that no segment attends: zeros, not garbage
+            out.zero_()
         from batching import triton_attention  # imports triton: only on the path that runs it
 
         sinks = None if s_aux is None else s_aux.reshape(-1)  # [H]

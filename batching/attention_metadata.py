@@ -44,6 +44,7 @@ class PagedSegments:
     block_table: torch.Tensor  # [S, W] device block ids, padded with anything (never read past ctx_len)
     decode: TileLaunch | None  # one query per tile
     prefill: TileLaunch | None  # PREFILL_TILE queries per tile
+    uncovered_rows: bool = False  # rows past the segments' (a graph's padding): their output is zeroed
 
 
 @dataclass(slots=True)

@@ -36,7 +36,7 @@ class EngineConfig:
     # schedule and pack the next step while the device runs this one; its tokens stay on the device as the
     # next step's inputs (engine.py). None: on with CUDA (on the CPU the forward runs in the caller's thread)
     async_scheduling: bool | None = None
-    cuda_graphs: bool = True  # CUDA: replay captured graphs of the forward for decode-only steps
+    cuda_graphs: bool = True  # CUDA: replay captured graphs of the forward (decode and mixed steps)
     cpu_packed_linears: bool = (
         True  # CPU float32/bfloat16: linear layers through oneDNN, weights packed once (cpu_linear.py)
     )

@@ -21,7 +21,7 @@ from batching import cpu_attention, cpu_linear, model_probe, state_layers, step_
 from batching.block_manager import BlockManager, blocks_for
 from batching.config import EngineConfig
 from batching.cpu_attention import PagedAttentionKernel
-from batching.cuda_graphs import DecodeGraphs
+from batching.cuda_graphs import StepGraphs
 from batching.grammar import Grammars
 from batching.kv_cache import KVCache
 from batching.logprobs import token_logprobs
@@ -161,8 +161,11 @@ class Engine:
             and self.attention_backend == "triton"
             and graphable
         ):
-            graphs = DecodeGraphs(
-                self.runner, config.max_num_seqs, blocks_for(self.max_model_len, config.block_size)
+            graphs = StepGraphs(
+                self.runner,
+                config.max_num_seqs,
+                blocks_for(self.max_model_len, config.block_size),
+                config.max_num_batched_tokens,
             )
             if graphs.capture():
                 self.runner.graphs = graphs
@@ -175,7 +178,12 @@ class Engine:
             self.device,
             str(self.dtype).removeprefix("torch."),
             self.attention_backend,
-            f", CUDA graphs for {len(self.runner.graphs.sizes)} decode widths" if self.runner.graphs else "",
+            (
+                f", CUDA graphs for {len(self.runner.graphs.graphs)} decode widths and "
+                f"{len(self.runner.graphs.mixed)} token counts of mixed steps"
+            )
+            if self.runner.graphs
+            else "",
             num_device_blocks,
             num_host_blocks,
             config.block_size,
@@ -506,8 +514,10 @@ class Engine:
             "num_cached_host_blocks": bm.num_cached_host_blocks,
             "num_prefix_cache_offloaded_blocks": bm.num_offloaded_blocks,
             "num_prefix_cache_host_hit_tokens": bm.num_host_hit_tokens,
-            # CUDA: decode steps that replayed a captured graph of the forward (cuda_graphs.py)
+            # CUDA: steps that replayed a captured graph of the forward (cuda_graphs.py)
             "num_graph_steps": self.runner.graphs.num_replays if self.runner.graphs else 0,
+            # of those, steps with prefill chunks (mixed graphs by token count)
+            "num_mixed_graph_steps": self.runner.graphs.num_mixed_replays if self.runner.graphs else 0,
             **self._counters,
         }
 

@@ -6,8 +6,9 @@ for the device-side part of them: the gather of swapped-out blocks (so their blo
 at once) and the scatter of swapped-in ones (so the forward reads them); the transfers to host
 memory overlap the forward. A step's metadata on the Triton path is built in one pinned host buffer
 and crosses in one asynchronous copy on the compute stream, which orders it before the kernels that
-read it; the buffer is reused once the event recorded after that copy has passed. Decode-only
-steps replay a CUDA graph of the whole forward (cuda_graphs.py) fed through the same buffer.
+read it; the buffer is reused once the event recorded after that copy has passed. Steps replay a
+CUDA graph of the whole forward (cuda_graphs.py: decode steps by width, steps with prefill chunks by
+token count) fed through the same buffer.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from batching.state_cache import StateCache
 from batching.state_layers import build_step
 
 if TYPE_CHECKING:
-    from batching.cuda_graphs import DecodeGraphs
+    from batching.cuda_graphs import StepGraphs
 
 _computed = attrgetter("num_computed_tokens")
 PREFILL_TILE = 16  # queries of one chunk per Triton program (triton_attention.py)
@@ -97,7 +98,7 @@ class ModelRunner:
         self.backend = backend or ("cpu_kernel" if attention_kernel is not None else "torch")
         assert self.backend in BACKENDS, self.backend
         self.packer = MetadataPacker(device, kv_cache.scratch_slot) if self.backend == "triton" else None
-        self.graphs: DecodeGraphs | None = None  # captured by the engine at start-up (cuda_graphs.py)
+        self.graphs: StepGraphs | None = None  # captured by the engine at start-up (cuda_graphs.py)
 
     @torch.inference_mode()
     def execute(
@@ -298,13 +299,30 @@ class ModelRunner:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class GraphShape:
+    """What a CUDA graph's step is padded to (cuda_graphs.py): its rows, its segments (and as many logits
+    rows), and its decode and prefill tiles (the two launches' grids). Decode-only (no prefill tiles):
+    every padded row is a decode of its own over nothing. Otherwise the last segment is always padding
+    (no rows, no context), and every padded tile points at it."""
+
+    rows: int
+    segments: int
+    decode_tiles: int
+    prefill_tiles: int = 0
+
+    @property
+    def decode_only(self) -> bool:
+        return self.prefill_tiles == 0
+
+
 class MetadataPacker:
     """The Triton path's step metadata in one int64 buffer: built in (pinned) host memory, sent in one
     copy, and viewed as every tensor the forward needs.
 
     Layout: input_ids [T] | positions [T] | slot_mapping [T] | logits rows [N] | q_start [S] | q_len [S]
     | ctx_len [S] | decode tiles' segment [D] and offset [D] | prefill tiles' segment [P] and offset [P]
-    | block table [S, W]. With `pad_to` (a CUDA graph's batch size), the step is padded with rows that
+    | block table [S, W]. With a `GraphShape` (a CUDA graph's), the step is padded to it with rows that
     write to the scratch slot and attend over nothing.
     """
 
@@ -315,17 +333,22 @@ class MetadataPacker:
         self._staging = torch.empty(0, dtype=torch.long)
         self._sent: torch.cuda.Event | None = None  # the last copy out of _staging
 
-    def layout(self, rows: StepRows, block_size: int, pad_to: int | None = None, width: int | None = None):
+    def layout(
+        self, rows: StepRows, block_size: int, shape: GraphShape | None = None, width: int | None = None
+    ):
         """(host buffer as numpy, {name: (offset, length)}, table width, prefill tiles) for the step."""
         n_rows, n_logits, n_segs = len(rows.input_ids), len(rows.logits_rows), len(rows.seqs)
-        if pad_to is not None:
-            n_rows = n_logits = n_segs = pad_to
-        n_dec = rows.num_decodes if pad_to is None else pad_to
         tiles = [
             (s, off)
             for s in range(rows.num_decodes, len(rows.seqs))
             for off in range(0, rows.q_lens[s], PREFILL_TILE)
         ]
+        n_dec, n_pre = rows.num_decodes, len(tiles)
+        if shape is not None:
+            assert n_rows <= shape.rows and n_segs <= shape.segments - (not shape.decode_only), (rows, shape)
+            assert n_dec <= shape.decode_tiles and n_pre <= shape.prefill_tiles, (rows, shape)
+            n_rows, n_logits = shape.rows, shape.segments
+            n_segs, n_dec, n_pre = shape.segments, shape.decode_tiles, shape.prefill_tiles
         contexts = [seq.num_computed_tokens + n for seq, n in zip(rows.seqs, rows.q_lens)]
         if width is None:
             width = max(-(-c // block_size) for c in contexts)
@@ -339,8 +362,8 @@ class MetadataPacker:
             ctx_len=n_segs,
             decode_seg=n_dec,
             decode_off=n_dec,
-            prefill_seg=len(tiles),
-            prefill_off=len(tiles),
+            prefill_seg=n_pre,
+            prefill_off=n_pre,
             block_table=n_segs * width,
         )
         spans, offset = {}, 0
@@ -368,17 +391,32 @@ class MetadataPacker:
         for i, seq in enumerate(rows.seqs):
             blocks = seq.block_table[: -(-contexts[i] // block_size)]
             table[i, : len(blocks)] = blocks
-        if pad_to is not None:  # rows past the step's: no token, the scratch slot, no context
-            real = len(rows.input_ids)
-            view["input_ids"][real:] = 0
-            view["positions"][real:] = 0
-            view["slot_mapping"][real:] = self.scratch_slot
-            view["logits_rows"][:] = np.arange(pad_to)  # a graph computes every row's logits
-            view["q_start"][real:] = np.arange(real, pad_to)
+        if shape is not None:
+            self._pad(view, rows, shape, len(tiles))
+        return buf[:offset], spans, width, n_pre
+
+    def _pad(self, view: dict, rows: StepRows, shape: GraphShape, num_tiles: int) -> None:
+        """Rows past the step's: no token, the scratch slot, no context. Decode-only: each padded row is a
+        segment of its own; mixed: padded segments have no rows, and padded tiles point at the last."""
+        real, segs = len(rows.input_ids), len(rows.seqs)
+        view["input_ids"][real:] = 0
+        view["positions"][real:] = 0
+        view["slot_mapping"][real:] = self.scratch_slot
+        if shape.decode_only:
+            view["logits_rows"][:] = np.arange(shape.rows)  # a graph computes every row's logits
+            view["q_start"][real:] = np.arange(real, shape.rows)
             view["q_len"][real:] = 1
             view["ctx_len"][real:] = 0
-            view["decode_seg"][real:] = np.arange(real, pad_to)
-        return buf[:offset], spans, width, len(tiles)
+            view["decode_seg"][real:] = np.arange(real, shape.rows)
+            return
+        pad_segment = shape.segments - 1
+        view["logits_rows"][len(rows.logits_rows) :] = 0  # the first rows' logits are the step's
+        view["q_start"][segs:] = 0
+        view["q_len"][segs:] = 0
+        view["ctx_len"][segs:] = 0
+        view["decode_seg"][rows.num_decodes :] = pad_segment
+        view["prefill_seg"][num_tiles:] = pad_segment
+        view["prefill_off"][num_tiles:] = 0
 
     def _host_buffer(self, size: int) -> np.ndarray:
         if self._sent is not None:
@@ -414,10 +452,12 @@ class MetadataPacker:
         rows: StepRows,
         kv_cache,
         mask_patterns,
+        uncovered_rows: bool = False,
     ) -> ModelInput:
         v = {name: dev[o : o + n] for name, (o, n) in spans.items()}
         n_dec = spans["decode_seg"][1]
         segments = PagedSegments(
+            uncovered_rows=uncovered_rows,
             q_start=v["q_start"],
             q_len=v["q_len"],
             ctx_len=v["ctx_len"],

@@ -66,7 +66,7 @@ class WorkerSettings(StoreSettings):
     num_host_blocks: int | None = None
     # auto: Triton on CUDA, the C++ kernels on the CPU; or triton, cpu_kernel, torch
     attention_backend: str = "auto"
-    cuda_graphs: bool = True  # CUDA: decode steps replay captured graphs of the forward
+    cuda_graphs: bool = True  # CUDA: steps replay captured graphs of the forward
     # schedule the next engine step while the device runs this one (None: on with CUDA, off on the CPU)
     async_scheduling: bool | None = None
     # torch threads of the worker's engine process. None: OMP_NUM_THREADS if set, else cores - 1, leaving one

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from batching import Engine, EngineConfig, SamplingParams
-from batching.cuda_graphs import sampled_rows
+from batching.cuda_graphs import MAX_CHUNKS, StepGraphs, decode_shape, mixed_shape, sampled_rows
 from batching.model_runner import MetadataPacker, StepRows
 from batching.scheduler import SchedulerOutput
 from tests.batching.conftest import TRITON_PATH, greedy, random_prompts, run_to_completion
@@ -117,7 +117,7 @@ def test_padded_rows_of_a_graph_change_nothing(checkpoint):
     with torch.inference_mode():
         plain = runner.forward(runner.prepare(sched, rows)).clone()
         owned = [pool.narrow(3, 0, cache.num_device_blocks).clone() for pool in cache.device_pools]
-        host, spans, width, _ = runner.packer.layout(rows, cache.block_size, pad_to=8, width=32)
+        host, spans, width, _ = runner.packer.layout(rows, cache.block_size, decode_shape(8), width=32)
         batch = MetadataPacker.views(
             runner.packer.send(host), spans, width, 0, rows, cache, runner.mask_patterns
         )
@@ -130,6 +130,77 @@ def test_padded_rows_of_a_graph_change_nothing(checkpoint):
     slots, contexts = (host[spans[name][0] : sum(spans[name])] for name in ("slot_mapping", "ctx_len"))
     assert list(slots[len(running) :]) == [cache.scratch_slot] * (8 - len(running))
     assert list(contexts[len(running) :]) == [0] * (8 - len(running))
+
+
+def test_padded_rows_of_a_mixed_graph_change_nothing(checkpoint):
+    """A step of decodes and prefill chunks padded to a mixed graph's shape (rows, segments, both launches'
+    tiles): the real rows' logits and every owned KV block are as without padding, padded rows write only
+    the scratch slot, padded segments have no rows and no context, and padded tiles point at the padding
+    segment. A padded tile that pointed at a real segment, or a padded segment with rows, fails."""
+    engine = engine_on_triton(checkpoint("llama"), block_size=4, cuda_graphs=False, max_num_seqs=8)
+    for i, prompt in enumerate(random_prompts(14, (3, 9))):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    while not all(seq.is_decoding for seq in engine.requests.values()):
+        engine.step()
+    engine.add_request("new", random_prompts(15, (37,))[0], SamplingParams(max_tokens=4, temperature=0))
+    sched = engine.scheduler.schedule()  # 2 decodes + a chunk of the new prompt
+    assert sched.num_scheduled_tokens == [1, 1, 37]
+    runner, cache = engine.runner, engine.kv_cache
+    rows = runner.step_rows(sched)
+    shape = mixed_shape(64, 8)
+    with torch.inference_mode():
+        plain = runner.forward(runner.prepare(sched, rows)).clone()
+        owned = [pool.narrow(3, 0, cache.num_device_blocks).clone() for pool in cache.device_pools]
+        host, spans, width, tiles = runner.packer.layout(rows, cache.block_size, shape, width=64)
+        batch = MetadataPacker.views(
+            runner.packer.send(host),
+            spans,
+            width,
+            tiles,
+            rows,
+            cache,
+            runner.mask_patterns,
+            uncovered_rows=True,
+        )
+        padded = runner.forward(batch)
+    assert tiles == shape.prefill_tiles == 4 + MAX_CHUNKS and padded.shape[0] == shape.segments
+    torch.testing.assert_close(padded[: len(rows.logits_rows)], plain, rtol=1e-12, atol=1e-12)
+    for before, pool in zip(owned, cache.device_pools):
+        torch.testing.assert_close(pool.narrow(3, 0, cache.num_device_blocks), before, rtol=1e-12, atol=1e-12)
+    field = {name: list(host[spans[name][0] : sum(spans[name])]) for name in spans}
+    assert field["slot_mapping"][39:] == [cache.scratch_slot] * (64 - 39)
+    assert field["q_len"][3:] == field["ctx_len"][3:] == [0] * (shape.segments - 3)
+    assert field["decode_seg"][2:] == [shape.segments - 1] * (shape.decode_tiles - 2)
+    assert field["prefill_seg"][:3] == [2, 2, 2] and field["prefill_seg"][3:] == [shape.segments - 1] * 5
+
+
+def test_steps_padded_to_graphs_stay_exact(checkpoint, reference):
+    """Every step the graphs take (decode and mixed, here padded and run eagerly: capture is CUDA's) gives
+    generate()'s tokens, with prompts arriving while others decode."""
+    path = checkpoint("llama")
+    engine = engine_on_triton(
+        path, block_size=4, max_num_seqs=6, max_num_batched_tokens=40, cuda_graphs=False
+    )
+    graphs = StepGraphs(engine.runner, 6, 64, 40, capture=False)
+    assert graphs.capture() and graphs.token_sizes == [32, 40]
+    engine.runner.graphs = graphs
+    prompts = random_prompts(16, (5, 23, 2, 61, 11, 30, 8))
+    for i, prompt in enumerate(prompts[:3]):
+        engine.add_request(f"r{i}", prompt, greedy(MAX_NEW))
+    outs = {}
+    for step in range(200):
+        if 2 <= step < 2 + len(prompts) - 3:
+            i = step + 1
+            engine.add_request(f"r{i}", prompts[i], greedy(MAX_NEW))
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
+    stats = engine.stats()
+    assert stats["num_mixed_graph_steps"] > 3 and stats["num_graph_steps"] > stats["num_mixed_graph_steps"]
+    for i, prompt in enumerate(prompts):
+        assert outs[f"r{i}"].token_ids == reference(path, tuple(prompt), MAX_NEW), f"r{i}"
 
 
 @pytest.mark.parametrize("wanted", [[0, 1, 2], [1], []])  # a prompt token fed alone samples nothing

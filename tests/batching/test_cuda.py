@@ -112,3 +112,21 @@ def test_async_steps_never_make_the_host_wait_for_the_device(llama_path, sampled
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert engine.stats()["num_overlapped_steps"] - before == 10
+
+
+def test_steps_with_prefill_chunks_replay_graphs_and_stay_exact(llama_path, reference):
+    """Mixed steps (decodes + prefill chunks) replay the graphs captured by token count."""
+    engine = cuda_engine(llama_path, max_num_seqs=16, max_num_batched_tokens=64, block_size=4)
+    assert engine.runner.graphs is not None and engine.runner.graphs.mixed, "no mixed graphs captured"
+    prompts = random_prompts(9, [3, 50, 7, 90, 12, 33, 4, 61])
+    for i, prompt in enumerate(prompts[:2]):
+        engine.add_request(f"r{i}", prompt, greedy(12))
+    outs, step = {}, 0
+    while engine.has_unfinished_requests() or step < len(prompts):
+        if 2 <= step < len(prompts):
+            engine.add_request(f"r{step}", prompts[step], greedy(12))
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        step += 1
+    assert engine.stats()["num_mixed_graph_steps"] > 3
+    for i, prompt in enumerate(prompts):
+        assert outs[f"r{i}"].token_ids == reference(llama_path, tuple(prompt), 12), f"r{i}"
