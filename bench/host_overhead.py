@@ -181,7 +181,9 @@ def device_gaps(engine: Engine, width: int, steps: int) -> dict:
     )
 
 
-def measure_widths(widths: list[int], steps: int, device: str, profile: bool = False) -> dict:
+def measure_widths(
+    widths: list[int], steps: int, device: str, profile: bool = False, attention: str = "auto"
+) -> dict:
     """The figures for `widths` on `device` (and, on CUDA, the device's idle time between steps)."""
     with tempfile.TemporaryDirectory() as tmp:
         engine = Engine(
@@ -192,6 +194,7 @@ def measure_widths(widths: list[int], steps: int, device: str, profile: bool = F
                 max_num_seqs=max(widths),
                 max_num_batched_tokens=max(512, max(widths)),
                 num_device_blocks=max(widths) * 16 + 64,
+                attention_backend=attention,
             )
         )
         results = [measure(engine, w, steps, profile) for w in widths]
@@ -253,9 +256,15 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--profile", action="store_true", help="cProfile the last round of each width")
+    ap.add_argument(
+        "--attention",
+        default="auto",
+        help="the engine's attention_backend (triton on the CPU: TRITON_INTERPRET=1, its host work only)",
+    )
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
-    report = measure_widths([int(w) for w in args.widths.split(",")], args.steps, args.device, args.profile)
+    widths = [int(w) for w in args.widths.split(",")]
+    report = measure_widths(widths, args.steps, args.device, args.profile, args.attention)
     print("\n".join(table(report)))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

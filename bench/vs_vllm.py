@@ -3,7 +3,7 @@
 For each workload (record, decode, prefill) and dtype (float32, bfloat16) it runs
 `engine_throughput.py --vllm-python PATH --skip genq_torch,static,cb,forward` (genq and vLLM only: alternating
 passes, the fastest of each counts; vLLM restarted per run on that run's workload and dtype), writes
-each run's JSON to `--out`, and ends with one table: tok/s of both, genq / vLLM (target >= 1.1x),
+each run's JSON to `--out`, and ends with one table: tok/s of both, genq / vLLM (target >= 2x),
 each system's own CPU use and others' share in its best pass, the greedy prefix match, and the load.
 
     python bench/vs_vllm.py --vllm-python .vllm-venv/bin/python                  # ~25 min on 2 cores
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 from bench import engine_throughput  # noqa: E402
 from bench.harness import markdown_table, run_info, write_result  # noqa: E402
 
-TARGET = 1.1
+TARGET = 2.0  # issue 38: at least twice vLLM's CPU build on every workload and dtype (issue 17: 1.1)
 
 
 def main(argv=None) -> list[dict]:

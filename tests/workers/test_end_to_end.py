@@ -131,7 +131,7 @@ def async_worker(settings, new_key, tmp_path_factory, redis_client):
 def test_an_async_scheduling_worker_gives_what_generate_gives(async_worker, offline_engine):
     bodies = mixed_jobs(16)
     ids = [async_worker.submit(**body) for body in bodies]
-    cancelled = async_worker.submit(prompt="a long one", max_tokens=1500, ignore_eos=True)
+    cancelled = async_worker.submit(prompt="a long one", max_tokens=1500, ignore_eos=True, temperature=0)
     async_worker.wait(cancelled, until=lambda job: len((job["output"] or {}).get("token_ids", [])) >= 3)
     assert (
         async_worker.client.post(f"/jobs/{cancelled}/cancel", headers=async_worker.headers).status_code == 200
@@ -145,7 +145,9 @@ def test_an_async_scheduling_worker_gives_what_generate_gives(async_worker, offl
             "finish_reason": expected.finish_reason,
         }, body
     stopped = async_worker.wait(cancelled)
-    (alone,) = offline_engine.generate(["a long one"], SamplingParams(max_tokens=1500, ignore_eos=True))
+    (alone,) = offline_engine.generate(
+        ["a long one"], SamplingParams(max_tokens=1500, ignore_eos=True, temperature=0)
+    )
     assert stopped["status"] == "cancelled"
     kept = stopped["output"]["token_ids"]
     assert kept == alone.token_ids[: len(kept)], "a cancelled job keeps only tokens it was given"
