@@ -332,6 +332,7 @@ class MetadataPacker:
         self.pinned = device.type == "cuda"
         self._staging = torch.empty(0, dtype=torch.long)
         self._sent: torch.cuda.Event | None = None  # the last copy out of _staging
+        self.block_tables = BlockTables()
 
     def layout(
         self, rows: StepRows, block_size: int, shape: GraphShape | None = None, width: int | None = None
@@ -387,10 +388,10 @@ class MetadataPacker:
         ):
             view[name][: len(values)] = values
         view["decode_off"][:] = 0
-        table = view["block_table"].reshape(n_segs, width)
-        for i, seq in enumerate(rows.seqs):
-            blocks = seq.block_table[: -(-contexts[i] // block_size)]
-            table[i, : len(blocks)] = blocks
+        if rows.seqs:  # (a graph's padded rows keep what they held: never read, with no context)
+            view["block_table"][: len(rows.seqs) * width] = self.block_tables.gather(
+                rows.seqs, width
+            ).reshape(-1)
         if shape is not None:
             self._pad(view, rows, shape, len(tiles))
         return buf[:offset], spans, width, n_pre
@@ -484,6 +485,60 @@ class MetadataPacker:
             attn=attn,
             sample_seqs=rows.sample_seqs,
         )
+
+
+class BlockTables:
+    """Each sequence's block table as a row of one persistent array, written as the table grows (a block
+    every block_size tokens), not rebuilt from the lists every step: a step's tables are one gather of
+    its sequences' rows. A row is rewritten whole when its sequence's list is a new one (swapped in,
+    preempted, started on a cached prefix); rows of sequences that left are reused when room runs out."""
+
+    def __init__(self):
+        self.table = np.zeros((0, 0), np.int64)
+        self.row_of: dict[Sequence, int] = {}
+        self.source: list[list[int] | None] = []  # the list each row was written from
+        self.filled: list[int] = []  # entries written from it
+        self.free: list[int] = []
+
+    def gather(self, seqs: list[Sequence], width: int) -> np.ndarray:
+        """[len(seqs), width]: each sequence's blocks (past its table: whatever the row held)."""
+        row_of, source, filled = self.row_of, self.source, self.filled
+        longest = max((len(seq.block_table) for seq in seqs), default=0)
+        if max(longest, width) > self.table.shape[1]:
+            self._grow(self.table.shape[0], max(longest, width, 2 * self.table.shape[1]))
+        rows = []
+        for seq in seqs:
+            r = row_of.get(seq)
+            if r is None:
+                r = row_of[seq] = self._take_row(seqs)
+            blocks = seq.block_table
+            if source[r] is not blocks:
+                self.table[r, : len(blocks)] = blocks
+                source[r], filled[r] = blocks, len(blocks)
+            elif len(blocks) > filled[r]:
+                self.table[r, filled[r] : len(blocks)] = blocks[filled[r] :]
+                filled[r] = len(blocks)
+            rows.append(r)
+        return self.table[rows, :width]
+
+    def _take_row(self, seqs: list[Sequence]) -> int:
+        if not self.free:
+            stepping = set(seqs)
+            for seq in [s for s in self.row_of if s not in stepping]:
+                self.free.append(self.row_of.pop(seq))
+                self.source[self.free[-1]] = None
+        if not self.free:
+            n = self.table.shape[0]
+            self._grow(max(64, 2 * n), self.table.shape[1])
+            self.free.extend(range(self.table.shape[0] - 1, n - 1, -1))
+        return self.free.pop()
+
+    def _grow(self, rows: int, cols: int) -> None:
+        grown = np.zeros((rows, cols), np.int64)
+        grown[: self.table.shape[0], : self.table.shape[1]] = self.table
+        self.table = grown
+        self.source += [None] * (rows - len(self.source))
+        self.filled += [0] * (rows - len(self.filled))
 
 
 def fill_pending(input_ids: torch.Tensor, rows: StepRows) -> None:

@@ -137,7 +137,7 @@ def measure(engine: Engine, width: int, steps: int, profile: bool = False) -> di
     if profiler is not None:
         import pstats
 
-        pstats.Stats(profiler).sort_stats("cumtime").print_stats(45)
+        pstats.Stats(profiler).sort_stats("cumtime").print_stats(int(os.environ.get("PROFILE_LINES", "45")))
     return result
 
 

@@ -208,3 +208,31 @@ def test_a_replay_hands_the_sampler_the_rows_it_samples(wanted):
     logits = torch.arange(8 * 5, dtype=torch.float64).view(8, 5)  # a graph of 8 rows, 3 of them real
     rows = StepRows([7, 8, 9], [4, 5, 6], [0, 1, 2], wanted, [], [None] * 3, [1, 1, 1], 3)
     assert torch.equal(sampled_rows(logits, rows), logits[wanted])
+
+
+def test_persistent_block_tables_follow_every_change():
+    """The Triton path's block tables are rows of one array written as the tables change: growing lists,
+    lists replaced (swap-in, preemption, a cached prefix), sequences leaving and more arriving than rows."""
+    import random
+
+    from batching.model_runner import BlockTables
+    from batching.sequence import Sequence
+
+    rng = random.Random(5)
+    tables = BlockTables()
+    live = [Sequence(f"s{i}", [1], SamplingParams(), 5, 0) for i in range(20)]
+    for step in range(300):
+        for seq in live:
+            if rng.random() < 0.2:
+                seq.block_table.append(rng.randrange(10_000))
+            if rng.random() < 0.02:
+                seq.block_table = [rng.randrange(10_000) for _ in range(rng.randrange(8))]
+        if rng.random() < 0.3:  # one leaves, a new one arrives
+            live.pop(rng.randrange(len(live)))
+            live.append(Sequence(f"n{step}", [1], SamplingParams(), 5, 0))
+        stepping = rng.sample(live, rng.randrange(1, len(live)))
+        width = max(len(s.block_table) for s in stepping) + rng.randrange(3)
+        got = tables.gather(stepping, width)
+        for seq, row in zip(stepping, got):
+            assert list(row[: len(seq.block_table)]) == seq.block_table, (step, seq)
+    assert tables.table.shape[0] <= 128, "rows of sequences that left are reused"
