@@ -48,17 +48,22 @@ def expected_outputs(engine, bodies):
     return engine.generate([b.get("prompt", b.get("input_ids")) for b in bodies], params)
 
 
+def assert_output_is(job: dict, expected, body: dict) -> None:
+    """The job succeeded with exactly `expected`'s (a RequestOutput's) text, tokens and finish reason."""
+    assert job["status"] == "succeeded", job
+    assert job["output"] == {
+        "text": expected.text,
+        "token_ids": expected.token_ids,
+        "finish_reason": expected.finish_reason,
+    }, body
+
+
 def test_twenty_mixed_priority_jobs_equal_offline_generate(wide, offline_engine):
     bodies = mixed_jobs(20)
     ids = [wide.submit(**body) for body in bodies]
     results = [wide.wait(job_id) for job_id in ids]
     for body, job, expected in zip(bodies, results, expected_outputs(offline_engine, bodies), strict=True):
-        assert job["status"] == "succeeded", job
-        assert job["output"] == {
-            "text": expected.text,
-            "token_ids": expected.token_ids,
-            "finish_reason": expected.finish_reason,
-        }, body
+        assert_output_is(job, expected, body)
         assert job["usage"] == {
             "prompt_tokens": len(expected.prompt_token_ids),
             "completion_tokens": len(expected.token_ids),
@@ -138,12 +143,7 @@ def test_an_async_scheduling_worker_gives_what_generate_gives(async_worker, offl
     )
     results = [async_worker.wait(job_id) for job_id in ids]
     for body, job, expected in zip(bodies, results, expected_outputs(offline_engine, bodies), strict=True):
-        assert job["status"] == "succeeded", job
-        assert job["output"] == {
-            "text": expected.text,
-            "token_ids": expected.token_ids,
-            "finish_reason": expected.finish_reason,
-        }, body
+        assert_output_is(job, expected, body)
     stopped = async_worker.wait(cancelled)
     (alone,) = offline_engine.generate(
         ["a long one"], SamplingParams(max_tokens=1500, ignore_eos=True, temperature=0)
