@@ -282,3 +282,28 @@ def test_the_per_tenant_cap_is_checked_inside_the_insert(settings, auth):
     assert len(listed) == 6
     assert submit(client, auth()).status_code == 202
     app.extensions["genq"].close()
+
+
+def test_a_wait_rereads_the_row_every_events_resync_seconds(settings, database, redis_client, auth, sessions):
+    """A job that ends without an event reaching the API (here: cancelled in the row alone) ends a
+    `?wait=` within about EVENTS_RESYNC_SECONDS, not at the wait's end (with the hub's fixed 10 s before)."""
+    from webapi import create_app
+
+    app = create_app(settings.replace(events_resync_seconds=0.4))
+    try:
+        client, headers = app.test_client(), auth()
+        job_id = uuid.UUID(submit(client, headers).json["id"])
+
+        def cancel_in_the_row_alone():
+            time.sleep(0.3)
+            with sessions.begin() as s:
+                jobs.cancel_job(s, job_id, jobs.get_job(s, job_id).tenant_id)
+
+        threading.Thread(target=cancel_in_the_row_alone).start()
+        started = time.monotonic()
+        r = client.get(f"/jobs/{job_id}?wait=8", headers=headers)
+        waited = time.monotonic() - started
+    finally:
+        app.extensions["genq"].close()
+    assert r.status_code == 200 and r.json["status"] == "cancelled"
+    assert waited < 2.5, f"answered after {waited:.1f} s"
