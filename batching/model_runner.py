@@ -99,6 +99,7 @@ class ModelRunner:
         assert self.backend in BACKENDS, self.backend
         self.packer = MetadataPacker(device, kv_cache.scratch_slot) if self.backend == "triton" else None
         self.graphs: StepGraphs | None = None  # captured by the engine at start-up (cuda_graphs.py)
+        self.block_tables = BlockTables()  # the decodes' tables on the CPU and torch paths
 
     @torch.inference_mode()
     def execute(
@@ -285,18 +286,9 @@ class ModelRunner:
         bs = self.block_size
         lens = [seq.num_computed_tokens + 1 for seq in seqs]
         width = -(-max(lens) // bs)
-        padded: list[int] = []
-        for seq in seqs:
-            table = seq.block_table[:width]
-            padded.extend(table)
-            padded.extend([0] * (width - len(table)))
-        return DecodeGroup(
-            start,
-            end,
-            torch.tensor(padded, dtype=torch.long, device=self.device),
-            torch.tensor(lens, device=self.device),
-            width,
-        )
+        # past a context: whatever its row held (block ids of the pool, masked or never read)
+        tables = torch.from_numpy(self.block_tables.gather(seqs, width).reshape(-1))
+        return DecodeGroup(start, end, tables.to(self.device), torch.tensor(lens, device=self.device), width)
 
 
 @dataclass(frozen=True, slots=True)
