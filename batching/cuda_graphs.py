@@ -188,6 +188,7 @@ class StepGraphs:
             )
         else:
             graph.graph.replay()
+            assert graph.logits is not None  # written by every replay of a captured graph
             logits = graph.logits
         if graph.shape.decode_only:
             return sampled_rows(logits, rows)
