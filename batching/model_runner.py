@@ -218,10 +218,14 @@ class ModelRunner:
     def _prepare_attention(self, rows: StepRows) -> ModelInput:
         if self.packer is not None:
             return self.packer.pack(rows, self.kv_cache, self.block_size, self.mask_patterns)
-        dev = self.device
+        # the step's per-row lists in one tensor, viewed as each (one tensor built, not four)
+        n = len(rows.input_ids)
+        flat = device_tensor(
+            rows.input_ids + rows.positions + rows.slot_mapping + rows.logits_rows, self.device
+        )
         attn = AttentionMetadata(
             kv_cache=self.kv_cache,
-            slot_mapping=torch.tensor(rows.slot_mapping, dtype=torch.long, device=dev),
+            slot_mapping=flat[2 * n : 3 * n],
             decodes=self._decode_groups(rows),
             prefills=None,
             attention_kernel=self.attention_kernel,
@@ -229,9 +233,9 @@ class ModelRunner:
         )
         attn.prefills, attn.prefill_tables = self._prefill_chunks(rows)
         return ModelInput(
-            input_ids=torch.tensor([rows.input_ids], device=dev),
-            position_ids=torch.tensor([rows.positions], device=dev),
-            logits_indices=torch.tensor(rows.logits_rows, dtype=torch.long, device=dev),
+            input_ids=flat[:n].view(1, n),
+            position_ids=flat[n : 2 * n].view(1, n),
+            logits_indices=flat[3 * n :],
             attn=attn,
             sample_seqs=rows.sample_seqs,
         )
