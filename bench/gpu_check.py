@@ -21,6 +21,8 @@
     make gpu-check                      # with the project's virtual environment
     make gpu-check PY=python3           # with a python that already has torch, transformers, triton
     python bench/gpu_check.py --skip-tests    # the bench alone
+    python bench/gpu_check.py --tests tests/batching/test_cuda.py --benches 1   # a short lease: the CUDA-only
+                                              # tests, the 1B bf16 bench (roofline), the host work
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def device_name() -> str:
     return f"CPU ({os.cpu_count()} cores), no CUDA"
 
 
-def run_tests(junit: Path) -> dict:
+def run_tests(junit: Path, tests: list[str] | None = None) -> dict:
     env = dict(os.environ)
     if torch.cuda.is_available():  # the CPU's paths run in CI; here the device's
         env.setdefault("GENQ_TEST_PATHS", "cuda-triton,cuda-torch")
@@ -114,7 +116,7 @@ def run_tests(junit: Path) -> dict:
         "--confcutdir", "tests/batching",  # the service fixtures (Postgres, Redis) are not needed here
         "-o", "filterwarnings=default",  # another torch or transformers may warn: report, do not fail
         "--durations=10",
-        f"--junitxml={junit}", *DEVICE_TESTS,
+        f"--junitxml={junit}", *(tests or DEVICE_TESTS),
     ]  # fmt: skip
     print("$", " ".join(command), flush=True)
     started = time.monotonic()
@@ -128,10 +130,12 @@ def run_tests(junit: Path) -> dict:
     return counts
 
 
-def run_benches(out: Path, slug: str) -> list[dict]:
+def run_benches(out: Path, slug: str, only: set[int] | None = None) -> list[dict]:
     figures = []
     cuda = torch.cuda.is_available()
     for i, args in enumerate(CUDA_BENCHES if cuda else CPU_BENCHES):
+        if only is not None and i not in only:
+            continue
         path = out / f"gpu-check-{slug}-bench{i}.json"
         args = [*args, "--device", "cuda" if cuda else "cpu", "--json", str(path)]
         if os.environ.get("VLLM_PYTHON"):
@@ -197,6 +201,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument(
+        "--tests",
+        nargs="+",
+        metavar="PATH",
+        help="these tests instead of the whole device suite (a short device lease: tests/batching/test_cuda.py "
+        "first, which holds the CUDA-only checks)",
+    )
+    ap.add_argument(
+        "--benches",
+        default=None,
+        help="comma-separated indices of the benches to run (CUDA: 0 the record workload, 1 the 1B bfloat16 "
+        "width-256 one); default all",
+    )
     ap.add_argument("--out", default="bench/out", help="folder for the figures")
     args = ap.parse_args(argv)
     out = ROOT / args.out
@@ -204,8 +221,9 @@ def main(argv=None) -> int:
     device = device_name()
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
     print(f"gpu-check on {device}" + ("" if torch.cuda.is_available() else ": the CUDA parts are skipped"))
-    tests = None if args.skip_tests else run_tests(out / f"gpu-check-{slug}-tests.xml")
-    figures = [] if args.skip_bench else run_benches(out, slug)
+    tests = None if args.skip_tests else run_tests(out / f"gpu-check-{slug}-tests.xml", args.tests)
+    only = None if args.benches is None else {int(i) for i in args.benches.split(",")}
+    figures = [] if args.skip_bench else run_benches(out, slug, only)
     host = None if args.skip_bench else run_host_overhead(out, slug)
     report = markdown(device, tests, figures, host)
     (out / f"gpu-check-{slug}.md").write_text(report + "\n")
