@@ -357,7 +357,7 @@ class Engine:
                 seq.first_token_time = now
         statuses = self.stop_checker.check_step(sample_seqs, tokens)
         outputs = []
-        output = self._output
+        delta, cumulative = self._delta_output, self._output
         for seq, token, status in zip(sample_seqs, tokens, statuses):
             if seq.grammar is not None and seq.grammar.consume_token(token) and seq.grammar.is_stopped():
                 status = SequenceStatus.FINISHED_STOPPED  # its JSON is complete
@@ -366,7 +366,7 @@ class Engine:
                 self.sampler.forget(seq)
                 seq.finish_time = now
                 del self.requests[seq.req_id]
-            outputs.append(output(seq))
+            outputs.append(delta(seq) if seq.params.output_kind == "delta" else cumulative(seq))
         return outputs
 
     @staticmethod

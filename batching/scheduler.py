@@ -116,8 +116,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         fill = _Fill(SchedulerOutput())
         self.block_manager.start_step()
-        for seq in self.running:  # the last step computed their KV: full blocks join the prefix cache
-            self.block_manager.cache_computed_blocks(seq)
+        bm, bs = self.block_manager, self.block_manager.block_size
+        if bm.enable_prefix_caching:  # the last step computed their KV: full blocks join the prefix cache
+            for seq in self.running:
+                if seq.num_computed_tokens // bs > seq.num_cache_offered_blocks:  # (a block filled: 1 in bs)
+                    bm.cache_computed_blocks(seq)
         self._schedule_decodes(fill)
         self._schedule_prefills(fill)
         self.last_budget_used = self.max_num_batched_tokens - self._budget(fill)
