@@ -64,17 +64,20 @@ class Detokenizer:
                 prefix = next(decoded)
                 if seq.read_offset - seq.prefix_offset == 1:
                     single[window[0]] = prefix
-            if len(full) > len(prefix) and not full.endswith("\ufffd"):
-                seq.text += full[len(prefix) :]
-                seq.prefix_offset, seq.read_offset = seq.read_offset, len(seq.token_ids)
+            _advance(seq, prefix, full)
 
     def _one(self, seq: Sequence) -> None:
         ids, skip, decode = seq.token_ids, seq.params.skip_special_tokens, self.tokenizer.decode
         prefix = decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
-        full = decode(ids[seq.prefix_offset :], skip_special_tokens=skip)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            seq.text += full[len(prefix) :]
-            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+        _advance(seq, prefix, decode(ids[seq.prefix_offset :], skip_special_tokens=skip))
+
+
+def _advance(seq: Sequence, prefix: str, full: str) -> None:
+    """What the window's text `full` adds beyond its known part `prefix` joins the sequence's text, and the
+    window moves on; unless it ends mid-character (it waits for the next token)."""
+    if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        seq.text += full[len(prefix) :]
+        seq.prefix_offset, seq.read_offset = seq.read_offset, len(seq.token_ids)
 
 
 def _rust_backend(tokenizer):

@@ -14,6 +14,7 @@ import os
 import random
 import time
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
@@ -130,7 +131,7 @@ class Engine:
         )
         self.sampler = Sampler(self.eos_token_ids)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids)
 
         self.requests: dict[str, Sequence] = {}
         self._pending_outputs: list[RequestOutput] = []  # aborted between steps, reported by the next
@@ -239,8 +240,9 @@ class Engine:
             self.grammars.matcher(params.json_schema, resumed) if params.json_schema is not None else None
         )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        seq = Sequence(request_id, prompt_ids, params, priority, seed, resumed, arrival_time)
-        seq.max_num_tokens = min(seq.max_num_tokens, self.max_model_len)
+        seq = Sequence(
+            request_id, prompt_ids, params, priority, seed, resumed, arrival_time, self.max_model_len
+        )
         seq.grammar = grammar
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -324,7 +326,7 @@ class Engine:
         and the next step is scheduled meanwhile (its inputs read them on the device)."""
         launched.logits = None
         for i, seq in enumerate(launched.seqs):
-            if seq.status < SequenceStatus.FINISHED_STOPPED:  # (one that the last step ended runs moot)
+            if not seq.finished:  # (one that the last step ended runs moot)
                 seq.token_ids.append(PENDING_TOKEN)
                 seq.pending_row = i
         self._inflight = launched
@@ -339,7 +341,7 @@ class Engine:
             self._record_prompt_logprobs(launched.prompt_logits, launched.spans)
         if launched.logits is not None and any(s.params.logprobs is not None for s in seqs):
             self._record_logprobs(launched.logits, seqs, tokens)
-        live = [i for i, seq in enumerate(seqs) if seq.status < SequenceStatus.FINISHED_STOPPED]
+        live = [i for i, seq in enumerate(seqs) if not seq.finished]
         if len(live) < len(seqs):
             seqs, tokens = [seqs[i] for i in live], [tokens[i] for i in live]
         return self._postprocess(seqs, tokens)
@@ -357,7 +359,6 @@ class Engine:
                 seq.first_token_time = now
         statuses = self.stop_checker.check_step(sample_seqs, tokens)
         outputs = []
-        delta, cumulative = self._delta_output, self._output
         for seq, token, status in zip(sample_seqs, tokens, statuses):
             if seq.grammar is not None and seq.grammar.consume_token(token) and seq.grammar.is_stopped():
                 status = SequenceStatus.FINISHED_STOPPED  # its JSON is complete
@@ -366,7 +367,7 @@ class Engine:
                 self.sampler.forget(seq)
                 seq.finish_time = now
                 del self.requests[seq.req_id]
-            outputs.append(delta(seq) if seq.params.output_kind == "delta" else cumulative(seq))
+            outputs.append(self._output(seq))
         return outputs
 
     @staticmethod
@@ -589,27 +590,25 @@ class Engine:
         self.block_manager.reset_prefix_cache()  # the warm-up's KV is nobody's prefix
 
 
+@dataclass(slots=True)
 class _Launched:
     """A step whose forward and sampling were launched: its sampled sequences, their tokens on the device
     and on their way to the host, and what its finish needs (logits only when it is finished at once)."""
 
-    __slots__ = ("seqs", "tokens", "_host", "logits", "prompt_logits", "spans", "overlappable")
-
-    def __init__(self, seqs, tokens, host, logits, prompt_logits, spans, overlappable):
-        self.seqs: list[Sequence] = seqs
-        self.tokens: torch.Tensor = tokens  # [N] on the device: the next step's inputs read them there
-        self._host = host  # (tensor, event): the one device-to-host copy of the step
-        self.logits: torch.Tensor | None = logits
-        self.prompt_logits: torch.Tensor | None = prompt_logits
-        self.spans: list = spans
-        self.overlappable: bool = overlappable  # nothing the next step computes needs its tokens on the host
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # [N] on the device: the next step's inputs read them there
+    host: tuple[torch.Tensor, torch.cuda.Event | None]  # the step's one device-to-host copy, and its event
+    logits: torch.Tensor | None
+    prompt_logits: torch.Tensor | None
+    spans: list
+    overlappable: bool  # nothing the next step computes needs its tokens on the host
 
     def host_tokens(self) -> list[int]:
         """The tokens as a list, once their copy has arrived (waits for it, and only for it)."""
-        host, event = self._host
+        tokens, event = self.host
         if event is not None:
             event.synchronize()
-        return host.tolist()
+        return tokens.tolist()
 
 
 def _to_host(tokens: torch.Tensor):

@@ -518,9 +518,6 @@ class _RecordingSampler:
             self.rows.setdefault(seq.req_id, []).append((seq.num_tokens, row.detach().clone()))
         return self.sampler.sample(logits, seqs)
 
-    def __call__(self, logits, seqs):
-        return self.sample(logits, seqs).tolist()
-
     def forget(self, seq) -> None:
         self.sampler.forget(seq)
 

@@ -97,9 +97,13 @@ class ModelRunner:
         self.mask_patterns = mask_patterns or {}  # layer -> windows/chunks only the mask expresses
         self.backend = backend or ("cpu_kernel" if attention_kernel is not None else "torch")
         assert self.backend in BACKENDS, self.backend
-        self.packer = MetadataPacker(device, kv_cache.scratch_slot) if self.backend == "triton" else None
+        self.block_tables = BlockTables()  # every path's per-step block tables, gathered from it
+        self.packer = (
+            MetadataPacker(device, kv_cache.scratch_slot, self.block_tables)
+            if self.backend == "triton"
+            else None
+        )
         self.graphs: StepGraphs | None = None  # captured by the engine at start-up (cuda_graphs.py)
-        self.block_tables = BlockTables()  # the decodes' tables on the CPU and torch paths
 
     @torch.inference_mode()
     def execute(
@@ -322,13 +326,13 @@ class MetadataPacker:
     write to the scratch slot and attend over nothing.
     """
 
-    def __init__(self, device: torch.device, scratch_slot: int):
+    def __init__(self, device: torch.device, scratch_slot: int, block_tables: BlockTables | None = None):
         self.device = device
         self.scratch_slot = scratch_slot  # a KV slot no sequence owns: padded rows write there
         self.pinned = device.type == "cuda"
         self._staging = torch.empty(0, dtype=torch.long)
         self._sent: torch.cuda.Event | None = None  # the last copy out of _staging
-        self.block_tables = BlockTables()
+        self.block_tables = block_tables if block_tables is not None else BlockTables()
 
     def layout(
         self, rows: StepRows, block_size: int, shape: GraphShape | None = None, width: int | None = None

@@ -81,6 +81,7 @@ class Sequence:
         sample_seed: int,
         resume_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        max_model_len: int | None = None,
     ):
         self.req_id = req_id
         self.priority = priority
@@ -118,15 +119,13 @@ class Sequence:
         # with params.json_schema: its grammar matcher (batching/grammar.py), fed every output token; it
         # stays with the sequence through preemption and swap
         self.grammar: LLMatcher | None = None
-        # its next token is the logits' argmax and nothing else is kept: the sampler's and the step's fast path
+        # its next token is the logits' argmax, nothing applied before it: the sampler's fast path
         self.plain = (
             params.greedy
             and not params.logit_bias
             and not params.penalized
             and params.min_tokens == 0
             and params.json_schema is None
-            and params.logprobs is None
-            and params.prompt_logprobs is None
         )
         # the next step may be scheduled before its token is on the host (engine.py, async scheduling):
         # nothing that step computes depends on the token's value on the host
@@ -139,8 +138,10 @@ class Sequence:
         # with async scheduling, while its last token is still on the device: token_ids ends with a
         # placeholder (PENDING_TOKEN), and this is that token's row in its step's sampled tokens; else -1
         self.pending_row = -1
-        # it stops at this length whatever it samples (max_tokens, or the model's length: set by the engine)
+        # it stops at this length whatever it samples: max_tokens, or the model's length
         self.max_num_tokens = self.num_prompt_tokens + params.max_tokens
+        if max_model_len is not None:
+            self.max_num_tokens = min(self.max_num_tokens, max_model_len)
 
     @property
     def num_tokens(self) -> int:

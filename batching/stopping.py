@@ -9,14 +9,9 @@ from batching.sequence import Sequence, SequenceStatus
 
 
 class StopChecker:
-    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int):
+    def __init__(self, tokenizer, eos_token_ids: set[int]):
         self.detokenize = Detokenizer(tokenizer)
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.max_model_len = max_model_len
-
-    def check(self, seq: Sequence, token: int) -> SequenceStatus | None:
-        """One sequence's `check_step`."""
-        return self.check_step([seq], [token])[0]
 
     def check_step(self, seqs: Seq[Sequence], tokens: Seq[int]) -> list[SequenceStatus | None]:
         """Called after each of `seqs` had its token of `tokens` appended: their texts updated (in one pass
@@ -24,7 +19,7 @@ class StopChecker:
 
         As vLLM: a token that stops the request (the end of sequence, a stop_token_id) adds no text unless
         include_stop_str_in_output; min_tokens holds back every stop before it (stop strings: see below)."""
-        eos, max_len = self.eos_token_ids, self.max_model_len
+        eos = self.eos_token_ids
         stopped: list[bool] = []
         to_decode: list[Sequence] = []
         old_lens: list[int] = []
@@ -43,19 +38,18 @@ class StopChecker:
         for seq, stop_token, old_len in zip(seqs, stopped, old_lens):
             p = seq.params
             num_tokens = len(seq.token_ids)
-            num_output = num_tokens - seq.num_prompt_tokens
             if stop_token:
                 statuses.append(SequenceStatus.FINISHED_STOPPED)
             # stop strings end a request once len(output) > min_tokens, matched in the text added since the
             # last token (and the stop's length - 1 characters before it), as vLLM's detokenizer checks them
             elif (
                 p.stop
-                and num_output > p.min_tokens
+                and num_tokens - seq.num_prompt_tokens > p.min_tokens
                 and len(seq.text) > old_len
                 and self._cut_at_stop_string(seq, old_len)
             ):
                 statuses.append(SequenceStatus.FINISHED_STOPPED)
-            elif num_output >= p.max_tokens or num_tokens >= max_len:
+            elif num_tokens >= seq.max_num_tokens:  # max_tokens, or the model's length
                 statuses.append(SequenceStatus.FINISHED_LENGTH)
             else:
                 statuses.append(None)
