@@ -26,7 +26,7 @@ import os
 import shutil
 import tempfile
 
-from jobstore.cpus import available_cpus
+from contract.cpus import available_cpus
 
 bind = f"{os.environ.get('API_HOST', '127.0.0.1')}:{os.environ.get('API_PORT', '8000')}"
 worker_kind = os.environ.get("API_WORKER_CLASS", "gevent")
@@ -73,7 +73,7 @@ def post_worker_init(worker):
     wait for them); then what is loaded by now (modules, the app, the tokenizer) lives as long as the
     process: keep it out of the garbage collector's way, so that a full collection walks only the
     objects of requests."""
-    from jobstore.settings import StoreSettings
+    from contract.settings import StoreSettings
     from webapi.prompts import warm_up
 
     try:

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.harness import markdown_table, pct, run_info, wait_for_quiet, write_result  # noqa: E402
 from bench.http_load import _Connection, build_request  # noqa: E402
 from bench.stack import bench_settings, local_stack  # noqa: E402
-from jobstore.dispatch import PRIORITIES, QUEUE, queue_key  # noqa: E402
+from contract.dispatch import PRIORITIES, QUEUE, queue_key  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 WORDS = "the tea cat sky mud river stone light song road".split()

@@ -27,8 +27,8 @@ import redis  # noqa: E402
 
 from bench.harness import own_seconds  # noqa: E402
 from bench.stack import private_redis  # noqa: E402
-from jobstore.deltas import Delta  # noqa: E402
-from jobstore.events import decode, encode  # noqa: E402
+from contract.deltas import Delta  # noqa: E402
+from contract.token_events import decode, encode  # noqa: E402
 
 
 def redis_cpu(client: redis.Redis) -> float:

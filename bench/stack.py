@@ -38,11 +38,11 @@ import redis
 import requests
 from sqlalchemy import func, select
 
+from contract.dispatch import PRIORITIES, QUEUE, make_celery, queue_key
+from contract.settings import Settings
 from jobstore.db import create_database_if_missing, drop_database, make_engine, make_session_factory
-from jobstore.dispatch import PRIORITIES, QUEUE, make_celery, queue_key
 from jobstore.keys import create_key
 from jobstore.models import Job, JobStatus
-from jobstore.settings import Settings
 from tests.conftest import BIN, POSTGRES, REDIS, ROOT, free_port, settings_env, worker_command
 
 

@@ -1,16 +1,6 @@
-"""Jobs in Postgres: models, sessions, state transitions, and the settings every process shares."""
+"""Jobs in Postgres: tables, sessions, state transitions, tenants and keys, the Batch API's files and
+batches. The settings, request schema and message formats every process shares live in contract/."""
 
 from jobstore.models import ApiKey, Base, Job, JobStatus, Tenant
-from jobstore.settings import ApiSettings, Settings, StoreSettings, WorkerSettings
 
-__all__ = [
-    "ApiKey",
-    "ApiSettings",
-    "Base",
-    "Job",
-    "JobStatus",
-    "Settings",
-    "StoreSettings",
-    "Tenant",
-    "WorkerSettings",
-]
+__all__ = ["ApiKey", "Base", "Job", "JobStatus", "Tenant"]

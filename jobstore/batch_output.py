@@ -5,7 +5,7 @@ short: jobstore/batches.py records that code on their jobs)."""
 
 from __future__ import annotations
 
-from jobstore.logprob_shapes import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
+from contract.logprob_shapes import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from jobstore.models import JobStatus
 
 CHAT_ENDPOINT = "/v1/chat/completions"

@@ -33,11 +33,11 @@ from psycopg.types.json import Jsonb
 from sqlalchemy import exists, func, select, tuple_, update
 from sqlalchemy.orm import Session
 
+from contract.requests import options_of
 from jobstore.batch_output import output_line
 from jobstore.files import FileWriter
 from jobstore.jobs import ACTIVE
 from jobstore.models import Batch, BatchStatus, Job, JobStatus
-from jobstore.requests import options_of
 
 LIVE = (BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING)
 # the columns a batch's jobs are COPYed with, in this order (the rest take their defaults)

@@ -10,9 +10,9 @@ import click
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
+from contract.settings import StoreSettings
 from jobstore.db import create_database_if_missing, make_engine, make_session_factory, normalize_url
 from jobstore.keys import create_key, list_keys, revoke_key
-from jobstore.settings import StoreSettings
 
 
 @contextmanager

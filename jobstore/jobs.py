@@ -84,7 +84,7 @@ def create_job(
     `db` may be a Session or a Core Connection (the API uses an autocommit connection: no BEGIN, no
     COMMIT round trip). The returned Job is a plain object, attached to no session.
     """
-    from jobstore.requests import job_columns
+    from contract.requests import job_columns
 
     values = dict(
         job_columns(request),
@@ -146,7 +146,7 @@ def check_job_row(job: Job, max_model_len: int | None = None) -> None:
     max_tokens within `max_model_len`; a text prompt's length is checked by the engine, which tokenizes it)."""
     from pydantic import ValidationError
 
-    from jobstore.requests import JobCreate, request_fields
+    from contract.requests import JobCreate, request_fields
 
     if job.prompt is not None:
         try:

@@ -136,7 +136,7 @@ class Job(Base):
     top_k: Mapped[int] = mapped_column(Integer)
     seed: Mapped[int | None] = mapped_column(BigInteger)
     stop: Mapped[list[str]] = mapped_column(ARRAY(Text), default=list)
-    # the other sampling fields (jobstore/requests.py OPTIONS), those that differ from their defaults
+    # the other sampling fields (contract/requests.py OPTIONS), those that differ from their defaults
     options: Mapped[dict] = mapped_column(JSONB, default=dict, server_default=text("'{}'::jsonb"))
     metadata_: Mapped[dict] = mapped_column("metadata", JSONB, default=dict)
     idempotency_key: Mapped[str | None] = mapped_column(String(255))

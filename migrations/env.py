@@ -4,9 +4,9 @@ from logging.config import fileConfig
 
 from alembic import context
 
+from contract.settings import StoreSettings
 from jobstore.db import make_engine
 from jobstore.models import Base
-from jobstore.settings import StoreSettings
 
 config = context.config
 if config.config_file_name is not None and config.attributes.get("configure_logger", True):

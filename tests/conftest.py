@@ -23,9 +23,9 @@ import pytest
 import redis
 import requests
 
+from contract.settings import Settings
 from jobstore.db import create_database_if_missing, drop_database, make_engine, make_session_factory
 from jobstore.keys import create_key
-from jobstore.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the virtual environment's commands: celery, gunicorn, flask

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from batching.config import EngineConfig
-from jobstore.settings import Settings
+from contract.settings import Settings
 from tests.conftest import ROOT
 
 PAGES = [
@@ -75,7 +75,7 @@ def test_every_value_in_env_example_is_the_default(clean_env):
 
 
 def test_the_settings_tables_of_the_docs_give_the_defaults(clean_env):
-    """Rows `| `NAME` | `value` | ...` of the docs' tables, for the settings of jobstore/settings.py."""
+    """Rows `| `NAME` | `value` | ...` of the docs' tables, for the settings of contract/settings.py."""
     defaults = Settings.from_env()
     checked, wrong = 0, {}
     for page in PAGES:

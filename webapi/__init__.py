@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from flask import Flask
 
-    from jobstore.settings import ApiSettings
+    from contract.settings import ApiSettings
 
 
 def create_app(settings: ApiSettings | None = None) -> Flask:
@@ -19,7 +19,7 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
     Postgres, threads) before a gevent worker patches them."""
     from flask import Flask
 
-    from jobstore.settings import ApiSettings
+    from contract.settings import ApiSettings
     from webapi import batches, completions, docs, files, jobs, ops, served_models, tokens
     from webapi.cli import keys
     from webapi.errors import init_errors

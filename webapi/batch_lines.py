@@ -16,9 +16,9 @@ from datetime import datetime, timezone
 
 from pydantic import ValidationError
 
+from contract.fields import SERVED_MODELS, VOCAB_SIZE
+from contract.requests import JobCreate
 from jobstore.batches import job_row
-from jobstore.fields import SERVED_MODELS, VOCAB_SIZE
-from jobstore.requests import JobCreate
 from webapi.openai_schemas import (
     CHAT_ENDPOINT,
     ChatBatchLine,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import click
 
+from batchclient.cli import main as batch
 from jobstore.cli import db, keys
-from webapi.client import main as batch
 
 __all__ = ["genq", "keys"]
 

@@ -29,12 +29,12 @@ from pydantic import ValidationError
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
+from contract.deltas import Delta
+from contract.logprob_shapes import chat_logprobs, completion_logprobs
+from contract.requests import JobCreate
 from jobstore import jobs
 from jobstore.batch_output import echoed_prompt, response_body
-from jobstore.deltas import Delta
-from jobstore.logprob_shapes import chat_logprobs, completion_logprobs
 from jobstore.models import Job, JobStatus
-from jobstore.requests import JobCreate
 from webapi.auth import current_tenant, require_api_key
 from webapi.errors import APIError, from_validation_error
 from webapi.events import FLUSH, HEARTBEAT, Ended, Tick, acquire_slot, follow, read_job

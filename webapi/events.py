@@ -1,7 +1,7 @@
 """Following a job from the API: its row in Postgres, then its token events from Redis, with no gap and no
 duplicate. Used by GET /jobs/<id>/events, GET /jobs/<id>?wait= and the /v1 completions.
 
-One `Hub` per API process reads the events stream (jobstore/events.py) with one blocking XREAD at a time,
+One `Hub` per API process reads the events stream (contract/token_events.py) with one blocking XREAD at a time,
 while at least one caller follows a job, and hands each followed job's events to its followers' queues:
 a follower costs a queue, not a thread, a connection or a read of its own (under gunicorn's gevent workers
 it is a greenlet waiting on its queue).
@@ -16,7 +16,7 @@ per token per caller, no wake-up, no switch there and back, no pass through the 
 follower and the socket. Everything else (a status, a finish, a gap, a socket that is full) wakes the
 follower as before, which goes on from the position the direct writes reached.
 
-`follow()` joins the two sources by position (jobstore.deltas): it subscribes first, then reads the row,
+`follow()` joins the two sources by position (contract.deltas): it subscribes first, then reads the row,
 sends what the row holds beyond the caller's position, then each event trimmed to what the caller lacks.
 An event that starts beyond the caller (it joined late and the row lagged, events were lost, Redis went
 away) is not sent: the row is read again (it holds everything up to its last progress write) and the
@@ -37,9 +37,9 @@ import redis
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
+from contract.deltas import Delta, Gap, Position, trim
+from contract.token_events import LOST_FIELD, Status, decode, publish_status, stream_key
 from jobstore import jobs
-from jobstore.deltas import Delta, Gap, Position, trim
-from jobstore.events import LOST_FIELD, Status, decode, publish_status, stream_key
 from jobstore.models import Job, JobStatus
 
 try:  # gunicorn's gevent workers (the api extra); importing it patches nothing

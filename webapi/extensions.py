@@ -14,9 +14,9 @@ from flask_limiter import Limiter, RateLimitExceeded
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from contract.dispatch import BulkSender, bounded_redis, make_celery
+from contract.settings import ApiSettings
 from jobstore.db import make_engine, make_session_factory
-from jobstore.dispatch import BulkSender, bounded_redis, make_celery
-from jobstore.settings import ApiSettings
 from webapi.errors import error_response
 from webapi.events import Hub
 from webapi.key_cache import KeyCache
@@ -75,7 +75,7 @@ def init_extensions(app: Flask, settings: ApiSettings) -> None:
         key_prefix=f"{settings.redis_key_prefix}ratelimit",
         default_limits=[settings.rate_limit],
         default_limits_exempt_when=lambda: request.blueprint not in LIMITED_BLUEPRINTS,
-        # a bounded pool, waited on: a burst of calls shares a few connections (jobstore.dispatch.bounded_redis)
+        # a bounded pool, waited on: a burst of calls shares a few connections (contract.dispatch.bounded_redis)
         storage_options={"connection_pool": bounded_redis(settings.redis_url, timeout=2).connection_pool},
         headers_enabled=False,  # X-RateLimit-* on every answer would cost a second Redis call per request
         swallow_errors=True,

@@ -15,9 +15,9 @@ from flask import Blueprint, request, url_for
 from kombu.exceptions import KombuError
 from redis.exceptions import RedisError
 
+from contract.deltas import Delta, Position
+from contract.token_events import Status
 from jobstore import jobs
-from jobstore.deltas import Delta, Position
-from jobstore.events import Status
 from jobstore.models import Job, JobStatus
 from webapi.auth import current_tenant, require_api_key
 from webapi.errors import APIError

@@ -22,10 +22,10 @@ from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from jobstore.dispatch import QUEUE
+from contract.dispatch import QUEUE
+from contract.settings import ApiSettings
 from jobstore.jobs import ACTIVE
 from jobstore.models import Job
-from jobstore.settings import ApiSettings
 
 HTTP_REQUESTS = Counter(
     "genq_http_requests_total", "HTTP requests answered", ["method", "endpoint", "status"]

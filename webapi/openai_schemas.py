@@ -2,8 +2,8 @@
 batches), and how a completion request maps onto a genq job. They validate /v1 requests and the lines
 of batch input files, and through webapi/spec.py make /openapi.json.
 
-Request bodies derive from jobstore.fields.RequestBody (strict JSON types, unknown fields refused) and
-declare the fields they share with POST /jobs with jobstore/fields.py's types, so a value gets the same
+Request bodies derive from contract.fields.RequestBody (strict JSON types, unknown fields refused) and
+declare the fields they share with POST /jobs with contract/fields.py's types, so a value gets the same
 verdict on /jobs, /v1 and in a batch line. A new field follows the same rule by being declared on one of
 these models: webapi/validation.py words its errors for the caller."""
 
@@ -29,7 +29,7 @@ from pydantic import (
 )
 
 from batching.grammar import JSON_OBJECT_SCHEMA
-from jobstore.fields import (
+from contract.fields import (
     LogitBias,
     MaxTokens,
     MinP,
@@ -151,7 +151,7 @@ def _only_no_op(table: dict[str, tuple[Any, str]], value: Any, field: str) -> An
 
 class _Sampling(RequestBody):
     """The sampling fields both endpoints share, with OpenAI's (and vLLM's) names and genq's limits
-    (jobstore/fields.py). A field genq takes only at its no-op value (NO_OPS) is refused with the reason for
+    (contract/fields.py). A field genq takes only at its no-op value (NO_OPS) is refused with the reason for
     any other; a field neither OpenAI nor vLLM has is refused by name (extra="forbid")."""
 
     model: ModelName | None = None

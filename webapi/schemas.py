@@ -8,9 +8,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from jobstore.fields import drop_nulls
+from contract.fields import drop_nulls
+from contract.requests import JobCreate, MetadataValue
 from jobstore.models import Job, JobStatus
-from jobstore.requests import JobCreate, MetadataValue
 from webapi.openai_schemas import ChatMessage
 
 __all__ = ["JobCreate"]  # defined in jobstore (the worker validates stored jobs with it too)

@@ -22,7 +22,7 @@ from flask import Flask, request
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 
-from jobstore.fields import SERVED_MODELS, VOCAB_SIZE
+from contract.fields import SERVED_MODELS, VOCAB_SIZE
 from webapi.errors import OPENAI_PREFIX, APIError, from_validation_error
 from webapi.extensions import services
 from webapi.openai_schemas import OpenAIError

@@ -5,7 +5,7 @@
     celery -A workers flower                                              # dashboard (workers/flowerconfig.py)
 
 The broker settings every process shares (Redis priority emulation: ten steps, `generate:N` lists,
-0 first; default priority 5) come from jobstore.dispatch, so the API files messages exactly where
+0 first; default priority 5) come from contract.dispatch, so the API files messages exactly where
 workers look. The settings below concern consuming. This module imports no torch: beat and Flower
 load it too.
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 
 from celery import Celery
 
-from jobstore.dispatch import celery_config
-from jobstore.settings import WorkerSettings
+from contract.dispatch import celery_config
+from contract.settings import WorkerSettings
 
 settings = WorkerSettings.from_env()  # the worker's settings, read once for the process
 

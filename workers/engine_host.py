@@ -34,7 +34,7 @@ from concurrent.futures import Future
 from datetime import datetime, timezone
 
 from batching import EngineConfig, RequestOutput, SamplingParams
-from jobstore.deltas import Delta, Gap, Transcript
+from contract.deltas import Delta, Gap, Transcript
 from workers import engine_process, metrics
 from workers.engine_process import RequestNews, StepReport
 
@@ -52,7 +52,7 @@ class EngineLost(HostStopped):
 class RequestHandle:
     """A request in the engine, as other threads see it: its transcript so far, and an event when done.
 
-    Written by the reader thread only; the transcript (jobstore.deltas) lets other threads read a consistent
+    Written by the reader thread only; the transcript (contract.deltas) lets other threads read a consistent
     prefix of it at any time. `tag` is the caller's name for the request (the job book's: the job id)."""
 
     def __init__(

@@ -6,7 +6,7 @@ Python here, so no thread of the worker (Celery's delivery, claims, batched data
 takes the GIL from the step loop; the worker process imports no torch at all.
 
 What goes back is one message per step (`StepReport`): for the requests that changed, the fields of a
-jobstore.deltas.Delta each (the step's new token ids and new stable text, at absolute offsets: the engine runs
+contract.deltas.Delta each (the step's new token ids and new stable text, at absolute offsets: the engine runs
 its requests with output_kind="delta"), what else changed for some of them (`RequestNews`), and the engine's
 stats and step time. So the bytes sent grow with the tokens made, never with the output's length, and every
 step's tokens reach the worker as the step ends.
@@ -30,7 +30,7 @@ from itertools import repeat
 from multiprocessing.connection import Connection
 from typing import NamedTuple
 
-from jobstore.deltas import Delta, Position
+from contract.deltas import Delta, Position
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when the thread that started it ends

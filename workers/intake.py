@@ -20,7 +20,7 @@ urgent job first) is sent back to the queue unclaimed.
 
 A backlog does not go through Celery one message at a time: while Celery's consumer consumes `generate`
 (a `cancel_consumer` pauses this too) and the worker has room, a puller thread takes up to `INTAKE_PULL`
-messages at once from the most urgent non-empty list (one BLMPOP, jobstore.dispatch.take_messages) and
+messages at once from the most urgent non-empty list (one BLMPOP, contract.dispatch.take_messages) and
 claims them in one statement (jobs.claim_jobs), the room they fill kept for them meanwhile. A Celery
 message costs the worker ~2 ms of CPU (kombu's delivery and acknowledgement bookkeeping, the task's trace,
 a claim of its own); a pulled one a small fraction of that. A worker killed between the pull and the claim
@@ -44,10 +44,10 @@ import redis
 from sqlalchemy.orm import Session, sessionmaker
 from tenacity import Retrying, before_sleep_log, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from contract.dispatch import QUEUE, queue_key, take_messages
+from contract.settings import WorkerSettings
 from jobstore import jobs
-from jobstore.dispatch import QUEUE, queue_key, take_messages
 from jobstore.models import Job, JobStatus
-from jobstore.settings import WorkerSettings
 from workers import admission, metrics
 from workers.job_book import DB_DOWN, JobBook
 from workers.outcomes import Outcome

@@ -11,7 +11,7 @@ the engine, and one writer thread does every database write of every held job, b
 - hand-backs (a more urgent job took the slot, the worker shuts down, or the engine process died): abort
   the request, save its tokens, drop the lease, send the job back to the queue at its own priority.
 
-Each engine step's new output of every held job also leaves at once as token events (jobstore/events.py:
+Each engine step's new output of every held job also leaves at once as token events (contract/token_events.py:
 one XADD per step, from a publisher thread), for the API's streaming callers; the writer publishes status
 changes (claimed, handed back, result stored) after the write that makes them true.
 
@@ -35,11 +35,11 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
 from batching import SamplingParams
+from contract.deltas import Delta, Position, Transcript
+from contract.settings import WorkerSettings
+from contract.token_events import EventPublisher
 from jobstore import jobs
-from jobstore.deltas import Delta, Position, Transcript
-from jobstore.events import EventPublisher
 from jobstore.models import Job, JobStatus
-from jobstore.settings import WorkerSettings
 from workers import metrics
 from workers.admission import Held
 from workers.engine_host import EngineHost, EngineLost, HostStopped, RequestHandle

@@ -34,9 +34,9 @@ from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
 
 from batching.tokenizer import load_tokenizer  # no model code: names the tokens of log probabilities
+from contract.dispatch import send_job, send_to_head
+from contract.settings import WorkerSettings
 from jobstore import batches, jobs
-from jobstore.dispatch import send_job, send_to_head
-from jobstore.settings import WorkerSettings
 from workers.unclaimed import unclaimed_jobs
 
 log = logging.getLogger(__name__)

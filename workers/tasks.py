@@ -30,9 +30,9 @@ from celery.signals import (
 )
 from sqlalchemy import Connection
 
+from contract.dispatch import DEFAULT_PRIORITY, QUEUE, send_to_head
+from contract.token_events import EventPublisher
 from jobstore.db import make_engine
-from jobstore.dispatch import DEFAULT_PRIORITY, QUEUE, send_to_head
-from jobstore.events import EventPublisher
 from workers.celery import app, settings
 from workers.engine_host import EngineHost
 from workers.intake import Intake

@@ -11,7 +11,7 @@ Nothing else would send such a job again, so each reconciler run looks for them,
 - a list that short is read whole: a queued job of that priority sent before this run began and named by
   no waiting message has left its list;
 - in a longer list, messages wait in the order they were sent (kombu pushes at the tail, pops at the head;
-  a job handed back or declined is moved to the head, see jobstore.dispatch.move_to_head), so a queued job
+  a job handed back or declined is moved to the head, see contract.dispatch.move_to_head), so a queued job
   sent before every job named at the head (less MARK_SLACK: the API records sends in batches) has left it.
 
 Such a job is *unclaimed*. A live worker claims within milliseconds of taking a message, so a job still
@@ -33,8 +33,9 @@ from datetime import datetime, timedelta
 import redis
 from sqlalchemy.orm import Session
 
-from jobstore import dispatch, jobs
-from jobstore.settings import WorkerSettings
+from contract import dispatch
+from contract.settings import WorkerSettings
+from jobstore import jobs
 
 HEAD = 64  # messages read at the head of each priority's list per run (a list this short is read whole)
 MARK_SLACK = timedelta(seconds=2)  # how far a job's recorded send time may trail its send

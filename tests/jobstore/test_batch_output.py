@@ -1,5 +1,5 @@
 """A succeeded job's reply body (jobstore/batch_output.py): the same for a batch output line and a synchronous
-answer; with log probabilities and echo in OpenAI's and vLLM's shapes (jobstore/logprob_shapes.py)."""
+answer; with log probabilities and echo in OpenAI's and vLLM's shapes (contract/logprob_shapes.py)."""
 
 from __future__ import annotations
 

@@ -60,9 +60,9 @@ def test_constraint_names_follow_the_convention(database):
 def test_a_progress_write_is_a_heap_only_update(database, sessions):
     """A running job's progress write (new tokens, a renewed lease) touches no index: Postgres writes the row's
     new version on its page (HOT), instead of an entry in each of the table's indexes (migration 0008)."""
+    from contract.requests import JobCreate
     from jobstore import jobs
     from jobstore.keys import create_key
-    from jobstore.requests import JobCreate
 
     with sessions.begin() as session:
         create_key(session, "hot-updates")

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text as sql
 
-from jobstore.dispatch import make_celery
-from jobstore.settings import Settings
+from contract.dispatch import make_celery
+from contract.settings import Settings
 from tests.conftest import BIN, ROOT, free_port, settings_env, worker_command
 from workers.reconciler import reconcile
 

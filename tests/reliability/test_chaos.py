@@ -24,7 +24,7 @@ import pytest
 import redis
 
 from batching import Engine, EngineConfig, SamplingParams
-from jobstore.dispatch import waiting_jobs
+from contract.dispatch import waiting_jobs
 from tests.reliability.conftest import (
     FINISHED,
     MARGIN_S,

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import text as sql
 
 from batching import Engine, EngineConfig, SamplingParams
-from jobstore.dispatch import make_celery
+from contract.dispatch import make_celery
 from tests.reliability.conftest import (
     FINISHED,
     Reconciler,

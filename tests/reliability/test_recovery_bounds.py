@@ -10,8 +10,8 @@ from datetime import datetime
 
 import redis
 
+from contract.dispatch import QUEUE, queue_key, waiting_jobs
 from jobstore import jobs
-from jobstore.dispatch import QUEUE, queue_key, waiting_jobs
 from jobstore.keys import tenant_for_key
 from tests.conftest import job_request
 from tests.reliability.conftest import (

@@ -10,7 +10,7 @@ import uuid
 from sqlalchemy import text
 
 from batching.tokenizer import load_tokenizer
-from jobstore.dispatch import QUEUE
+from contract.dispatch import QUEUE
 
 CHAT = "/v1/chat/completions"
 

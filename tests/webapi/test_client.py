@@ -1,4 +1,4 @@
-"""The batch client (webapi/client.py) against a real stack over HTTP: killed midway, resumed, no duplicates."""
+"""The batch client (batchclient/cli.py) against a real stack over HTTP: killed midway, resumed, no duplicates."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def client_command(url: str, key: str, tmp_path) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "webapi.client",
+        "batchclient",
         "submit",
         str(tmp_path / "in.jsonl"),
         "--url",

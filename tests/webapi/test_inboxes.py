@@ -13,7 +13,7 @@ import uuid
 import gevent
 import pytest
 
-from jobstore.deltas import Delta
+from contract.deltas import Delta
 from jobstore.models import Job
 from webapi.events import FLUSH, GreenInbox, Hub, Inbox, Tick, follow
 from webapi.sse import in_writes

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from contract.dispatch import QUEUE
 from jobstore import jobs
-from jobstore.dispatch import QUEUE
 
 JOB = {
     "prompt": "Once upon a time",

@@ -1,4 +1,4 @@
-"""One validation contract (jobstore/fields.py, webapi/validation.py): the same value gets the same verdict,
+"""One validation contract (contract/fields.py, webapi/validation.py): the same value gets the same verdict,
 in the same words, on POST /jobs, POST /v1/completions (and /v1/chat/completions for the sampling fields)
 and in a line of a /v1/completions batch, over the real app, Postgres and Redis (no worker).
 
@@ -336,7 +336,7 @@ def test_every_request_body_is_a_strict_request_body(app):
     from RequestBody, strict and refusing unknown fields. Query strings stay lax: their values are text."""
     from pydantic import BaseModel
 
-    from jobstore.fields import RequestBody
+    from contract.fields import RequestBody
     from webapi.openai_schemas import ChatBatchLine, CompletionBatchLine
 
     def models_in(annotation) -> list[type[BaseModel]]:

@@ -21,8 +21,8 @@ import requests
 from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
 
-from jobstore.dispatch import make_celery
-from jobstore.settings import Settings
+from contract.dispatch import make_celery
+from contract.settings import Settings
 from tests.conftest import ROOT, free_port, serve_api, settings_env, worker_command
 from workers.outcomes import Outcome
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
 
-from jobstore.settings import Settings
+from contract.settings import Settings
 from tests.conftest import ROOT
 
 CONTRACT = {  # the contract commands (README, Procfile): each service's command starts like this
@@ -167,7 +167,7 @@ def test_every_long_running_service_has_a_healthcheck_and_caches_are_writable(co
 @pytest.mark.parametrize("quota, cpus", [(None, None), (0.5, 1), (1.5, 2)])
 def test_gunicorn_runs_two_processes_per_cpu_of_the_quota(monkeypatch, tmp_path, quota, cpus):
     """gunicorn.conf.py, executed as gunicorn does, under a container's CPU quota (or none)."""
-    from jobstore import cpus as cpu_module
+    from contract import cpus as cpu_module
 
     monkeypatch.setattr(cpu_module, "cgroup_quota", lambda: quota)
     monkeypatch.delenv("API_WORKERS", raising=False)

@@ -10,7 +10,7 @@ import pytest
 import requests
 from kombu import Exchange, Queue
 
-from jobstore.dispatch import QUEUE, make_celery, send_job
+from contract.dispatch import QUEUE, make_celery, send_job
 from tests.conftest import BIN, ROOT, free_port, settings_env
 
 PRIORITIES = [9, 5, 9, 0, 3, 0]  # in the order sent

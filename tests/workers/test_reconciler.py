@@ -16,9 +16,9 @@ import pytest
 import redis
 from sqlalchemy import func, select, update
 
+from contract.dispatch import QUEUE, make_celery, queue_key, send_job, send_to_head, waiting_jobs
 from jobstore import jobs
 from jobstore.db import create_database_if_missing, drop_database, make_engine, make_session_factory
-from jobstore.dispatch import QUEUE, make_celery, queue_key, send_job, send_to_head, waiting_jobs
 from jobstore.keys import create_key, tenant_for_key
 from jobstore.models import Batch, BatchStatus, Job, JobStatus
 from tests.conftest import ROOT, job_request, settings_env

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pickle
 from types import SimpleNamespace
 
-from jobstore.deltas import Delta, Position, Transcript
+from contract.deltas import Delta, Position, Transcript
 from workers.engine_process import Reporter, RequestNews, StepReport
 
 

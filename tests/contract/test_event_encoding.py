@@ -1,4 +1,4 @@
-"""jobstore/events.py: a token event decodes to what was encoded, whatever its fields."""
+"""contract/token_events.py: a token event decodes to what was encoded, whatever its fields."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from jobstore.deltas import Delta
-from jobstore.events import Status, decode, encode
+from contract.deltas import Delta
+from contract.token_events import Status, decode, encode
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """The rule of each request field, declared once: its JSON type, its limits, its description. POST /jobs
-(and the stored job the worker checks, jobstore/requests.py), the /v1 bodies and a batch file's lines
+(and the stored job the worker checks, contract/requests.py), the /v1 bodies and a batch file's lines
 declare their fields with these types, so a value gets the same verdict wherever it is sent.
 
 The rule for types is strict, as OpenAI's own API is: a value must have the field's JSON type. `"8"` is

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import redis
 from celery import Celery
 
-from jobstore.settings import StoreSettings
+from contract.settings import StoreSettings
 
 QUEUE = "generate"
 TASK = "generate"
@@ -214,7 +214,7 @@ class BulkSender:
 
     Celery's own send_task costs ~0.5 ms of Python per message on a small machine, more than 10,000 jobs
     per batch can afford; a message is a header dict and a base64 body, so this builds each one from a
-    template Celery made (tests/jobstore/test_dispatch.py checks it equals Celery's, ids aside)."""
+    template Celery made (tests/contract/test_dispatch.py checks it equals Celery's, ids aside)."""
 
     def __init__(self, app: Celery, settings: StoreSettings, pipeline_size: int = 2000):
         self.settings, self.pipeline_size = settings, pipeline_size

@@ -1,6 +1,6 @@
 """Batch client: submit a JSONL file of requests, wait for them, write the results in input order.
 
-    python -m webapi.client submit prompts.jsonl --url http://127.0.0.1:8000 --key KEY --out results.jsonl
+    python -m batchclient submit prompts.jsonl --url http://127.0.0.1:8000 --key KEY --out results.jsonl
     genq-batch submit prompts.jsonl ...                                      # the same, installed
 
 Each input line is a JSON object: `custom_id` (unique in the file) and the fields of a POST /jobs body,
@@ -344,7 +344,3 @@ def submit(
         + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())),
         err=True,
     )
-
-
-if __name__ == "__main__":
-    main(prog_name="genq-batch")

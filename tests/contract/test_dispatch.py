@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import uuid
 
-from jobstore.dispatch import (
+from contract.dispatch import (
     QUEUE,
     BulkSender,
     jobs_in_queue,

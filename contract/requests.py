@@ -1,6 +1,6 @@
 """What a job asks for. The API validates each request body with `JobCreate`, and the worker validates
 the stored job row with it again before use: the worker trusts nothing a row says beyond this schema.
-Each field's rule (type, limits) is declared once, in jobstore/fields.py."""
+Each field's rule (type, limits) is declared once, in contract/fields.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from jobstore.dispatch import DEFAULT_PRIORITY
-from jobstore.fields import (
+from contract.dispatch import DEFAULT_PRIORITY
+from contract.fields import (
     JsonSchema,
     LogitBias,
     MaxTokens,

@@ -1,4 +1,4 @@
-"""Lost token events are announced, so followers need no frequent rereads of their rows (jobstore/events.py,
+"""Lost token events are announced, so followers need no frequent rereads of their rows (contract/token_events.py,
 webapi/events.py), against this session's Redis:
 
 - a worker's publisher that could not send (Redis refused its XADDs) starts its next send with a LOST_FIELD
@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
-from jobstore.deltas import Delta
-from jobstore.events import LOST_FIELD, EventPublisher, decode, stream_key
+from contract.deltas import Delta
+from contract.token_events import LOST_FIELD, EventPublisher, decode, stream_key
 from webapi.events import LOST, Hub
 
 

@@ -19,7 +19,7 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from typing_extensions import Self
 
-from jobstore.cpus import available_cpus
+from contract.cpus import available_cpus
 
 
 class StoreSettings(BaseSettings):
@@ -36,7 +36,7 @@ class StoreSettings(BaseSettings):
     # prompt tokens + max_tokens must fit (also the engine's limit); tiny-llama's own is 2048
     max_model_len: int = 2048
 
-    # --- token events (jobstore/events.py): seconds of live output Redis keeps for streaming readers
+    # --- token events (contract/token_events.py): seconds of live output Redis keeps for streaming readers
     events_retention_seconds: float = Field(60.0, gt=0)
 
     @classmethod
@@ -149,7 +149,7 @@ class ApiSettings(StoreSettings):
     completion_slots: int = Field(4, ge=0)
     completion_timeout_seconds: float = Field(600.0, gt=0)  # a completion not done by then is cancelled (503)
     # a call following a job (a stream, ?wait) reads its row again after this long without an event of it
-    # (doubling while quiet, up to 6x): a last resort, lost events are announced (jobstore/events.py's LOST_FIELD)
+    # (doubling while quiet, up to 6x): a last resort, lost events are announced (contract/token_events.py's LOST_FIELD)
     events_resync_seconds: float = Field(30.0, gt=0)
     # Postgres connections each API process keeps (and uses at most): a burst of calls waits its turn for one
     # rather than opening and closing connections of its own (each a Postgres backend started and stopped)

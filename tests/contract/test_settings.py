@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from jobstore.cpus import available_cpus, cgroup_quota
-from jobstore.settings import ApiSettings, Settings, StoreSettings, WorkerSettings
+from contract.cpus import available_cpus, cgroup_quota
+from contract.settings import ApiSettings, Settings, StoreSettings, WorkerSettings
 
 
 def test_each_variable_is_read_by_its_upper_case_name(monkeypatch):

@@ -1,7 +1,7 @@
 """Token events: the live output of running jobs, from the workers to the API, through one Redis stream.
 
 Each engine step of a worker is **one** `XADD` to the stream `<prefix>genq:events`: one entry whose fields
-are the job ids (hex) that changed in that step and whose values are their deltas (jobstore.deltas.Delta,
+are the job ids (hex) that changed in that step and whose values are their deltas (contract.deltas.Delta,
 encoded below). Status changes (a job claimed, handed back, its result stored, cancelled) are entries of
 the same shape. The stream is trimmed by age (`MINID ~`, EVENTS_RETENTION_SECONDS), so Redis holds seconds
 of events, never a job's history: Postgres stays the record, and a reader that misses events (joined late,
@@ -28,7 +28,7 @@ from typing import NamedTuple
 import orjson
 import redis
 
-from jobstore.deltas import Delta
+from contract.deltas import Delta
 
 log = logging.getLogger(__name__)
 STREAM = "genq:events"

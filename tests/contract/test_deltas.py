@@ -1,4 +1,4 @@
-"""jobstore.deltas: a transcript built from a row and deltas in any overlap holds every token and character
+"""contract.deltas: a transcript built from a row and deltas in any overlap holds every token and character
 once, in order; a delta that starts beyond it is refused (Gap), never appended with a hole."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from jobstore.deltas import Delta, Gap, Position, Transcript, trim
+from contract.deltas import Delta, Gap, Position, Transcript, trim
 
 TEXT = "Once upon a time, \u00e9t\u00e9 \U0001f600 the end."
 
