@@ -13,15 +13,12 @@ The runner (model_runner.py) builds one AttentionMetadata per step for the atten
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from batching.cpu_attention import PagedAttentionKernel, PrefillTables
 from batching.kv_cache import KVCache
-
-if TYPE_CHECKING:
-    from batching.state_layers import StateStep
+from batching.state_step import StateStep
 
 
 @dataclass(slots=True)

@@ -30,6 +30,7 @@ checks the padding (under Triton's interpreter) with everything but the capture 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -160,7 +161,7 @@ class StepGraphs:
     def num_graphs(self) -> int:
         return len(self.graphs) + len(self.mixed)
 
-    def match(self, rows: StepRows):
+    def match(self, rows: StepRows) -> Callable[[StepRows], torch.Tensor] | None:
         """The replay for this step, or None when it runs eagerly."""
         n = len(rows.seqs)
         if n == 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import logging
+import math
 import os
 import random
 import time
@@ -180,16 +181,22 @@ class Engine:
             str(self.dtype).removeprefix("torch."),
             self.attention_backend,
             (
-                f", CUDA graphs for {len(self.runner.graphs.graphs)} decode widths and "
-                f"{len(self.runner.graphs.mixed)} token counts of mixed steps"
+                f", CUDA graphs for {len(self.graphs.graphs)} decode widths and "
+                f"{len(self.graphs.mixed)} token counts of mixed steps"
             )
-            if self.runner.graphs
+            if self.graphs
             else "",
             num_device_blocks,
             num_host_blocks,
             config.block_size,
             self.max_model_len,
         )
+
+    @property
+    def graphs(self) -> StepGraphs | None:
+        """The captured graphs the runner replays (None: every step runs eagerly)."""
+        graphs = self.runner.graphs
+        return graphs if isinstance(graphs, StepGraphs) else None
 
     # --- requests ---------------------------------------------------------------------------------
 
@@ -201,11 +208,18 @@ class Engine:
         priority: int = 5,
         resume_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        *,
+        predicted_output_tokens: int | None = None,
+        deadline: float | None = None,
     ) -> None:
         """Queue a request. Raises ValueError naming the field and the limit; nothing is queued then.
 
         resume_token_ids: tokens this request already generated (e.g. persisted before a crash); they
         are prefilled with the prompt, count toward max_tokens, and sampling continues at their index.
+        arrival_time: when it arrived (seconds since the epoch; None: now): its place among equals.
+        predicted_output_tokens: the output it is expected to reach (None: max_tokens), and deadline: when
+        it is wanted (seconds since the epoch; None: none): its place within its priority class under
+        scheduling_policy "predicted" (admission_order.py). Neither changes what it generates.
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -216,6 +230,22 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
         if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 9:
             raise ValueError(f"priority must be an integer from 0 (most urgent) to 9, got {priority!r}")
+        if predicted_output_tokens is not None and (
+            isinstance(predicted_output_tokens, bool)
+            or not isinstance(predicted_output_tokens, int)
+            or predicted_output_tokens < 0
+        ):
+            raise ValueError(
+                f"predicted_output_tokens must be an integer >= 0 or None, got {predicted_output_tokens!r}"
+            )
+        if deadline is not None and (
+            isinstance(deadline, bool)
+            or not isinstance(deadline, (int, float))
+            or not math.isfinite(deadline)
+        ):
+            raise ValueError(
+                f"deadline must be seconds since the epoch (a finite number) or None, got {deadline!r}"
+            )
         prompt_ids = self._encode_prompt(prompt)
         resumed = self._check_token_ids("resume_token_ids", resume_token_ids or [])
         self._check_token_ids("logit_bias", list(params.logit_bias))
@@ -241,7 +271,16 @@ class Engine:
         )
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seq = Sequence(
-            request_id, prompt_ids, params, priority, seed, resumed, arrival_time, self.max_model_len
+            request_id,
+            prompt_ids,
+            params,
+            priority,
+            seed,
+            resumed,
+            arrival_time,
+            self.max_model_len,
+            predicted_output_tokens,
+            None if deadline is None else float(deadline),
         )
         seq.grammar = grammar
         self.requests[request_id] = seq
@@ -516,9 +555,9 @@ class Engine:
             "num_prefix_cache_offloaded_blocks": bm.num_offloaded_blocks,
             "num_prefix_cache_host_hit_tokens": bm.num_host_hit_tokens,
             # CUDA: steps that replayed a captured graph of the forward (cuda_graphs.py)
-            "num_graph_steps": self.runner.graphs.num_replays if self.runner.graphs else 0,
+            "num_graph_steps": self.graphs.num_replays if self.graphs else 0,
             # of those, steps with prefill chunks (mixed graphs by token count)
-            "num_mixed_graph_steps": self.runner.graphs.num_mixed_replays if self.runner.graphs else 0,
+            "num_mixed_graph_steps": self.graphs.num_mixed_replays if self.graphs else 0,
             **self._counters,
         }
 

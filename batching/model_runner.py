@@ -13,9 +13,10 @@ token count) fed through the same buffer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -34,10 +35,7 @@ from batching.kv_cache import KVCache
 from batching.scheduler import SchedulerOutput
 from batching.sequence import Sequence
 from batching.state_cache import StateCache
-from batching.state_layers import build_step
-
-if TYPE_CHECKING:
-    from batching.cuda_graphs import StepGraphs
+from batching.state_step import build_step
 
 _computed = attrgetter("num_computed_tokens")
 PREFILL_TILE = 16  # queries of one chunk per Triton program (triton_attention.py)
@@ -76,6 +74,14 @@ class StepRows:
     pending_tokens: torch.Tensor | None = None
 
 
+class StepReplays(Protocol):
+    """Captured forwards the runner replays instead of running a step eagerly (cuda_graphs.StepGraphs)."""
+
+    def match(self, rows: StepRows) -> Callable[[StepRows], torch.Tensor] | None:
+        """The replay that runs this step (returning its logits rows), or None when it runs eagerly."""
+        ...
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -103,7 +109,7 @@ class ModelRunner:
             if self.backend == "triton"
             else None
         )
-        self.graphs: StepGraphs | None = None  # captured by the engine at start-up (cuda_graphs.py)
+        self.graphs: StepReplays | None = None  # captured by the engine at start-up (cuda_graphs.py)
 
     @torch.inference_mode()
     def execute(

@@ -19,7 +19,7 @@ import torch
 from batching import Engine, EngineConfig, SamplingParams
 from batching.block_manager import BlockManager
 from batching.sequence import Sequence
-from batching.state_layers import build_step
+from batching.state_step import build_step
 from tests.batching.conftest import greedy, random_prompts, run_to_completion
 from tests.batching.test_model_support import documented_statuses
 from tests.batching.test_preemption import run_arrivals
