@@ -113,10 +113,6 @@ class KVCache:
         per_token = sum(g.num_kv_heads * (g.k_dim + g.v_dim) for g in layers if g is not None)
         return per_token * block_size * dtype.itemsize
 
-    def host_pool_views(self) -> list[torch.Tensor]:
-        """The host pools in the device pools' axis order (views), for inspection; call sync_host() first."""
-        return [pool.movedim(0, BLOCK_DIM) for pool in self.host_pools]
-
     def gather(self, layer: int, block_ids: torch.Tensor, workspace_offset: int = 0):
         """K and V of `block_ids` (flat [n]) as [Hkv, n * block_size, Dk] and [.., Dv], in reused buffers.
 

@@ -13,6 +13,11 @@ from tests.batching.conftest import greedy, random_prompts, run_to_completion
 BLOCK_DIM = getattr(kv_cache_module, "BLOCK_DIM", 2)  # the pools' block axis; the next one is the slot
 
 
+def host_pools_as_device(kv_cache) -> list[torch.Tensor]:
+    """The host pools (block axis first) viewed in the device pools' axis order; after sync_host()."""
+    return [pool.movedim(0, BLOCK_DIM) for pool in kv_cache.host_pools]
+
+
 def kv_of(pools: list[torch.Tensor], block_table: list[int], num_tokens: int) -> list[torch.Tensor]:
     """The K and V of every layer (in every pool) for positions 0..num_tokens-1 of a sequence with this
     block table."""
@@ -63,7 +68,7 @@ def test_swapped_out_then_in_kv_is_bit_identical(make_engine, llama_path, refere
     assert seq.num_computed_tokens == before_len
     assert len(seq.host_block_table) == -(-before_len // 3)
     engine.kv_cache.sync_host()
-    assert same(kv_of(engine.kv_cache.host_pool_views(), seq.host_block_table, before_len), before)
+    assert same(kv_of(host_pools_as_device(engine.kv_cache), seq.host_block_table, before_len), before)
     after_out = engine.stats()
     assert after_out["num_swapped"] == 1
     assert after_out["num_blocks_swapped_out"] - stats["num_blocks_swapped_out"] == len(seq.host_block_table)
