@@ -18,7 +18,7 @@ from contract.dispatch import BulkSender, bounded_redis, make_celery
 from contract.settings import ApiSettings
 from jobstore.db import make_engine, make_session_factory
 from webapi.errors import error_response
-from webapi.events import Hub
+from webapi.hub import Hub
 from webapi.key_cache import KeyCache
 from webapi.queue_size import QueueSize
 from webapi.sent_marks import SentMarks
@@ -44,7 +44,7 @@ class Services:
     queue_size: QueueSize  # queued jobs per tenant and in all, counted at most once a second
     bulk_sender: BulkSender  # jobs to Redis: one LPUSH for POST /jobs, pipelines for a batch's
     completion_slots: threading.BoundedSemaphore | None  # calls waiting on a job in this process
-    hub: Hub  # this process's reader of token events (webapi/events.py)
+    hub: Hub  # this process's reader of token events (webapi/hub.py)
 
     def close(self) -> None:
         """Record the pending "sent" marks, then close every database connection (tests, shutdown)."""

@@ -11,7 +11,7 @@ for the socket, keeping its timeout and error behaviour). TLS connections keep g
 It also lets a stream's body be written from outside its own greenlet (`DirectWriter`): the token-event hub
 writes a caught-up stream's next chunk itself rather than waking the stream's greenlet to write it (a
 wake-up, a switch there and back and the generators between the follower and gunicorn, per token per
-caller; webapi/events.py). For that the worker hands each request's gunicorn response to the app, in the
+caller; webapi/following.py). For that the worker hands each request's gunicorn response to the app, in the
 WSGI environ (RESPONSE_KEY), when it is a plain HTTP/1 response on a plain TCP socket.
 
 Used by gunicorn.conf.py for API_WORKER_CLASS=gevent (the default).

@@ -6,28 +6,27 @@ import base64
 import binascii
 import json
 import logging
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime
 
 from flask import Blueprint, request, url_for
 from kombu.exceptions import KombuError
 from redis.exceptions import RedisError
 
-from contract.deltas import Delta, Position
-from contract.token_events import Status
+from contract.deltas import Position
 from jobstore import jobs
 from jobstore.models import Job, JobStatus
 from webapi.auth import current_tenant, require_api_key
+from webapi.cancels import cancel
 from webapi.errors import APIError
-from webapi.events import FLUSH, HEARTBEAT, RETRY, Ended, acquire_slot, follow, read_job
 from webapi.extensions import db, services
-from webapi.metrics import JOBS_CANCELLED, JOBS_SUBMITTED, count_streamed_deltas
+from webapi.following import JobFollower
+from webapi.job_stream import delta_event, job_event_pieces
+from webapi.metrics import JOBS_SUBMITTED
 from webapi.prompts import NoChatTemplate, check_length, prepare_prompt
 from webapi.schemas import JobOut, JobPage, JobQuery, JobSubmit, ListQuery
 from webapi.spec import endpoint
-from webapi.sse import direct_writer, sse_response
 
 log = logging.getLogger(__name__)
 bp = Blueprint("jobs", __name__, url_prefix="/jobs")
@@ -107,52 +106,10 @@ def get_job(job_id: uuid.UUID, query: JobQuery):
 @endpoint(responses={200: None}, headers={"Last-Event-ID": LAST_EVENT_ID_HELP})
 def job_events(job_id: uuid.UUID):
     """Follow a job as server-sent events: status changes, text deltas as they are made, the result."""
-    job = find_job(job_id)
-    since = last_event_id()
-    found = services()
-    release = acquire_slot(found)
-    read = read_job(found.autocommit, job.id, job.tenant_id)
-    writer = direct_writer()
-    held = since  # the position of the last event sent (its id)
-    written = 0  # deltas written by the stream's greenlet (the hub's: writer.written)
-
-    def direct(item: Delta) -> bool:
-        """A step's delta event written by the hub while the stream waits (webapi/events.follow), or False."""
-        nonlocal held
-        if not writer.write(delta_event(item)):
-            return False
-        held = item.end
-        return True
-
-    def stream() -> Iterator[bytes]:
-        nonlocal held, written
-        yield b"retry: 1000\n\n"
-        for item in follow(
-            found.hub,
-            read,
-            job.id,
-            since,
-            resync_seconds=found.settings.events_resync_seconds,
-            direct=direct if writer is not None else None,
-        ):
-            if isinstance(item, Delta):
-                held, written = item.end, written + 1
-                yield delta_event(item)
-            elif isinstance(item, Status):
-                yield sse("status", {"status": item.status}, held)
-            elif isinstance(item, Ended):
-                yield sse("result", JobOut.from_job(item.job).model_dump(mode="json"), held)
-                return
-            elif item is FLUSH:
-                yield FLUSH
-            else:
-                yield HEARTBEAT
-
-    def close() -> None:
-        release()
-        count_streamed_deltas(written, writer)
-
-    return sse_response(stream(), close, writer)
+    job, since = find_job(job_id), last_event_id()
+    with JobFollower(services()) as follower:
+        follower.follow(job)
+        return follower.stream(job_event_pieces(follower, since), plain=delta_event)
 
 
 @bp.get("")
@@ -176,51 +133,20 @@ def list_jobs(query: ListQuery):
 @endpoint(responses={200: JobOut}, errors=(409,))
 def cancel_job(job_id: uuid.UUID):
     """Cancel a queued or running job; a running one leaves the batch within a second."""
-    found, cancelled = jobs.cancel_job(db(), job_id, current_tenant().id)
+    found, cancelled = cancel(services(), job_id, current_tenant().id)
     job = owned_job(found)
-    db().commit()
     if job.status != JobStatus.CANCELLED:
         raise APIError(409, "conflict", f"job already {JobStatus(job.status).value}; it cannot be cancelled")
-    if cancelled:  # a repeated cancel answers the same, and is not counted or published again
-        services().hub.publish_status([(job.id.hex, JobStatus.CANCELLED.value)])
+    if cancelled:  # a repeated cancel answers the same
         log.info("job %s cancelled by tenant %s", job.id, current_tenant().name)
-        JOBS_CANCELLED.labels(str(job.priority)).inc()
     return JobOut.from_job(job).model_dump(mode="json")
 
 
 def wait_for(job: Job, seconds: float) -> Job:
     """The job once it ends, or as it is after `seconds`; holds a waiting slot meanwhile."""
-    found = services()
-    release = acquire_slot(found)
-    read = read_job(found.autocommit, job.id, job.tenant_id)
-    try:
-        deadline = time.monotonic() + seconds
-        for item in follow(
-            found.hub,
-            read,
-            job.id,
-            row=job,
-            deadline=deadline,
-            resync_seconds=found.settings.events_resync_seconds,
-        ):
-            if isinstance(item, Ended):
-                return item.job
-    finally:
-        release()
-    now = read()
-    return job if now is RETRY else owned_job(now)
-
-
-def delta_event(item: Delta) -> bytes:
-    """A delta as its server-sent event: its tokens, text, finish and per-token fields; its id the position
-    after it."""
-    data = {"token_ids": item.token_ids, "text": item.text, "finish_reason": item.finish_reason}
-    return sse("delta", data | (item.fields or {}), item.end)
-
-
-def sse(event: str, data: dict, position: Position) -> bytes:
-    """One server-sent event; its id is the position in the output after it (resume with Last-Event-ID)."""
-    return f"id: {position.id}\nevent: {event}\ndata: {json.dumps(data)}\n\n".encode()
+    with JobFollower(services(), timeout=seconds) as follower:
+        follower.follow(job, row=job)
+        return follower.wait() or owned_job(follower.row())
 
 
 def last_event_id() -> Position:

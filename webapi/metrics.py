@@ -36,7 +36,7 @@ JOBS_CANCELLED = Counter("genq_jobs_cancelled_total", "Jobs cancelled through th
 STREAMED_DELTAS = Counter(
     "genq_streamed_deltas_total",
     "Steps' deltas sent to streams (streamed completions, GET /jobs/<id>/events), by who wrote them: the "
-    "stream's own greenlet, or the token-event hub while the stream waited (gevent worker; webapi/events.py)",
+    "stream's own greenlet, or the token-event hub while the stream waited (gevent worker; webapi/following.py)",
     ["writer"],
 )
 PRIORITIES = range(10)

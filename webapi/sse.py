@@ -6,16 +6,15 @@ between a chunk and the socket count (issue 25): the response hands gunicorn its
 (`direct_passthrough`: no werkzeug encoding and closing wrappers around each chunk), and that generator runs
 the response's clean-up when it is closed, which gunicorn does once the response ends or the client is gone.
 Under the API's gevent worker a stream may also be written between its own writes, by the token-event hub
-(`direct_writer`, webapi/events.py's `follow(direct=...)`): what that left unsent goes out first.
+(`direct_writer`, webapi/following.py): what that left unsent goes out first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 from flask import Response, request
-
-from webapi.events import FLUSH, Flush
 
 try:  # the API's gevent worker (the api extra)
     from webapi.gevent_worker import DirectWriter
@@ -23,6 +22,19 @@ except ImportError:
     DirectWriter = None  # type: ignore[assignment,misc]
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering
+
+# What a stream writes when nothing came for a while (a Tick): a blank line. Every SSE reader skips it (an
+# empty event), and writing it keeps proxies from timing the connection out and notices a caller gone.
+# Not a comment line (": keep-alive"): vLLM's benchmark client strips each network read of its blank lines
+# before splitting events at them, so a comment sent on its own glues onto the next event, which is lost.
+HEARTBEAT = b"\n"
+
+
+class Flush(NamedTuple):
+    """Everything that was ready has been given out and the follower waits now: time to write."""
+
+
+FLUSH = Flush()
 
 
 def direct_writer():

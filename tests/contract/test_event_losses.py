@@ -1,5 +1,5 @@
 """Lost token events are announced, so followers need no frequent rereads of their rows (contract/token_events.py,
-webapi/events.py), against this session's Redis:
+webapi/hub.py), against this session's Redis:
 
 - a worker's publisher that could not send (Redis refused its XADDs) starts its next send with a LOST_FIELD
   entry, before the events that follow;
@@ -16,7 +16,7 @@ import pytest
 
 from contract.deltas import Delta
 from contract.token_events import LOST_FIELD, EventPublisher, decode, stream_key
-from webapi.events import LOST, Hub
+from webapi.hub import LOST, Hub
 
 
 @pytest.fixture()

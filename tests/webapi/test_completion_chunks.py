@@ -1,4 +1,4 @@
-"""A streamed completion's text chunk is rendered from a per-stream template (webapi/completions.py Chunks):
+"""A streamed completion's text chunk is rendered from a per-stream template (webapi/completion_chunks.py):
 the bytes must equal the chunk rendered whole, for both endpoints and any text."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from webapi.completions import CHAT_ENDPOINT, Chunks
+from webapi.completion_chunks import Chunks
+from webapi.openai_schemas import CHAT_ENDPOINT
 
 TEXTS = ["hi", "", ' a "quoted" \\ back\nslash', "\x00genq-text\x00", "é€😀", "\u2028"]
 

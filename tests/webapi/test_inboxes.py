@@ -1,22 +1,18 @@
-"""A follower's inbox (webapi/events.py): what the hub puts comes out once, in order, all that is queued at
+"""A follower's inbox (webapi/hub.py): what the hub puts comes out once, in order, all that is queued at
 each take; a take waits up to its timeout and wakes on a put. The same for threads (Inbox) and for
-greenlets (GreenInbox, gunicorn's gevent workers), and a response joins what was ready into one write.
-A follower that waits has the deltas that go on exactly where its caller is written for it (`direct`), and
-goes on from where they reached."""
+greenlets (GreenInbox, gunicorn's gevent workers), and a response (webapi/sse.py) joins what was ready into
+one write."""
 
 from __future__ import annotations
 
 import threading
 import time
-import uuid
 
 import gevent
 import pytest
 
-from contract.deltas import Delta
-from jobstore.models import Job
-from webapi.events import FLUSH, GreenInbox, Hub, Inbox, Tick, follow
-from webapi.sse import in_writes
+from webapi.hub import GreenInbox, Inbox
+from webapi.sse import FLUSH, in_writes
 
 
 def test_a_take_gets_everything_queued_in_order():
@@ -139,80 +135,3 @@ def test_an_sse_response_runs_its_clean_up_once_and_a_head_follows_nothing(metho
     assert closed == [] and list(response.response) == [b"data: 1\n\n"]
     response.response.close()  # what gunicorn does at the end
     assert closed == [True] and started == [True]
-
-
-def followed(settings, direct, tick_seconds: float):
-    """A running job with no output yet, its GreenInbox, and follow()'s events of it with `direct`."""
-    job = Job(id=uuid.uuid4(), status="running", output_token_ids=[], output_text="", finish_reason=None)
-    inbox = GreenInbox()
-    events = follow(
-        Hub(settings.redis_url, "unused:"),
-        lambda: job,
-        job.id,
-        inbox=inbox,
-        row=job,
-        tick_seconds=tick_seconds,
-        resync_seconds=60,
-        direct=direct,
-    )
-    return inbox, events
-
-
-def test_a_waiting_follower_has_the_deltas_that_go_on_where_its_caller_is_written_for_it(settings):
-    """The hub's puts (here from a greenlet, as the hub's reader is one under gevent) while the follower waits:
-    a delta that goes on exactly where the caller is goes to `direct`, and the follower yields nothing for
-    it; one that overlaps, or a finish, wakes the follower, which trims it from where `direct` reached."""
-    job = Job(id=uuid.uuid4(), status="running", output_token_ids=[], output_text="", finish_reason=None)
-    inbox, hub, written, yielded = GreenInbox(), Hub(settings.redis_url, "unused:"), [], []
-
-    def direct(delta: Delta) -> bool:
-        written.append(delta)
-        return True
-
-    events = follow(
-        hub, lambda: job, job.id, inbox=inbox, row=job, tick_seconds=0.3, resync_seconds=60, direct=direct
-    )
-
-    def consume():
-        for item in events:
-            if item is not FLUSH:
-                yielded.append(item)
-            if isinstance(item, Delta) and item.finish_reason:
-                return
-
-    follower = gevent.spawn(consume)
-    gevent.sleep(0.05)  # it waits
-    for n in range(8):  # one a step for longer than tick_seconds: written directly, and no Tick meanwhile
-        inbox.put(Delta(n, [n], n, chr(97 + n)))
-        gevent.sleep(0.05)
-    assert written == [Delta(n, [n], n, chr(97 + n)) for n in range(8)]
-    assert [type(item) for item in yielded] == [type(yielded[0])]  # its status alone: no delta, no Tick
-    inbox.put(Delta(6, [6, 7, 8], 6, "ghi"))  # overlaps what the caller holds: the follower's, trimmed
-    inbox.put(Delta(9, [9], 9, "j", "stop"))  # a finish: the follower's
-    follower.get(timeout=5)
-    assert yielded[1:] == [Delta(8, [8], 8, "i"), Delta(9, [9], 9, "j", "stop")]
-    assert len(written) == 8
-    assert hub._followers == {}  # unsubscribed at the end
-
-
-def test_a_follower_ticks_when_neither_it_nor_direct_had_anything_for_a_tick(settings):
-    written: list = []
-    inbox, events = followed(settings, lambda delta: written.append(delta) or True, tick_seconds=0.2)
-    gevent.spawn_later(0.15, inbox.put, Delta(0, [1], 0, "a"))
-    started = time.monotonic()
-    ticked = next(item for item in events if isinstance(item, Tick))
-    assert ticked == Tick() and written == [Delta(0, [1], 0, "a")]
-    assert time.monotonic() - started >= 0.3  # a tick after the direct write's, not the wait's start
-    events.close()
-
-
-def test_a_direct_write_that_raises_leaves_the_event_to_the_follower(settings):
-
-    def broken(delta: Delta) -> bool:
-        raise RuntimeError("a bug in a writer")
-
-    inbox, events = followed(settings, broken, tick_seconds=5)
-    gevent.spawn_later(0.05, inbox.put, Delta(0, [1], 0, "a"))  # the hub's put: it must not raise
-    with gevent.Timeout(3):  # lost, it would never come
-        assert next(item for item in events if isinstance(item, Delta)) == Delta(0, [1], 0, "a")
-    events.close()
