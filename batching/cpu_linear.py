@@ -55,6 +55,12 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
     return DTYPES if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 
 
+def plain_weight(weight: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> bool:
+    """A weight oneDNN can pack: a plain tensor in one of `dtypes`. A quantized weight is not (torchao's
+    int8/int4/float8 tensors are subclasses that compute their own products, and have no packed layout)."""
+    return type(weight) in (torch.Tensor, nn.Parameter) and weight.dtype in dtypes
+
+
 def pack_linears(model: nn.Module) -> int:
     """Turn every plain `nn.Linear` of `model` in a packable dtype into a `PackedLinear`, releasing the
     weights no other module holds; returns how many."""
@@ -62,7 +68,7 @@ def pack_linears(model: nn.Module) -> int:
     dtypes = packable_dtypes()
     count = 0
     for module in model.modules():
-        if type(module) is not nn.Linear or module.weight.dtype not in dtypes:
+        if type(module) is not nn.Linear or not plain_weight(module.weight, dtypes):
             continue
         weight = module.weight
         with torch.no_grad():

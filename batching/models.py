@@ -12,6 +12,7 @@ from batching import attention_classes, state_layers
 from batching.attention import ATTENTION_NAME, paged_attention
 from batching.config import EngineConfig
 from batching.model_probe import refusal
+from batching.quantization import check_quantization, quantization_of
 from batching.tokenizer import BOS_ID, BUILTIN_MODEL, EOS_ID, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ def load_model_config(config: EngineConfig):
             ) from exc
         model_config = copy.deepcopy(model_config)
     _check_supported(model_config)
+    check_quantization(model_config, resolve_device(config.device))
     return model_config
 
 
@@ -186,7 +188,16 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, m
             )
         except OSError as exc:
             raise ValueError(f"model: cannot load weights of {config.model!r}: {exc}") from exc
-        except ValueError as exc:
+        except (ImportError, RuntimeError, NotImplementedError, ValueError) as exc:
+            quantization = quantization_of(model_config)
+            if quantization is not None:  # its quantizer's package or kernels are missing here
+                raise refusal(
+                    model_config.model_type,
+                    f"transformers cannot load its {quantization} quantization on {device.type}: "
+                    f"{_first_line(exc)}",
+                ) from exc
+            if not isinstance(exc, ValueError):
+                raise
             raise refusal(
                 model_config.model_type, f"transformers cannot load {config.model!r} as a causal LM: {exc}"
             ) from exc
@@ -202,9 +213,19 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, m
     _install_state_layers(model, model_config)
     if dtype == torch.float64:
         use_eager_experts(model)
-    model = model.to(device=device, dtype=dtype).eval()
+    if quantization_of(model_config) is None:
+        model = model.to(device=device, dtype=dtype)
+    else:  # loaded in `dtype` already; quantized weights keep their own (bitsandbytes refuses a cast)
+        model = model.to(device=device)
+    model = model.eval()
     model.requires_grad_(False)
     return model
+
+
+def _first_line(exc: BaseException) -> str:
+    """`Type: message` of an exception, its message cut to the first line (transformers' load reports run long)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def _install_state_layers(model, model_config) -> None:

@@ -120,3 +120,21 @@ def test_a_bfloat16_engine_warns_where_the_cpu_has_no_bf16_arithmetic(llama_path
     with caplog.at_level(logging.WARNING, logger="batching.engine"):
         Engine(EngineConfig(model=llama_path, dtype="bfloat16", device="cpu"))
     assert ("bfloat16 on a CPU without bf16 arithmetic" in caplog.text) == (not BF16_PACKS)
+
+
+def test_a_quantized_weight_keeps_its_own_product():
+    """torchao's int8 weight (a tensor subclass over int8 data) has no oneDNN packed layout: the layer is
+    left as it is, computing what it computed before (packing it once crashed the engine at load)."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 16))
+    quantize_(model[0], Int8WeightOnlyConfig())
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        expected = model(x)
+    assert not cpu_linear.plain_weight(model[0].weight, cpu_linear.DTYPES)
+    assert cpu_linear.pack_linears(model) == 1  # the plain one only
+    assert type(model[0]) is nn.Linear and isinstance(model[1], cpu_linear.PackedLinear)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
