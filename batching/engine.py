@@ -7,11 +7,9 @@ Not thread-safe: one thread owns an Engine (see workers.engine_host for the serv
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import logging
 import math
-import os
 import random
 import time
 from collections.abc import Sequence as Seq
@@ -19,30 +17,17 @@ from dataclasses import dataclass
 
 import torch
 
-from batching import cpu_attention, cpu_linear, model_probe, state_layers, step_cost
-from batching.block_manager import BlockManager, blocks_for
+from batching import engine_builder, model_probe, step_cost
+from batching.block_manager import blocks_for
 from batching.config import EngineConfig
-from batching.cpu_attention import PagedAttentionKernel
 from batching.cuda_graphs import StepGraphs
 from batching.grammar import Grammars
-from batching.kv_cache import KVCache
 from batching.logprobs import token_logprobs
-from batching.model_runner import ModelRunner
-from batching.models import (
-    load_model,
-    load_model_config,
-    load_tokenizer_for,
-    resolve_device,
-    resolve_dtype,
-)
 from batching.outputs import RequestOutput
 from batching.sampler import Sampler
 from batching.sampling_params import SamplingParams
-from batching.scheduler import Scheduler, SchedulerOutput
+from batching.scheduler import SchedulerOutput
 from batching.sequence import FINISH_REASONS, PENDING_TOKEN, Sequence, SequenceStatus
-from batching.sizing import size_pools, trial_step_bytes
-from batching.state_cache import StateCache
-from batching.step_cost import attention_context_per_token
 from batching.stopping import StopChecker
 
 log = logging.getLogger(__name__)
@@ -51,85 +36,18 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
-        self.device = resolve_device(config.device)
-        model_config = load_model_config(config)
-        self.dtype = resolve_dtype(config.dtype, model_config, self.device)
-        self.tokenizer = load_tokenizer_for(config)
-        self.model = load_model(config, self.device, self.dtype, model_config)
-        if config.cpu_packed_linears and cpu_linear.available(self.dtype, self.device):
-            cpu_linear.pack_linears(self.model)
-        elif cpu_linear.lacks_bf16_arithmetic(self.dtype, self.device):
-            log.warning(
-                "bfloat16 on a CPU without bf16 arithmetic (no AVX-512 BF16 / AMX / AVX-NE-CONVERT): "
-                "every product widens to float32 first, so float32 runs faster here (about 4x on a Zen 5 "
-                "core): choose dtype=float32"
-            )
-        mc = self.model.config.get_text_config(decoder=True)  # multimodal configs nest the decoder's
-        self.vocab_size = mc.vocab_size
-        self.eos_token_ids = _eos_ids(mc, self.tokenizer)
-        self.max_model_len = _max_model_len(config, mc)
-
-        # the cache follows what the attention layers pass, not what the config names (model_probe.py)
-        geometry = model_probe.kv_geometry(self.model, self.device, self.max_model_len)
-        state_geometry = state_layers.geometry(self.model)  # recorded by that forward; None: attention only
-        self.attention_backend, kernel = self._choose_attention()
-        block_bytes = KVCache.bytes_per_block(geometry.layers, config.block_size, self.dtype)
-        num_state_slots = config.max_num_seqs if state_geometry else 0  # one per running sequence
-        state_bytes = state_geometry.bytes_per_slot * num_state_slots if state_geometry else 0
-        enable_prefix_caching = config.enable_prefix_caching
-        if state_geometry and enable_prefix_caching:
-            log.info(
-                "prefix caching is off for %s: its state layers keep no per-block state a cached prefix "
-                "could start from",
-                config.model,
-            )
-            enable_prefix_caching = False
-        self.activation_bytes = 0  # CUDA: what a full step takes beyond the weights, kept free
-        if self.device.type == "cuda" and config.num_device_blocks is None:
-            self.activation_bytes = trial_step_bytes(self, geometry)
-        num_device_blocks, num_host_blocks = size_pools(
-            config, self.device, block_bytes, self.max_model_len, self.activation_bytes, state_bytes
-        )
-        self.kv_cache = KVCache(
-            geometry.layers, config.block_size, num_device_blocks, num_host_blocks, self.dtype, self.device
-        )
-        num_host_state_slots = num_state_slots if num_host_blocks else 0
-        self.state_cache = None
-        if state_geometry:
-            self.state_cache = StateCache(state_geometry, num_state_slots, num_host_state_slots, self.device)
-            log.info(
-                "state layers: %d keep %.1f KiB per sequence, in %d device + %d host slots",
-                len(state_geometry.states_per_layer),
-                state_geometry.bytes_per_slot / 1024,
-                num_state_slots,
-                num_host_state_slots,
-            )
-        self.block_manager = BlockManager(
-            num_device_blocks,
-            num_host_blocks,
-            config.block_size,
-            enable_prefix_caching,
-            num_state_slots,
-            num_host_state_slots,
-        )
-        context_per_token = (
-            attention_context_per_token(self.model, geometry.query_width) if geometry.layers else None
-        )
-        self.scheduler = Scheduler(
-            config, self.block_manager, context_per_token, stateful=bool(state_geometry)
-        )
+        loaded = engine_builder.load(config)
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.device, self.dtype = loaded.device, loaded.dtype
+        self.vocab_size, self.max_model_len = loaded.vocab_size, loaded.max_model_len
+        self.eos_token_ids = loaded.eos_token_ids
+        self.attention_backend, kernel = engine_builder.choose_attention(config, self.device, self.dtype)
+        parts = engine_builder.build(config, loaded, self.attention_backend, kernel)
+        self.kv_cache, self.state_cache = parts.kv_cache, parts.state_cache
+        self.block_manager, self.scheduler, self.runner = parts.block_manager, parts.scheduler, parts.runner
+        self.activation_bytes = parts.activation_bytes
         # prices the budget from the steps' own times; None while warming up, and with plain token budgets
         self.step_costs: step_cost.StepCostModel | None = None
-        self.runner = ModelRunner(
-            self.model,
-            self.kv_cache,
-            config.block_size,
-            self.device,
-            kernel,
-            geometry.mask_patterns,
-            self.attention_backend,
-            self.state_cache,
-        )
         self.sampler = Sampler(self.eos_token_ids)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids)
@@ -156,21 +74,7 @@ class Engine:
             num_overlapped_steps=0,  # steps whose tokens reached the host while the next one ran
         )
         self._warm_up()
-        graphable = self.state_cache is None  # state layers run per sequence in Python: no graph
-        if (
-            self.device.type == "cuda"
-            and config.cuda_graphs
-            and self.attention_backend == "triton"
-            and graphable
-        ):
-            graphs = StepGraphs(
-                self.runner,
-                config.max_num_seqs,
-                blocks_for(self.max_model_len, config.block_size),
-                config.max_num_batched_tokens,
-            )
-            if graphs.capture():
-                self.runner.graphs = graphs
+        self.runner.graphs = engine_builder.capture_graphs(config, loaded, self.attention_backend, parts)
         if self.scheduler.cost_aware:
             self.step_costs = step_cost.StepCostModel()
         log.info(
@@ -186,8 +90,8 @@ class Engine:
             )
             if self.graphs
             else "",
-            num_device_blocks,
-            num_host_blocks,
+            parts.num_device_blocks,
+            parts.num_host_blocks,
             config.block_size,
             self.max_model_len,
         )
@@ -597,30 +501,6 @@ class Engine:
         c["last_step_num_seqs"] = len(sched.seqs)
         c["last_step_time_s"] = seconds
 
-    def _choose_attention(self) -> tuple[str, PagedAttentionKernel | None]:
-        """(the attention path, the CPU kernels if that path is theirs): config.attention_backend."""
-        asked, cuda = self.config.attention_backend, self.device.type == "cuda"
-        if asked == "cpu_kernel" and cuda:
-            raise ValueError(
-                "attention_backend: 'cpu_kernel' runs on the CPU only; on CUDA use 'triton' or 'torch'"
-            )
-        if asked == "triton" or (asked == "auto" and cuda):
-            why_not = triton_unavailable(self.device, self.dtype)
-            if why_not is None:
-                return "triton", None
-            if asked == "triton":
-                raise ValueError(f"attention_backend: 'triton' cannot run here: {why_not}")
-            log.warning("Triton attention unavailable (%s): using the slower torch path", why_not)
-            return "torch", None
-        if asked == "torch" or cuda or not self.config.cpu_attention_kernel:
-            return "torch", None
-        kernel = cpu_attention.load()  # logs why, if it can't be had
-        if kernel is not None and kernel.supports(self.dtype, self.device):
-            return "cpu_kernel", kernel
-        if asked == "cpu_kernel":
-            raise ValueError(f"attention_backend: the CPU kernels cannot run {self.dtype} here (see the log)")
-        return "torch", None
-
     def _warm_up(self) -> None:
         """Probe requests through the real path: proves the model runs exactly on paged attention."""
         model_probe.verify(self)
@@ -659,46 +539,6 @@ def _to_host(tokens: torch.Tensor):
     event = torch.cuda.Event()
     event.record()
     return host, event
-
-
-def triton_unavailable(device, dtype) -> str | None:
-    """None if the Triton attention kernel can run on `device` in `dtype`, else why not."""
-    if importlib.util.find_spec("triton") is None:
-        return "the triton package is not installed (pip install triton)"
-    if device.type == "cpu":
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            return "on the CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1), for tests"
-        if dtype == torch.bfloat16:
-            return "Triton's interpreter computes bfloat16 wrongly"
-    return None
-
-
-def _eos_ids(model_config, tokenizer) -> set[int]:
-    eos = getattr(model_config, "eos_token_id", None)
-    ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
-def _max_model_len(config: EngineConfig, model_config) -> int:
-    limit = getattr(model_config, "max_position_embeddings", None) or getattr(
-        model_config, "n_positions", None
-    )
-    if limit is not None and limit <= 0:  # xlnet: -1, no learned limit
-        limit = None
-    if config.max_model_len is None:
-        if limit is None:
-            raise ValueError(
-                f"max_model_len: {model_config.model_type}'s config has no max_position_embeddings; set it"
-            )
-        return int(limit)
-    if limit is not None and config.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len ({config.max_model_len}) exceeds {model_config.model_type}'s "
-            f"max_position_embeddings ({limit})"
-        )
-    return config.max_model_len
 
 
 def _progress(total: int, enabled: bool):

@@ -70,7 +70,7 @@ def available_host_memory() -> int:
     return 4 << 30
 
 
-def trial_step_bytes(engine, geometry) -> int:
+def trial_step_bytes(config, loaded, attention_backend: str, geometry) -> int:
     """CUDA: the memory one step at the configured width takes beyond the weights (activations, the
     logits of every row, softmax over them), measured by running one on a throwaway KV cache: a
     prefill chunk filling max_num_batched_tokens with max_num_seqs - 1 one-token sequences beside it.
@@ -82,15 +82,15 @@ def trial_step_bytes(engine, geometry) -> int:
     from batching.sequence import Sequence
     from batching.state_cache import StateCache
 
-    config, device, bs = engine.config, engine.device, engine.config.block_size
-    tokens = min(config.max_num_batched_tokens, engine.max_model_len)
+    device, bs = loaded.device, config.block_size
+    tokens = min(config.max_num_batched_tokens, loaded.max_model_len)
     n = max(1, min(config.max_num_seqs, tokens))
     lengths = [tokens - (n - 1)] + [1] * (n - 1)
-    cache = KVCache(geometry.layers, bs, sum(blocks_for(n, bs) for n in lengths), 0, engine.dtype, device)
-    states = state_layers.geometry(engine.model)  # a model with state layers: a slot per sequence
+    cache = KVCache(geometry.layers, bs, sum(blocks_for(n, bs) for n in lengths), 0, loaded.dtype, device)
+    states = state_layers.geometry(loaded.model)  # a model with state layers: a slot per sequence
     state_cache = StateCache(states, n, 0, device) if states else None
     runner = ModelRunner(
-        engine.model, cache, bs, device, None, geometry.mask_patterns, engine.attention_backend, state_cache
+        loaded.model, cache, bs, device, None, geometry.mask_patterns, attention_backend, state_cache
     )
     sched, first = SchedulerOutput(), 0
     for i, length in enumerate(lengths):
