@@ -1,5 +1,10 @@
-"""Operations endpoints: /healthz (and vLLM's /health), /version, /metrics and /openapi.json. No API key
-needed."""
+"""Operations endpoints: /healthz (and vLLM's /health), /livez, /readyz, /version, /metrics and
+/openapi.json. No API key needed.
+
+Probes: /livez answers 200 while the process serves requests and touches nothing else, so a database or
+Redis outage never restarts an API process (Kubernetes' livenessProbe, compose's healthcheck); /readyz is
+/healthz (Postgres and Redis answer), for taking a process out of a load balancer until they do
+(readinessProbe). Like /metrics they are plain routes, outside the OpenAPI document."""
 
 from __future__ import annotations
 
@@ -33,6 +38,18 @@ def healthz():
             log.warning("healthz: %s unavailable: %s", name, exc)
             raise APIError(503, "unavailable", f"{name} unavailable", {"Retry-After": "5"}) from None
     return Health(status="ok", database="ok", broker="ok").model_dump()
+
+
+@bp.get("/livez")
+def livez():
+    """Liveness: 200 while this process answers requests; checks no dependency."""
+    return {"status": "ok"}
+
+
+@bp.get("/readyz")
+def readyz():
+    """Readiness: /healthz's checks and answers (200 when Postgres and Redis answer, else 503)."""
+    return healthz()
 
 
 @bp.get("/version")
