@@ -8,6 +8,7 @@ DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("swap", "recompute")
 ATTENTION_BACKENDS = ("auto", "triton", "cpu_kernel", "torch")
+SCHEDULING_POLICIES = ("fcfs", "predicted")
 
 
 @dataclass(slots=True)
@@ -40,6 +41,15 @@ class EngineConfig:
     cpu_packed_linears: bool = (
         True  # CPU float32/bfloat16: linear layers through oneDNN, weights packed once (cpu_linear.py)
     )
+    # order of waiting sequences within a priority class (admission_order.py): "fcfs" by arrival; "predicted"
+    # (bench/within_class.py: mean latency 0.25x fcfs's) by arrival + predicted cost (uncomputed prompt +
+    # predicted output tokens) x cost_seconds_per_token, that shift capped at aging_seconds, deadlines at risk
+    # first (earliest first)
+    scheduling_policy: str = "predicted"
+    aging_seconds: float = 30.0  # the most a place moves back: overtaken only by arrivals this much later
+    # predicted tokens to seconds of place; also the step time assumed until steps are measured
+    cost_seconds_per_token: float = 0.02
+    deadline_margin_seconds: float = 5.0  # a deadline is at risk with less slack than this
     memory_utilization: float = 0.9  # share of free device memory the KV cache may take when sizing
     seed: int = 0  # base of the random seeds of unseeded sampled requests
     revision: str | None = None  # model revision for HF ids
@@ -91,6 +101,13 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         if not isinstance(self.cpu_packed_linears, bool):
             raise ValueError(f"cpu_packed_linears must be True or False, got {self.cpu_packed_linears!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
+            )
+        _check_seconds("aging_seconds", self.aging_seconds)
+        _check_seconds("cost_seconds_per_token", self.cost_seconds_per_token)
+        _check_seconds("deadline_margin_seconds", self.deadline_margin_seconds)
         if (
             isinstance(self.memory_utilization, bool)
             or not isinstance(self.memory_utilization, (int, float))
@@ -107,3 +124,8 @@ class EngineConfig:
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_seconds(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")

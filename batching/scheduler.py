@@ -2,7 +2,8 @@
 
 A step is filled in stall-free order (Sarathi-Serve): one decode token for every running sequence,
 then, priority class by priority class (0 first), the next chunks of that class's prefills in
-progress, then its sequences that are not running (swapped out or waiting) by arrival. A step carries
+progress, then its sequences that are not running (swapped out or waiting) in the class's order
+(admission_order.py: by arrival, or by predicted cost with aging and deadlines at risk first). A step carries
 the prefill chunks of one class only, the most urgent that can run: an urgent request's prefill runs
 in a short step (decodes + its chunk), not one padded with less urgent prompts, so its first token
 comes sooner; the budget left over waits one step. Admissions never skip ahead: none starts behind
@@ -23,9 +24,11 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
 
+from batching.admission_order import AdmissionOrder
 from batching.block_manager import BlockManager, CachedPrefix, blocks_for
 from batching.config import EngineConfig
 from batching.sequence import Sequence, SequenceStatus
@@ -65,11 +68,13 @@ class Scheduler:
         block_manager: BlockManager,
         context_per_token: float | None = None,
         stateful: bool = False,
+        clock: Callable[[], float] | None = None,
     ):
         """`context_per_token`: how many tokens of context one token's attention must span to cost as much
         as the rest of its forward pass (the model's linear layers); see `_chunk`. None: chunks cost their
         token count only. `set_costs` replaces it with prices fitted on real steps (step_cost.py).
-        `stateful`: the model has state layers (state_layers.py); see `_prompt_end`."""
+        `stateful`: the model has state layers (state_layers.py); see `_prompt_end`. `clock`: seconds since
+        the epoch, for deadlines and step times (admission_order.py); None: time.time."""
         self.stateful = stateful
         self.cost_aware = config.attention_aware_chunks
         self.costs = StepCosts(context_per_token=context_per_token if self.cost_aware else None)
@@ -78,11 +83,12 @@ class Scheduler:
         self.chunked_prefill = config.enable_chunked_prefill
         self.swap_enabled = config.preemption_mode == "swap"
         self.block_manager = block_manager
+        self.order = AdmissionOrder(config) if clock is None else AdmissionOrder(config, clock)
         self.last_budget_used = 0  # of the last schedule(): decodes' charge + chunks' costs
         # keep free a few blocks when admitting without preemption, so running decodes can grow
         self.watermark_blocks = max(1, block_manager.num_device_blocks // 100)
-        self.waiting: list[Sequence] = []  # sorted by urgency
-        self.swapped: list[Sequence] = []  # sorted by urgency
+        self.waiting: list[Sequence] = []  # sorted by _place
+        self.swapped: list[Sequence] = []  # sorted by _place
         self.running: list[Sequence] = []
         # counters
         self.num_preemptions = 0
@@ -94,7 +100,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=_urgency)
+        seq.order_key = self.order.place(seq)  # kept through preemption: it never loses its place
+        bisect.insort(self.waiting, seq, key=_place)
 
     def live_sequences(self) -> list[Sequence]:
         return self.running + self.swapped + self.waiting
@@ -115,6 +122,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         fill = _Fill(SchedulerOutput())
+        self.order.start_step()
         self.block_manager.start_step()
         bm, bs = self.block_manager, self.block_manager.block_size
         if bm.enable_prefix_caching:  # the last step computed their KV: full blocks join the prefix cache
@@ -128,6 +136,7 @@ class Scheduler:
         fill.out.swap_out.extend(offloads)
         fill.out.swap_in.extend(loads)
         fill.out.state_swap_out, fill.out.state_swap_in = self.block_manager.take_state_copies()
+        self.order.end_step(busy=bool(fill.out.seqs))
         return fill.out
 
     def set_costs(self, costs: StepCosts) -> None:
@@ -166,7 +175,7 @@ class Scheduler:
                 if s.num_computed_tokens == len(s.token_ids) - 1 > s.num_prompt_tokens - 1
                 and len(s.token_ids) < s.max_num_tokens
             ),
-            key=_urgency_key,
+            key=_place_key,
         )
         if len(decoding) <= self.max_num_batched_tokens and self._schedule_decodes_at_once(decoding, fill):
             return
@@ -207,14 +216,19 @@ class Scheduler:
 
     def _prefill_order(self) -> list[Sequence]:
         """Who gets the budget left after decodes: by priority; within a priority, prefills in progress
-        first (stall-free), then swapped and waiting sequences by arrival. A less urgent prefill in
-        progress therefore never holds back a more urgent request (its blocks stay; it only waits)."""
+        first (stall-free), then swapped and waiting sequences in the class's order (`AdmissionOrder.rank`).
+        A less urgent prefill in progress therefore never holds back a more urgent request (its blocks
+        stay; it only waits)."""
         prefilling = [
             s
             for s in self.running
             if not s.num_computed_tokens == len(s.token_ids) - 1 > s.num_prompt_tokens - 1
         ]  # not is_decoding
-        return sorted(prefilling + self.swapped + self.waiting, key=_prefill_key)
+        rank = self.order.rank
+        return sorted(
+            prefilling + self.swapped + self.waiting,
+            key=lambda s: (s.priority, s.status != SequenceStatus.RUNNING, rank(s)),
+        )
 
     def _schedule_prefills(self, fill: _Fill) -> None:
         """Chunks of one priority class within the budget, in `_prefill_order`. Each sequence that
@@ -238,7 +252,7 @@ class Scheduler:
                 # still: nobody behind it starts meanwhile (a step or so: the prefill computes them now)
                 admitting = False
                 continue
-            elif any(_urgency(v) < _urgency(seq) for v in fill.out.preempted):
+            elif any(self.order.rank(v) < self.order.rank(seq) for v in fill.out.preempted):
                 # a sequence preempted in this step keeps its place: nobody behind it starts in the
                 # room it left
                 admitting = False
@@ -459,15 +473,17 @@ class Scheduler:
             self._preempt(victim, fill)
 
     def _least_urgent_running(self, exclude: list[Sequence], less_urgent_than: Sequence | None = None):
-        """The victim rule: highest priority number, latest arrival among equals."""
-        victim = None
+        """The victim rule: highest priority number, then the last in the class's order (the latest arrival
+        under "fcfs"; under "predicted" the latest place, one whose deadline is at risk only when no other is left)."""
+        victim, victim_rank = None, None
         for seq in self.running:
             if seq in exclude:
                 continue
             if less_urgent_than is not None and seq.priority <= less_urgent_than.priority:
                 continue
-            if victim is None or _urgency(seq) > _urgency(victim):
-                victim = seq
+            rank = self.order.rank(seq)
+            if victim_rank is None or rank > victim_rank:
+                victim, victim_rank = seq, rank
         return victim
 
     def _preempt(self, seq: Sequence, fill: _Fill) -> None:
@@ -487,13 +503,13 @@ class Scheduler:
             out.swap_out.extend(mapping)
             self.num_blocks_swapped_out += len(mapping)
             seq.status = SequenceStatus.SWAPPED
-            bisect.insort(self.swapped, seq, key=_urgency)
+            bisect.insort(self.swapped, seq, key=_place)
         else:
             self.block_manager.free(seq)
             self.num_recomputed_tokens += seq.num_computed_tokens
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
-            bisect.insort(self.waiting, seq, key=_urgency)
+            bisect.insort(self.waiting, seq, key=_place)
 
 
 @dataclass(slots=True)
@@ -506,12 +522,9 @@ class _Fill:
     taken: int = 0
 
 
-_urgency_key = attrgetter("priority", "arrival_time")  # _urgency, in C
+_place_key = attrgetter("priority", "order_key")  # _place, in C
 
 
-def _urgency(seq: Sequence) -> tuple[int, float]:
-    return (seq.priority, seq.arrival_time)
-
-
-def _prefill_key(seq: Sequence) -> tuple[int, bool, float]:
-    return (seq.priority, seq.status != SequenceStatus.RUNNING, seq.arrival_time)
+def _place(seq: Sequence) -> tuple[int, float]:
+    """A sequence's standing apart from deadlines: its class, then its place in it (admission_order.py)."""
+    return (seq.priority, seq.order_key)

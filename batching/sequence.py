@@ -70,6 +70,9 @@ class Sequence:
         "overlappable",
         "pending_row",
         "max_num_tokens",
+        "predicted_output_tokens",
+        "deadline",
+        "order_key",
     )
 
     def __init__(
@@ -82,6 +85,8 @@ class Sequence:
         resume_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
         max_model_len: int | None = None,
+        predicted_output_tokens: int | None = None,
+        deadline: float | None = None,
     ):
         self.req_id = req_id
         self.priority = priority
@@ -142,6 +147,12 @@ class Sequence:
         self.max_num_tokens = self.num_prompt_tokens + params.max_tokens
         if max_model_len is not None:
             self.max_num_tokens = min(self.max_num_tokens, max_model_len)
+        # scheduling within its priority class (scheduler.py): the output it is expected to reach (None:
+        # max_tokens), when it is wanted (seconds since the epoch; None: no deadline), and its place in the
+        # class, set when the scheduler takes it and kept through preemption (arrival_time under "fcfs")
+        self.predicted_output_tokens = predicted_output_tokens
+        self.deadline = deadline
+        self.order_key = self.arrival_time
 
     @property
     def num_tokens(self) -> int:
@@ -158,6 +169,14 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_predicted_tokens_left(self) -> int:
+        """Tokens it is expected still to compute: its uncomputed ones (prompt, resumed tokens) and the output
+        it is predicted to produce beyond what it has (the prediction capped by max_tokens and the model)."""
+        cap = self.max_num_tokens - self.num_prompt_tokens
+        predicted = cap if self.predicted_output_tokens is None else min(self.predicted_output_tokens, cap)
+        return self.num_uncomputed_tokens + max(0, predicted - self.num_output_tokens)
 
     @property
     def is_decoding(self) -> bool:

@@ -227,8 +227,10 @@ def test_no_preemption_for_equal_priority(make_engine, mode):
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preempted_sequence_keeps_arrival_time_and_place(make_engine, llama_path, reference, mode):
     """A preempted request keeps its arrival time, so it resumes before a same-priority request that
-    arrived after it."""
+    arrived after it (first come, first served within the class: under "predicted" the shorter "d" may
+    go first, and the victim is the one placed last, tests/batching/test_admission_order.py)."""
     engine = make_engine(
+        scheduling_policy="fcfs",
         async_scheduling=False,  # which step an output comes from: async delivers it a step later
         block_size=2,
         num_device_blocks=200,
