@@ -3,7 +3,7 @@ directory. Command-line flags (--bind, --workers, ...) override it; so do the va
 
 Worker class: gevent (API_WORKER_CLASS; gunicorn's, as webapi/gevent_worker.py subclasses it). A call that
 waits on a job (a streamed or synchronous /v1 completion, GET /jobs/<id>/events, GET /jobs/<id>?wait=)
-follows it through the process's token-event hub (webapi/events.py): under gevent that is a greenlet
+follows it (webapi/following.py) through the process's token-event hub (webapi/hub.py): under gevent that is a greenlet
 waiting on a queue, a few kB, so one process holds thousands (API_WORKER_CONNECTIONS sockets, of which
 COMPLETION_SLOTS may wait; beyond, a waiting call answers 429 naming COMPLETION_SLOTS). Measured on the 2-core development machine (bench/job_cpu.py, issue 25; that run
 is in bench/RESULTS.md's git history): gevent against gthread (8 threads) for POST /jobs and for streams.
@@ -27,12 +27,15 @@ import shutil
 import tempfile
 
 from contract.cpus import available_cpus
+from jobstore.db import check_deployment_connections, default_api_workers
 
 bind = f"{os.environ.get('API_HOST', '127.0.0.1')}:{os.environ.get('API_PORT', '8000')}"
 worker_kind = os.environ.get("API_WORKER_CLASS", "gevent")
 # gevent: gunicorn's gevent worker, with one system call per streamed chunk (webapi/gevent_worker.py)
 worker_class = {"gevent": "webapi.gevent_worker.GeventWorker"}.get(worker_kind, worker_kind)
-workers = int(os.environ.get("API_WORKERS", 2 * available_cpus()))  # CPUs of the cgroup quota, not the host
+# 2 per CPU of the cgroup quota (not the host's), at most 6 (jobstore.db.API_WORKERS_CAP: with DB_POOL_SIZE 10
+# each, one host's API, worker and beat fit Postgres' default max_connections)
+workers = int(os.environ.get("API_WORKERS") or default_api_workers(available_cpus()))
 threads = int(os.environ.get("API_THREADS", 8 if worker_kind == "gthread" else 1))
 worker_connections = int(os.environ.get("API_WORKER_CONNECTIONS", 10000))  # gevent: open sockets per process
 # calls waiting on a job at once per process (ApiSettings.completion_slots). gevent: most of its connections,
@@ -51,9 +54,29 @@ os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
 
 
 def on_starting(server):
-    """Start every count at zero: files left by an earlier run in the same directory would be added in."""
+    """Check that the deployment's Postgres connections fit the server (a clear error naming the settings
+    rather than "too many clients" under load), then start every count at zero: files left by an earlier
+    run in the same directory would be added in."""
+    check_postgres_connections(server)
     for path in glob.glob(os.path.join(os.environ["PROMETHEUS_MULTIPROC_DIR"], "*.db")):
         os.remove(path)
+
+
+def check_postgres_connections(server):
+    """jobstore.db.check_deployment_connections with this server's process count: TooManyConnections stops
+    gunicorn before a worker starts; a database that does not answer yet is only logged (the API answers 503
+    and /readyz fails until it does)."""
+    from sqlalchemy.exc import OperationalError
+
+    from contract.settings import Settings
+
+    try:
+        check = check_deployment_connections(Settings.from_env(), api_workers=server.cfg.workers)
+    except OperationalError as exc:
+        server.log.warning("Postgres connections not checked, the database does not answer: %s", exc)
+        return
+    if check is not None:
+        server.log.info("%s", check.describe())
 
 
 def child_exit(server, worker):

@@ -31,6 +31,13 @@ class StoreSettings(BaseSettings):
     redis_key_prefix: str = ""  # prefixes every broker key (isolates test runs sharing one Redis)
     db_connect_timeout: float = 3.0  # seconds to connect to Postgres before giving up (the API answers 503)
 
+    # --- the deployment's Postgres connections, checked against max_connections when the API starts
+    # (jobstore.db.check_deployment_connections): API instances (gunicorn masters: hosts, pods) and Celery
+    # worker processes sharing this server at most (with autoscaling, the most replicas)
+    api_instances: int = Field(1, ge=1)
+    worker_instances: int = Field(1, ge=0)
+    db_check_connections: bool = True  # false: start without comparing them to the server's max_connections
+
     # --- the model (read by the API for its limits and by the worker for its engine)
     model: str = "tiny-llama"
     # prompt tokens + max_tokens must fit (also the engine's limit); tiny-llama's own is 2048

@@ -179,6 +179,19 @@ def test_gunicorn_runs_two_processes_per_cpu_of_the_quota(monkeypatch, tmp_path,
     assert conf["worker_class"] == "webapi.gevent_worker.GeventWorker" and conf["preload_app"] is False
 
 
+def test_gunicorn_runs_at_most_six_processes_on_a_big_host(monkeypatch, tmp_path):
+    """64 CPUs: 6 processes (jobstore.db.API_WORKERS_CAP), not 128 x DB_POOL_SIZE Postgres connections;
+    API_WORKERS still says how many."""
+    from contract import cpus as cpu_module
+
+    monkeypatch.setattr(cpu_module, "available_cpus", lambda: 64)
+    monkeypatch.delenv("API_WORKERS", raising=False)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    assert runpy.run_path(str(ROOT / "gunicorn.conf.py"))["workers"] == 6
+    monkeypatch.setenv("API_WORKERS", "12")
+    assert runpy.run_path(str(ROOT / "gunicorn.conf.py"))["workers"] == 12
+
+
 def dry_run(target: str) -> list[list[str]]:
     """The commands `make TARGET` would run, split into words (`make -n`: nothing runs)."""
     out = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True, check=True).stdout
