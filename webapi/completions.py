@@ -28,7 +28,7 @@ from jobstore.models import Job, JobStatus
 from webapi.auth import current_tenant, require_api_key
 from webapi.completion_chunks import DONE, Chunks
 from webapi.errors import APIError, from_validation_error
-from webapi.extensions import Services, services
+from webapi.extensions import services
 from webapi.following import Ended, JobFollower, Tick
 from webapi.jobs import submit_job
 from webapi.openai_schemas import (
@@ -95,7 +95,7 @@ def complete(body: ChatCompletionCreate | CompletionCreate, endpoint: str):
         ):  # with prefix caching, a prompt's later choices start on its blocks
             done = follower.wait(index)
             if done is None:
-                raise timeout_error(found)
+                raise timeout_error(follower.timeout)
             if done.status != JobStatus.SUCCEEDED:
                 raise ended_error(done)
             ended.append(done)
@@ -188,11 +188,12 @@ def ended_error(job: Job) -> APIError:
     return APIError(500, job.error_code or "failed", job.error_message or "the job failed")
 
 
-def timeout_error(found: Services) -> APIError:
+def timeout_error(seconds: float) -> APIError:
+    """The error for a call not done in its COMPLETION_TIMEOUT_SECONDS (its jobs cancelled)."""
     return APIError(
         503,
         "timeout",
-        f"not done in {found.settings.completion_timeout_seconds:g} s (COMPLETION_TIMEOUT_SECONDS); its job "
+        f"not done in {seconds:g} s (COMPLETION_TIMEOUT_SECONDS); its job "
         "was cancelled. Long generations belong in a batch or POST /jobs",
         {"Retry-After": "5"},
     )
@@ -206,23 +207,22 @@ def chunk_pieces(
     runs out."""
     yield from chunks.opening()
     for item in follower.events():
-        kind = type(item)
-        if kind is Delta:
-            yield from chunks.step(item)  # type: ignore[arg-type]
-            if item.finish_reason in ("stop", "length"):  # type: ignore[union-attr]
+        if isinstance(item, Delta):
+            yield from chunks.step(item)
+            if item.finish_reason in ("stop", "length"):
                 if usage:
-                    yield chunks.usage(prompt_tokens, chunks.completion_tokens(item))  # type: ignore[arg-type]
+                    yield chunks.usage(prompt_tokens, chunks.completion_tokens(item))
                 yield DONE
                 return
-        elif kind is Ended:
-            error = ended_error(item.job)  # type: ignore[union-attr]
+        elif isinstance(item, Ended):  # it ended without a finish of its own: cancelled or failed
+            error = ended_error(item.job)
             yield chunks.error(error.code, error.message)
             return
         elif item is FLUSH:
             yield FLUSH
-        elif kind is Tick:
+        elif isinstance(item, Tick):
             yield HEARTBEAT  # a client gone is noticed at a write
-    error = timeout_error(services())  # the follower cancelled the job
+    error = timeout_error(follower.timeout)  # the follower cancelled the job
     yield chunks.error(error.code, error.message)
 
 
@@ -237,18 +237,18 @@ def merged_chunk_pieces(
     tokens = [0] * len(chunks)
     open_choices = set(range(len(chunks)))
     for item in follower.merged_events():
-        if type(item) is Tick:
+        if isinstance(item, Tick):
             yield HEARTBEAT  # a client gone is noticed at a write
             yield FLUSH
             continue
-        index, event = item  # type: ignore[misc]
+        index, event = item
         if event is None:
             if index in open_choices:  # its follower gave up: COMPLETION_TIMEOUT_SECONDS passed
-                error = timeout_error(services())
+                error = timeout_error(follower.timeout)
                 yield chunks[index].error(error.code, error.message)
                 return
             continue
-        if type(event) is Ended:  # it ended without a finish of its own: cancelled or failed
+        if isinstance(event, Ended):  # it ended without a finish of its own: cancelled or failed
             error = ended_error(event.job)
             yield chunks[index].error(error.code, error.message)
             return

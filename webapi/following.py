@@ -80,6 +80,7 @@ class Followed:
         "held",
         "finished",
         "ended",
+        "cancelled",
         "heard_at",
         "written_at",
         "resync",
@@ -94,6 +95,7 @@ class Followed:
         self.held = START  # what the caller holds of the output
         self.finished = False  # a delta with the finish was given out
         self.ended = False  # Ended was given out
+        self.cancelled = False  # cancelled by this call
         self.heard_at = 0.0  # when something last came (the row is reread after a quiet while)
         self.written_at = 0.0  # when the hub last wrote a delta directly
         self.resync = self.first_resync = 0.0  # the quiet while before the row is reread: now, and at first
@@ -103,8 +105,8 @@ class Followed:
 
     @property
     def over(self) -> bool:
-        """The job's end was given out: nothing left to cancel."""
-        return self.finished or self.ended
+        """The job's end was given out, or this call cancelled it: nothing left to cancel."""
+        return self.finished or self.ended or self.cancelled
 
     def from_row(self, job: Job, pending: list[Delta]) -> Iterator[Delta]:
         """What the row holds beyond the caller, then the held-back events as far as they go on from there."""
@@ -167,6 +169,7 @@ class JobFollower:
     ):
         self._found = found
         self._release = take_slot(found)
+        self.timeout = timeout  # seconds the call may wait, from now (None: no limit)
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._tick_seconds = tick_seconds
         self._cancel_on_abandon = cancel_on_abandon
@@ -212,10 +215,11 @@ class JobFollower:
         """`pieces` (rendered from events()) as an SSE response that ends this follower when it closes.
         `plain(delta)`: the bytes of a step's delta without a finish (b"": nothing to write) or None when it
         needs the renderer; given, the hub writes such a delta itself while the stream waits (gevent worker)."""
-        self._streaming = True
         if plain is not None:
             self.write_directly(plain, direct_writer())
-        return sse_response(pieces, self.close, self._writer)
+        response = sse_response(pieces, self.close, self._writer)
+        self._streaming = True  # the response ends it now
+        return response
 
     def write_directly(self, plain: Callable[[Delta], bytes | None], writer) -> None:
         """Have the hub write the job's plain deltas (rendered by `plain`) through `writer` (a DirectWriter; None:
@@ -377,7 +381,7 @@ class JobFollower:
         for followed in self._jobs:
             if followed.over:
                 continue
-            followed.ended = True  # once
+            followed.cancelled = True
             job = followed.job
             try:
                 cancel(self._found, job.id, job.tenant_id)

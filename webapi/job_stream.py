@@ -24,13 +24,12 @@ def job_event_pieces(follower: JobFollower, since: Position) -> Iterator[bytes |
     result last; a HEARTBEAT when nothing came for a tick."""
     yield b"retry: 1000\n\n"
     for item in follower.events(since=since):
-        kind = type(item)
-        if kind is Delta:
-            yield delta_event(item)  # type: ignore[arg-type]
-        elif kind is Status:
-            yield sse("status", {"status": item.status}, follower.held())  # type: ignore[union-attr]
-        elif kind is Ended:
-            yield sse("result", JobOut.from_job(item.job).model_dump(mode="json"), follower.held())  # type: ignore[union-attr]
+        if isinstance(item, Delta):
+            yield delta_event(item)
+        elif isinstance(item, Status):
+            yield sse("status", {"status": item.status}, follower.held())
+        elif isinstance(item, Ended):
+            yield sse("result", JobOut.from_job(item.job).model_dump(mode="json"), follower.held())
             return
         elif item is FLUSH:
             yield FLUSH
