@@ -1,7 +1,10 @@
 # One image for every service (api, worker, beat, flower, migrate); docker-compose.yml picks the command.
 # The CPU build of torch by default; docker-compose.yml builds the GPU worker's image with
 #   --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126   (a CUDA build of torch)
-FROM python:3.11-slim
+# BASE_IMAGE: any Debian-based image with Python 3.11 and pip (e.g. one built from Debian's packages
+# where no image registry is reachable)
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
@@ -12,7 +15,8 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HF_HOME=/home/genq/.cache/huggingface \
-    GENQ_KERNEL_CACHE=/home/genq/.cache/genq
+    GENQ_KERNEL_CACHE=/home/genq/.cache/genq \
+    TRITON_CACHE_DIR=/home/genq/.cache/triton
 
 WORKDIR /app
 
@@ -24,17 +28,20 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ \
 # the user, and the caches it writes (models, the CPU kernel), made before a volume mounts on them so
 # that the volume starts owned by genq, not root
 RUN useradd --create-home --uid 1000 genq \
-    && mkdir -p "$HF_HOME" "$GENQ_KERNEL_CACHE" \
+    && mkdir -p "$HF_HOME" "$GENQ_KERNEL_CACHE" "$TRITON_CACHE_DIR" \
     && chown -R genq:genq /home/genq/.cache
 
 # torch first (worker images only): the largest layer, rebuilt only when TORCH_INDEX_URL changes
 RUN case ",$EXTRAS," in *,worker,*) pip install --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION" ;; esac
 
-# then the dependencies (from pyproject.toml alone, so code changes do not reinstall them) ...
+# then the dependencies (from pyproject.toml alone, so code changes do not reinstall them) through the lock,
+# less its torch and triton pins: constraints.txt is resolved against the CPU build of torch, and a CUDA build
+# brings the triton it was built with (pinning the lock's would make the install unresolvable)
 COPY pyproject.toml README.md constraints.txt ./
 RUN mkdir batching jobstore webapi workers \
-    && pip install -c constraints.txt ".[$EXTRAS]" \
-    && pip uninstall -y genq
+    && grep -vE '^(torch|triton)==' constraints.txt > /tmp/constraints-image.txt \
+    && pip install -c /tmp/constraints-image.txt ".[$EXTRAS]" \
+    && pip uninstall -y genq && rm /tmp/constraints-image.txt
 
 # ... then the code
 COPY . .

@@ -44,6 +44,11 @@ _slots = {"gevent": max(0, worker_connections - 1000), "gthread": max(0, threads
 os.environ.setdefault("COMPLETION_SLOTS", str(_slots.get(worker_kind, 0)))
 accesslog = os.environ.get("API_ACCESS_LOG", "-") or None  # "" turns the access log off
 preload_app = False  # each worker builds its own app: no database or Redis connection crosses a fork
+# SIGTERM (a redeploy): each process stops accepting and lets the calls in flight, streams included, go on
+# for this long before they are cut (a cut stream resumes with Last-Event-ID). docker-compose.yml's
+# stop_grace_period and deploy/kubernetes' terminationGracePeriodSeconds are longer, so that gunicorn, not a
+# SIGKILL, ends them (tests/deployment checks the chain)
+graceful_timeout = 30
 
 # Set before any worker imports prometheus_client (it picks its storage at import); a config reload
 # (SIGHUP) runs this file again and keeps the directory made the first time.

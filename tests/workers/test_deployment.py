@@ -157,7 +157,7 @@ def test_every_long_running_service_has_a_healthcheck_and_caches_are_writable(co
     # mounted there starts owned by genq
     step = run_instruction(dockerfile, "useradd")
     commands = [shlex.split(c) for c in step.split("&&")]
-    assert ["mkdir", "-p", "$HF_HOME", "$GENQ_KERNEL_CACHE"] in commands
+    assert ["mkdir", "-p", "$HF_HOME", "$GENQ_KERNEL_CACHE", "$TRITON_CACHE_DIR"] in commands
     assert ["chown", "-R", "genq:genq", "/home/genq/.cache"] in commands
     order = [i["instruction"] + " " + i["value"] for i in dockerfile.structure]
     assert order.index(f"RUN {step}") < order.index("USER genq")

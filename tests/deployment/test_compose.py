@@ -1,0 +1,240 @@
+"""docker-compose.yml as `docker compose config` reads it after `cp .env.example .env`: every variable
+interpolated the way Compose does, then checked against the Compose Specification's JSON schema.
+
+Compose v2 cannot be installed from the registries this project reaches (Debian bookworm ships only
+docker-compose 1.29, the Python v1, and no docker-compose-plugin; PyPI and npm have no official build),
+so this is the same check without it: compose-spec.json beside this file is
+schema/compose-spec.json of github.com/compose-spec/compose-spec (commit 170098ba, Apache-2.0), the schema
+Compose v2 validates against. scripts/compose_smoke.sh runs the real thing where a Docker daemon runs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import runpy
+import shlex
+import subprocess
+from pathlib import Path
+
+import jsonschema_rs
+import pytest
+import yaml
+from dockerfile_parse import DockerfileParser
+
+from contract.settings import Settings
+from tests.conftest import ROOT
+
+HERE = Path(__file__).parent
+# Compose's interpolation: $$ (a literal $), ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?error},
+# ${VAR?error}, ${VAR:+other}, ${VAR+other}, $VAR
+VARIABLE = re.compile(r"\$(?:(?P<dollar>\$)|\{(?P<braced>[^}]*)\}|(?P<named>[A-Za-z_][A-Za-z0-9_]*))")
+BRACED = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])(?P<arg>.*))?$", re.S)
+
+
+class Unset(Exception):
+    """A ${VAR:?error} or ${VAR?error} whose variable is unset (or empty, with the colon): compose stops."""
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines of a .env file (comments and blank lines skipped), as compose reads them."""
+    pairs = (
+        line.split("=", 1) for line in path.read_text().splitlines() if re.match(r"^[A-Za-z_]\w*=", line)
+    )
+    return {key: value.strip() for key, value in pairs}
+
+
+def interpolate(value, env: dict[str, str]):
+    """`value` (a parsed YAML tree) with every string's variables replaced, as compose does."""
+    if isinstance(value, dict):
+        return {key: interpolate(item, env) for key, item in value.items()}
+    if isinstance(value, list):
+        return [interpolate(item, env) for item in value]
+    if not isinstance(value, str):
+        return value
+
+    def replace(match: re.Match) -> str:
+        if match["dollar"]:
+            return "$"
+        if match["named"]:
+            return env.get(match["named"], "")
+        parts = BRACED.match(match["braced"])
+        assert parts, f"not a Compose variable: ${{{match['braced']}}}"
+        name, op, arg = parts["name"], parts["op"], parts["arg"]
+        current = env.get(name)
+        present = current is not None and (current != "" or not (op or "").startswith(":"))
+        if op in (":-", "-"):
+            return current if present else arg
+        if op in (":?", "?"):
+            if not present:
+                raise Unset(f"{name}: {arg}")
+            return current
+        if op in (":+", "+"):
+            return arg if present else ""
+        return current or ""
+
+    return VARIABLE.sub(replace, value)
+
+
+def compose_config(env: dict[str, str]) -> dict:
+    """docker-compose.yml parsed (anchors and merge keys resolved) and interpolated with `env`."""
+    return interpolate(yaml.safe_load((ROOT / "docker-compose.yml").read_text()), env)
+
+
+@pytest.fixture(scope="module")
+def env_file() -> dict[str, str]:
+    return read_env_file(ROOT / ".env.example")
+
+
+@pytest.fixture(scope="module")
+def config(env_file) -> dict:
+    return compose_config(env_file)
+
+
+def test_the_interpolation_reads_variables_as_compose_does():
+    env = {"SET": "x", "EMPTY": ""}
+    assert (
+        interpolate("$$HOSTNAME ${SET} $SET ${UNSET:-d} ${EMPTY:-d} ${EMPTY-d} ${SET:+y}", env)
+        == "$HOSTNAME x x d d  y"
+    )
+    with pytest.raises(Unset, match="EMPTY: say"):
+        interpolate("${EMPTY:?say}", env)
+
+
+def test_compose_config_works_with_env_example_as_shipped_and_with_no_env_file(config, env_file):
+    """`cp .env.example .env && docker compose config`: no variable stops it, the file is valid Compose."""
+    validator = jsonschema_rs.Draft7Validator(json.loads((HERE / "compose-spec.json").read_text()))
+    for env in (env_file, {}):  # also a fresh clone with no .env at all
+        document = compose_config(env)
+        errors = [
+            f"{'/'.join(map(str, e.instance_path))}: {e.message}" for e in validator.iter_errors(document)
+        ]
+        assert errors == [], errors
+    assert env_file["COMPOSE_PROFILES"] == "cpu"
+    active = {
+        name for name, s in config["services"].items() if not s.get("profiles") or "cpu" in s["profiles"]
+    }
+    assert {
+        "postgres",
+        "redis",
+        "migrate",
+        "api",
+        "worker-cpu",
+        "beat",
+        "flower",
+        "prometheus",
+        "grafana",
+    } == active
+
+
+def test_the_validation_catches_what_compose_refuses(env_file):
+    """The control: a key Compose does not know, and a required variable left empty, both fail."""
+    validator = jsonschema_rs.Draft7Validator(json.loads((HERE / "compose-spec.json").read_text()))
+    document = compose_config(env_file)
+    document["services"]["api"]["stop_grace"] = "35s"
+    assert not validator.is_valid(document)
+    with pytest.raises(Unset):
+        interpolate({"FLOWER_BASIC_AUTH": "${FLOWER_BASIC_AUTH:?set it}"}, env_file)
+
+
+def test_files_the_services_mount_exist(config):
+    for name, service in config["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (ROOT / source).exists(), (name, source)
+
+
+def test_prometheus_scrapes_the_api_and_every_worker(config):
+    scrape = yaml.safe_load((ROOT / "deploy/compose/prometheus.yml").read_text())["scrape_configs"]
+    targets = {job["job_name"]: job["dns_sd_configs"][0] for job in scrape}
+    defaults = Settings()
+    api_port = int(config["services"]["api"]["command"].split("--bind 0.0.0.0:")[1].split()[0])
+    assert targets["genq-api"]["names"] == ["api"] and targets["genq-api"]["port"] == api_port
+    assert targets["genq-worker"]["names"] == ["worker", "worker-cpu"]
+    assert targets["genq-worker"]["port"] == defaults.worker_metrics_port
+    assert "prometheus" in config["services"]["grafana"]["depends_on"]
+
+
+def exported_metrics() -> set[str]:
+    """The metric names webapi/metrics.py and workers/metrics.py export."""
+    source = (ROOT / "webapi/metrics.py").read_text() + (ROOT / "workers/metrics.py").read_text()
+    return set(re.findall(r'"(genq_[a-z_]+)"', source))
+
+
+def test_the_dashboard_shows_what_operators_watch_with_the_names_the_code_exports():
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/genq.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    used = {
+        re.sub(r"_(bucket|sum|count)$", "", name) for e in exprs for name in re.findall(r"genq_[a-z_]+", e)
+    }
+    exported = exported_metrics()
+    assert used <= exported, used - exported
+    for metric in (
+        "genq_queue_depth",  # queue depth per priority
+        "genq_engine_generated_tokens_total",  # tok/s
+        "genq_job_ttft_seconds",
+        "genq_job_time_between_tokens_seconds",  # ITL
+        "genq_engine_device_kv_usage",
+        "genq_engine_preemptions_total",
+        "genq_jobs",  # jobs by status
+    ):
+        assert metric in used, metric
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    provider = yaml.safe_load((ROOT / "deploy/compose/grafana/provisioning/dashboards/genq.yml").read_text())
+    mounts = dict(
+        v.split(":")[:2]
+        for v in yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["grafana"]["volumes"]
+    )
+    assert mounts["./deploy/grafana/dashboards"] == provider["providers"][0]["options"]["path"]
+
+
+def seconds(duration: str) -> float:
+    """A Compose duration (`35s`, `2m`, `1m30s`) in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", duration)
+    assert "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def test_the_api_gets_longer_than_gunicorn_drains_its_streams(config, tmp_path, monkeypatch):
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    graceful = runpy.run_path(str(ROOT / "gunicorn.conf.py"))["graceful_timeout"]
+    assert seconds(config["services"]["api"]["stop_grace_period"]) > graceful == 30
+    healthcheck = config["services"]["api"]["healthcheck"]["test"]
+    assert "/readyz" in healthcheck[-1]
+
+
+def test_workers_keep_the_triton_cache_in_a_volume(config):
+    cache = DockerfileParser(path=str(ROOT / "Dockerfile")).envs["TRITON_CACHE_DIR"]
+    for name in ("worker", "worker-cpu"):
+        mounts = {v.split(":")[1]: v.split(":")[0] for v in config["services"][name]["volumes"]}
+        assert mounts[cache] == "triton-cache", name
+    assert "triton-cache" in config["volumes"]
+
+
+def test_the_image_installs_through_the_lock_less_its_torch_and_triton_pins(tmp_path):
+    """The Dockerfile's install step, run by bash with pip replaced by a copy of the constraints it is given:
+    a CUDA build of torch brings its own triton, so the lock (resolved against CPU torch) must not pin it."""
+    dockerfile = DockerfileParser(path=str(ROOT / "Dockerfile"))
+    (step,) = [
+        i["value"] for i in dockerfile.structure if i["instruction"] == "RUN" and "constraints" in i["value"]
+    ]
+    lock = (ROOT / "constraints.txt").read_text()
+    (tmp_path / "constraints.txt").write_text(lock)
+    script = step.replace("/tmp/", f"{tmp_path}/").replace("mkdir batching jobstore webapi workers", "true")
+    fake_pip = f'pip() {{ if [ "$1" = install ]; then cp "$3" {tmp_path}/used.txt; fi; }}\n'
+    subprocess.run(
+        ["bash", "-ec", fake_pip + script],
+        cwd=tmp_path,
+        env={"EXTRAS": "api,worker", "PATH": "/usr/bin:/bin"},
+        check=True,
+    )
+    used = (tmp_path / "used.txt").read_text().splitlines()
+    pins = {line.split("==")[0] for line in used if "==" in line and not line.startswith(" ")}
+    assert not pins & {"torch", "triton"}
+    expected = {
+        line.split("==")[0] for line in lock.splitlines() if "==" in line and not line.startswith(" ")
+    }
+    assert pins == expected - {"torch", "triton"}
+    assert shlex.split(step)[0] == "mkdir"
