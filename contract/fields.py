@@ -14,9 +14,19 @@ are checked where the model is known: webapi/prompts.py, and `ModelName` through
 
 from __future__ import annotations
 
+import json
+from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+)
 from pydantic_core import PydanticCustomError
 
 SERVED_MODELS = "served_models"  # the validation context's key: the names `model` may give (a frozenset)
@@ -172,6 +182,35 @@ JsonSchema = Annotated[
 
 # --- scheduling and bookkeeping
 Priority = Annotated[int, Field(ge=0, le=9, description="0 is the most urgent, 9 the least.")]
+
+
+def rfc3339_time(value: Any) -> datetime:
+    """An RFC 3339 date-time with its offset ("2026-11-27T01:00:00Z", "2026-11-27T02:00:00+01:00"), as JSON writes a
+    time, or a timezone-aware datetime (a stored job's). A time without an offset is refused: it names no instant."""
+    time = value if isinstance(value, datetime) else None
+    if isinstance(value, str) and len(value) >= 19 and value[10] in "Tt ":
+        try:
+            time = datetime.fromisoformat(value.upper())
+        except ValueError:
+            pass
+    example = '"2026-11-27T01:00:00Z"'
+    shown = value.isoformat() if isinstance(value, datetime) else json.dumps(value)[:60]
+    if time is None:
+        raise ValueError(f"expected an RFC 3339 date-time such as {example}, got {shown}")
+    if time.utcoffset() is None:
+        raise ValueError(f"give the time's offset from UTC (Z or +hh:mm), as in {example}; got {shown}")
+    return time
+
+
+Deadline = Annotated[
+    datetime,
+    BeforeValidator(rfc3339_time),
+    Field(
+        description="When the result is wanted: an RFC 3339 date-time with its offset (Z or +hh:mm), in the "
+        "future. Among the jobs of its priority, one whose deadline is at risk runs first (earliest deadline "
+        "first); the job's `deadline_status` says whether it is at risk, met or missed."
+    ),
+]
 MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 MetadataValue = Annotated[str, StringConstraints(max_length=512)] | int | float | bool | None
 ModelName = Annotated[

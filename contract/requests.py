@@ -11,6 +11,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from contract.dispatch import DEFAULT_PRIORITY
 from contract.fields import (
+    Deadline,
     JsonSchema,
     LogitBias,
     MaxTokens,
@@ -83,6 +84,7 @@ class JobCreate(RequestBody):
         "token, as vLLM does, and the reply leaves it out).",
     )
     priority: Priority = DEFAULT_PRIORITY
+    deadline: Deadline | None = None
     metadata: dict[MetadataKey, MetadataValue] = Field(
         default_factory=dict, max_length=16, description="Your own labels, returned with the job."
     )

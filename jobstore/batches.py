@@ -61,6 +61,7 @@ JOB_COLUMNS = (
     "output_text",
     "attempts",
     "handbacks",
+    "deadline",
     "batch_id",
     "batch_index",
     "enqueued_at",
@@ -106,6 +107,7 @@ def job_row(
         b"",
         0,
         0,
+        request.get("deadline"),  # the end of the batch's completion window (webapi/batches.py)
         batch_id,
         index,
         sent_at,

@@ -601,3 +601,20 @@ def _attribute_names(fields: tuple[str, ...]) -> tuple[str, ...]:
 def _update_leased(db: Session | Connection, job_id: uuid.UUID, worker_id: str, /, **values) -> bool:
     """Apply `values` to a running job leased by `worker_id`; True if it was."""
     return db.execute(_leased(**values), {"job": job_id, "worker": worker_id}).rowcount == 1
+
+
+def live_deadline_counts(db: Session | Connection, margin_seconds: float) -> dict[tuple[JobStatus, str], int]:
+    """Queued and running jobs whose deadline has passed ("missed") or is less than `margin_seconds` away
+    ("at_risk"), by status: one read of the index of live jobs with a deadline (ix_jobs_live_deadline)."""
+    soon = func.now() + func.make_interval(0, 0, 0, 0, 0, 0, margin_seconds)
+    missed = func.count().filter(Job.deadline < func.now())
+    rows = db.execute(
+        select(Job.status, missed, func.count() - missed)
+        .where(Job.deadline.is_not(None), Job.status.in_(ACTIVE), Job.deadline < soon)
+        .group_by(Job.status)
+    ).all()
+    counts = {(status, state): 0 for status in ACTIVE for state in ("missed", "at_risk")}
+    for status, n_missed, n_at_risk in rows:
+        counts[(JobStatus(status), "missed")] = n_missed
+        counts[(JobStatus(status), "at_risk")] = n_at_risk
+    return counts

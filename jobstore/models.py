@@ -158,6 +158,9 @@ class Job(Base):
     # times a full worker handed it back for more urgent work (bounded, so a job is not preempted forever)
     handbacks: Mapped[int] = mapped_column(SmallInteger, default=0, server_default=text("0"))
 
+    # when its result is wanted (POST /jobs' `deadline`; a batch's jobs: the end of its completion window)
+    deadline: Mapped[datetime | None] = _timestamp()
+
     # the batch this job is a line of (the Batch API), and the line's index in the batch's input file
     batch_id: Mapped[str | None] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
     batch_index: Mapped[int | None] = mapped_column(Integer)
@@ -212,6 +215,13 @@ class Job(Base):
         ),
         # a batch's jobs in input order: its request counts, its output file
         Index("ix_jobs_batch", "batch_id", "batch_index", postgresql_where=text("batch_id IS NOT NULL")),
+        # /metrics: the live jobs past or near their deadline (a claim changes status anyway; a progress write
+        # touches neither column, and stays a heap-only update)
+        Index(
+            "ix_jobs_live_deadline",
+            "deadline",
+            postgresql_where=text("deadline IS NOT NULL AND status IN ('queued', 'running')"),
+        ),
         {"postgresql_with": {"fillfactor": 80}},  # room on each page for a running job's next row version
     )
 

@@ -67,6 +67,7 @@ class BatchBuilder:
     max_model_len: int
     tokenizer: object
     served_models: frozenset[str] | None = None  # the names a body's `model` may give (None: any)
+    deadline: datetime | None = None  # every job's: the end of the batch's completion window (its expires_at)
     errors: list[LineError] = field(default_factory=list)
     error_count: int = 0
     requests: int = 0  # valid lines so far
@@ -185,6 +186,7 @@ class BatchBuilder:
             body.sampling(),
             max_tokens=max_tokens,
             priority=self.priority,
+            deadline=self.deadline,
             metadata={"batch_id": self.batch_id, "custom_id": request.custom_id},
         )
         if request.prompt_ids is not None:

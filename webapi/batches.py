@@ -4,13 +4,14 @@ with an invalid line makes a `failed` batch with per-line errors, and nothing of
 jobs run at BATCH_PRIORITY (8) unless `metadata.priority` ("0" … "9") says otherwise. The output file
 is written once every job has ended (jobstore/batches.py: by the reconciler, or here when polled). A batch
 not done by its expires_at (its completion_window, "24h": BATCH_WINDOW_SECONDS) is ended `expired` by the
-reconciler: its unfinished requests go to the error file with code `batch_expired`."""
+reconciler: its unfinished requests go to the error file with code `batch_expired`. Each job of a batch has that
+expires_at as its deadline: within its priority, the engine runs first the jobs whose window is about to close."""
 
 from __future__ import annotations
 
 import itertools
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 from flask import Blueprint
 from kombu.exceptions import KombuError
@@ -53,6 +54,8 @@ def create_batch(body: BatchCreate):
             f"input_file_id: {file.lines:,} requests, more than the {settings.max_batch_requests:,} a batch may hold",
         )
     priority = int((body.metadata or {}).get("priority", settings.batch_priority))
+    # the completion window's end: the batch expires then, and its jobs have it as their deadline
+    expires_at = datetime.now(timezone.utc) + timedelta(seconds=settings.batch_window_seconds)
     with services().sessions.begin() as session:
         batch = Batch(
             id=batches.new_batch_id(),
@@ -69,7 +72,7 @@ def create_batch(body: BatchCreate):
         )
         session.add(batch)
         session.flush()
-        builder = validate_and_insert(session, batch, file.id)
+        builder = validate_and_insert(session, batch, file.id, expires_at)
         if builder.error_count or not builder.requests:
             batch.status, batch.failed_at = BatchStatus.FAILED, func.now()
             batch.errors = [e.as_dict() for e in builder.errors] or [
@@ -86,7 +89,7 @@ def create_batch(body: BatchCreate):
                 func.now(),
                 builder.requests,
             )
-            batch.expires_at = func.now() + timedelta(seconds=settings.batch_window_seconds)
+            batch.expires_at = expires_at
         session.flush()
         session.refresh(batch)  # the timestamps Postgres set
     if batch.status == BatchStatus.IN_PROGRESS:
@@ -102,8 +105,9 @@ def create_batch(body: BatchCreate):
     return batch_object(batch)
 
 
-def validate_and_insert(session, batch: Batch, file_id: str) -> BatchBuilder:
-    """Validate every line of the file; insert its jobs (in a savepoint, undone if any line is invalid)."""
+def validate_and_insert(session, batch: Batch, file_id: str, deadline: datetime) -> BatchBuilder:
+    """Validate every line of the file; insert its jobs, each with `deadline` (in a savepoint, undone if any
+    line is invalid)."""
     settings = services().settings
     tokenizer = tokenizer_for(settings.model)
     builder = BatchBuilder(
@@ -115,6 +119,7 @@ def validate_and_insert(session, batch: Batch, file_id: str) -> BatchBuilder:
         settings.max_model_len,
         tokenizer,
         settings.served_models(),
+        deadline,
     )
     savepoint = session.begin_nested()
     try:  # the file is read on a connection of its own: the session's carries the COPY

@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from contract.dispatch import QUEUE
 from contract.settings import ApiSettings
-from jobstore.jobs import ACTIVE
+from jobstore.jobs import ACTIVE, live_deadline_counts
 from jobstore.models import Job
 
 HTTP_REQUESTS = Counter(
@@ -90,6 +90,7 @@ class _ReadAtScrape:
 
     def collect(self):
         yield from job_gauges(self.session)
+        yield deadline_gauge(self.session, self.settings.deadline_margin_seconds)
         yield from queue_depth(self.settings.redis_url, self.settings.redis_key_prefix)
 
 
@@ -116,6 +117,19 @@ def job_gauges(session: Session) -> list[GaugeMetricFamily]:
         for p in PRIORITIES:
             by_priority.add_metric([status.value, str(p)], counts.get((status, p), 0))
     return [jobs, by_priority]
+
+
+def deadline_gauge(session: Session, margin_seconds: float) -> GaugeMetricFamily:
+    """genq_jobs_deadline{status, state}: queued or running jobs past their deadline (state "missed") or within
+    DEADLINE_MARGIN_SECONDS of it ("at_risk"), from Postgres at scrape time."""
+    gauge = GaugeMetricFamily(
+        "genq_jobs_deadline",
+        "Jobs queued or running past their deadline (missed) or near it (at_risk), at scrape time",
+        labels=["status", "state"],
+    )
+    for (status, state), n in live_deadline_counts(session, margin_seconds).items():
+        gauge.add_metric([status.value, state], n)
+    return gauge
 
 
 def queue_depth(redis_url: str, key_prefix: str) -> list[GaugeMetricFamily]:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import uuid
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from contract.fields import drop_nulls
 from contract.requests import JobCreate, MetadataValue
+from contract.settings import StoreSettings
 from jobstore.models import Job, JobStatus
 from webapi.openai_schemas import ChatMessage
 
@@ -33,6 +34,17 @@ class JobSubmit(JobCreate):
     def null_is_unset(cls, data):
         return drop_nulls(data)
 
+    @field_validator("deadline")
+    @classmethod
+    def deadline_ahead(cls, value: datetime | None) -> datetime | None:
+        """A deadline is in the future when the job is submitted (a stored job's may have passed since)."""
+        now = datetime.now(timezone.utc)
+        if value is not None and value <= now:
+            raise ValueError(
+                f"must be in the future; got {value.isoformat()}, and it is {now.isoformat(timespec='seconds')}"
+            )
+        return value
+
     @model_validator(mode="after")
     def prompt_xor_input_ids(self) -> JobSubmit:  # replaces JobCreate's: a third way to give the prompt
         if sum(value is not None for value in (self.prompt, self.input_ids, self.messages)) != 1:
@@ -42,6 +54,7 @@ class JobSubmit(JobCreate):
 
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 FinishReason = Literal["stop", "length", "abort"]
+DeadlineStatus = Literal["on_track", "at_risk", "met", "missed"]
 
 
 class ListQuery(BaseModel):
@@ -111,6 +124,12 @@ class JobOut(BaseModel):
         description='With `logprobs` / `prompt_logprobs`, once the job succeeded: {"tokens": [...], "prompt": [...]}, '
         "each entry [token_id, logprob, [[id, logprob], ...]] (the prompt's first token's logprob is null).",
     )
+    deadline: datetime | None = Field(None, description="When its result is wanted (null: no deadline).")
+    deadline_status: DeadlineStatus | None = Field(
+        None,
+        description="Ended: `met` (succeeded by its deadline) or `missed`. Queued or running: `missed` past its "
+        "deadline, `at_risk` within DEADLINE_MARGIN_SECONDS of it, else `on_track`. Null without a deadline.",
+    )
 
     @classmethod
     def from_job(cls, job: Job) -> JobOut:
@@ -130,7 +149,33 @@ class JobOut(BaseModel):
             error=error,
             metadata=job.metadata_,
             logprobs=job.logprobs,
+            deadline=job.deadline,
+            deadline_status=deadline_status(job, datetime.now(timezone.utc), _deadline_margin()),
         )
+
+
+def deadline_status(job: Job, now: datetime, margin_seconds: float) -> DeadlineStatus | None:
+    """Where a job stands against its deadline at `now` (JobOut.deadline_status)."""
+    deadline = job.deadline
+    if deadline is None:
+        return None
+    if JobStatus(job.status).finished:
+        met = (
+            job.status == JobStatus.SUCCEEDED and job.finished_at is not None and job.finished_at <= deadline
+        )
+        return "met" if met else "missed"
+    left = (deadline - now).total_seconds()
+    return "missed" if left < 0 else "at_risk" if left < margin_seconds else "on_track"
+
+
+def _deadline_margin() -> float:
+    """DEADLINE_MARGIN_SECONDS of the app answering (its default outside one)."""
+    from flask import current_app, has_app_context
+
+    found = current_app.extensions.get("genq") if has_app_context() else None
+    settings = getattr(found, "settings", None)
+    default: float = StoreSettings.model_fields["deadline_margin_seconds"].default
+    return getattr(settings, "deadline_margin_seconds", default)
 
 
 class JobPage(BaseModel):

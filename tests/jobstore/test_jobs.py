@@ -279,3 +279,32 @@ def test_keys_are_stored_hashed(sessions):
         assert (
             tenant_for_key(s, create_key(s, "hashed-tenant")).id == stored.tenant_id
         )  # second key, same tenant
+
+
+def test_live_deadline_counts_the_queued_and_running_jobs_past_or_near_their_deadline(sessions, tenant_id):
+    from datetime import datetime, timedelta, timezone
+
+    def before() -> dict:
+        with sessions() as s:
+            return jobs.live_deadline_counts(s, margin_seconds=60)
+
+    start = before()
+    now = datetime.now(timezone.utc)
+    create(sessions, tenant_id, deadline=now - timedelta(seconds=5))  # missed, queued
+    create(sessions, tenant_id, deadline=now + timedelta(seconds=30))  # at risk, queued
+    create(sessions, tenant_id, deadline=now + timedelta(hours=1))  # on track: not counted
+    create(sessions, tenant_id)  # no deadline
+    running = create(sessions, tenant_id, deadline=now - timedelta(seconds=1))
+    done = create(sessions, tenant_id, deadline=now - timedelta(seconds=1))
+    with sessions.begin() as s:
+        assert jobs.claim_job(s, running, "w1", LEASE) is not None
+        assert jobs.claim_job(s, done, "w1", LEASE) is not None
+        assert jobs.cancel_job(s, done, tenant_id) is not None  # ended: not counted
+        assert jobs.get_job(s, running).deadline == now - timedelta(seconds=1)
+    grown = {key: n - start[key] for key, n in before().items()}
+    assert grown == {
+        (JobStatus.QUEUED, "missed"): 1,
+        (JobStatus.QUEUED, "at_risk"): 1,
+        (JobStatus.RUNNING, "missed"): 1,
+        (JobStatus.RUNNING, "at_risk"): 0,
+    }

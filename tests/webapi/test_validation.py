@@ -362,3 +362,57 @@ def test_every_request_body_is_a_strict_request_body(app):
         or m.model_config.get("extra") != "forbid"
     ]
     assert not lax and len(seen) >= 10, (lax, sorted(m.__name__ for m in seen))
+
+
+EXAMPLE_TIME = '"2026-11-27T01:00:00Z"'
+BAD_DEADLINES = [
+    (5, f"expected an RFC 3339 date-time such as {EXAMPLE_TIME}, got 5"),
+    ("tomorrow", f'expected an RFC 3339 date-time such as {EXAMPLE_TIME}, got "tomorrow"'),
+    ("2030-01-01", f'expected an RFC 3339 date-time such as {EXAMPLE_TIME}, got "2030-01-01"'),
+    (
+        "2030-01-01T10:00:00",
+        f'give the time\'s offset from UTC (Z or +hh:mm), as in {EXAMPLE_TIME}; got "2030-01-01T10:00:00"',
+    ),
+    ("2001-01-01T10:00:00Z", "must be in the future; got 2001-01-01T10:00:00+00:00, and it is "),
+]
+
+
+@pytest.mark.parametrize(("value", "problem"), BAD_DEADLINES, ids=repr)
+def test_a_bad_deadline_is_refused_naming_the_field(app, headers, value, problem):
+    r = app.test_client().post("/jobs", json=jobs_body("deadline", value), headers=headers)
+    assert r.status_code == 422 and r.json["error"]["message"].startswith(f"deadline: {problem}"), r.json
+
+
+def test_a_deadline_is_stored_and_the_job_says_where_it_stands(app, headers):
+    from datetime import datetime, timedelta, timezone
+
+    client = app.test_client()
+    margin = app.extensions["genq"].settings.deadline_margin_seconds
+    for offset, seconds, status in (("+02:00", 3600, "on_track"), ("Z", margin / 2 + 1, "at_risk")):
+        when = datetime.now(timezone.utc) + timedelta(seconds=seconds)
+        text = when.astimezone(timezone(timedelta(hours=2)) if offset == "+02:00" else timezone.utc)
+        r = client.post(
+            "/jobs", json=jobs_body("deadline", text.isoformat().replace("+00:00", "Z")), headers=headers
+        )
+        assert r.status_code == 202, r.json
+        got = client.get(f"/jobs/{r.json['id']}", headers=headers).json
+        assert datetime.fromisoformat(got["deadline"]) == when
+        assert got["deadline_status"] == status
+    r = client.post("/jobs", json=jobs_body("max_tokens", 4), headers=headers)
+    assert r.json["deadline"] is None and r.json["deadline_status"] is None
+    spec = client.get("/openapi.json").json
+    assert "deadline" in str(spec)
+
+
+def test_a_batch_s_jobs_have_the_end_of_its_completion_window_as_their_deadline(app, headers, settings):
+    from sqlalchemy import select
+
+    from jobstore.models import Job
+
+    created = batch(app.test_client(), headers, [v1_body("max_tokens", 4), v1_body("max_tokens", 5)])
+    assert created["status"] == "in_progress"
+    window = created["expires_at"] - created["created_at"]
+    assert abs(window - settings.batch_window_seconds) <= 2
+    with app.extensions["genq"].sessions() as s:
+        deadlines = s.scalars(select(Job.deadline).where(Job.batch_id == created["id"])).all()
+    assert len(deadlines) == 2 and {int(d.timestamp()) for d in deadlines} == {created["expires_at"]}
