@@ -265,7 +265,7 @@ def kv_geometry(model, device: torch.device, max_len: int) -> KVGeometry:
     for layer in state_layers.installed(model):
         if layer.unsupported:
             raise refusal(model_type, layer.unsupported)
-    _check_calls(model_type, rec.calls, stateful=stateful)
+    _check_calls(model_type, rec.calls, stateful=stateful, model=model)
     if not rec.calls:  # state layers only (Mamba): no KV at all
         return KVGeometry(layers=[], query_width=None, mask_patterns={})
     layers = [c.layer_idx for c in rec.calls]
@@ -287,10 +287,15 @@ def kv_geometry(model, device: torch.device, max_len: int) -> KVGeometry:
 
 
 def _check_calls(
-    model_type: str, calls: list[AttentionCall], num_tokens: int | None = None, stateful: bool = False
+    model_type: str,
+    calls: list[AttentionCall],
+    num_tokens: int | None = None,
+    stateful: bool = False,
+    model=None,
 ) -> None:
     """One forward's calls: one per attention layer, with every token and the mask transformers built
-    (none at all only in a model of state layers alone, `stateful`)."""
+    (none at all only in a model of state layers alone, `stateful`; `model`, where given, to say which
+    decoder layers hold an attention module with no index of its own)."""
     if not calls and stateful:
         return
     if not calls:
@@ -302,14 +307,8 @@ def _check_calls(
     seen: dict[int, AttentionCall] = {}
     modules = set()
     for c in calls:
-        if c.layer_idx is None:
-            raise refusal(model_type, f"its attention module {type(c.module).__name__} has no layer_idx")
-        if c.layer_idx < 0:
-            raise refusal(
-                model_type,
-                f"its attention module {type(c.module).__name__} has layer index {c.layer_idx} (a block shared "
-                "between layers), so its KV has no place of its own in the cache",
-            )
+        if c.layer_idx is None or c.layer_idx < 0:
+            raise refusal(model_type, _unindexed(c, model))
         if id(c.module) in modules:
             raise refusal(
                 model_type,
@@ -340,6 +339,28 @@ def _check_calls(
                 f"layer {c.layer_idx} attends {c.q_shape[2]} queries over {c.k_shape[2]} new keys where "
                 f"the step packed {tokens} tokens",
             )
+
+
+def _unindexed(call: AttentionCall, model) -> str:
+    """Why an attention module with no layer index of its own (None, or negative) has no place in the cache,
+    and what transformers would have to change: genq files a layer's KV under its module's `layer_idx`."""
+    name = type(call.module).__name__
+    has = "no layer_idx" if call.layer_idx is None else f"layer index {call.layer_idx}"
+    layers = getattr(model.get_decoder(), "layers", None) if hasattr(model, "get_decoder") else None
+    holders = [i for i, layer in enumerate(layers or ()) if any(m is call.module for m in layer.modules())]
+    if len(holders) > 1:
+        return (
+            f"its attention module {name} has {has}, and decoder layers {holders} run that one module, so their "
+            "KV has no place of its own per layer in the cache; transformers would have to give each layer an "
+            "attention module of its own with that layer's index (tied weights can stay shared)"
+        )
+    where = f" of decoder layer {holders[0]}" if holders else ""
+    return (
+        f"its attention module {name}{where} has {has}: the model's decoder loop passes the layer's index to the "
+        "block's forward (where its own cache files the KV under it), and the index never reaches the attention "
+        f"function; transformers would have to set the module's layer_idx to its layer's index, as its other "
+        "models do"
+    )
 
 
 def mask_patterns(

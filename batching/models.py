@@ -29,6 +29,23 @@ SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attenti
 STATE_LAYER_TYPES = {"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "mlp", "moe"}
 
 
+# state layers that keep their state where genq cannot give each sequence its own: where, and what transformers
+# would have to change for genq to run them (a state kept in the cache passed to the forward, by layer index, through
+# get_conv_state/update_conv_state and get_recurrent_state/update_recurrent_state, as its Mamba and gated delta net
+# layers keep theirs, is what state_layers.py gives each sequence)
+STATE_OUTSIDE_CACHE = {
+    "RecurrentGemmaRecurrentBlock": "RecurrentGemmaRecurrentBlock keeps its convolution window and its RG-LRU state "
+    "in attributes of the module (conv1d_state, rg_lru.recurrent_states): one state for the whole batch, its "
+    "window restarted by every forward of more than one token; transformers would have to keep both in the cache "
+    "passed to the forward, by layer index (update_conv_state/update_recurrent_state), and continue a forward "
+    "from the cached window whatever its length",
+    "MiniMaxLightningAttention": "MiniMaxLightningAttention keeps its state through get_linear_cache/"
+    "set_linear_cache, methods of MiniMax's own cache class (MiniMaxCache, which MiniMaxModel requires of any "
+    "cache passed to it); transformers would have to keep it through the cache API's "
+    "get_recurrent_state/update_recurrent_state by layer index, as Qwen3-Next's gated delta net does",
+}
+
+
 def tiny_llama_config():
     """A small Llama (4 layers, hidden 128, GQA 4:2) over the byte-level tokenizer's 259 ids."""
     from transformers import LlamaConfig
@@ -235,10 +252,13 @@ def _install_state_layers(model, model_config) -> None:
     layer_types = set(getattr(model_config.get_text_config(decoder=True), "layer_types", None) or ())
     stateful = layer_types & (STATE_LAYER_TYPES - {"mlp", "moe"})
     if stateful and not wrapped:
+        where = next((STATE_OUTSIDE_CACHE[type(m).__name__] for m in model.modules() if type(m).__name__ in
+                      STATE_OUTSIDE_CACHE), None)  # fmt: skip
         raise refusal(
             model_config.model_type,
             f"its layers of types {sorted(stateful)} keep their state outside transformers' cache API "
-            "(get_conv_state/get_recurrent_state), where genq cannot give each sequence its own",
+            "(get_conv_state/get_recurrent_state), where genq cannot give each sequence its own"
+            + (f": {where}" if where else ""),
         )
 
 

@@ -379,3 +379,61 @@ def test_two_engines_stepping_at_once_each_see_their_own_step(tmp_path):
     for t in threads:
         t.join()
     assert results == {i: expected for i in range(len(engines))}
+
+
+HYBRIDS = ["linear_attention", "hybrid", "linear_attention", "hybrid", "hybrid", "linear_attention"]
+
+
+@pytest.mark.parametrize(
+    "model_type,overrides,has",
+    [
+        ("zamba", dict(num_hidden_layers=6, layers_block_type=HYBRIDS), "has no layer_idx"),
+        # two blocks of weights over three hybrid layers: layers 1 and 4 run the same block's weights
+        (
+            "zamba2",
+            dict(
+                num_hidden_layers=6, layers_block_type=HYBRIDS, hybrid_layer_ids=[1, 3, 4], num_mem_blocks=2
+            ),
+            "has layer index -1",
+        ),
+    ],
+)
+def test_an_attention_block_with_no_layer_index_is_refused_naming_what_transformers_would_change(
+    model_type, overrides, has, tmp_path
+):
+    """Zamba's and Zamba2's hybrid layers each hold an attention block of their own (weights tied between
+    them) with no layer index: the refusal names the first layer that holds one and the change."""
+    from batching import Engine, EngineConfig
+
+    with support.quiet():
+        support.build_tiny_model(support.tiny_config(model_type, **overrides)).save_pretrained(tmp_path)
+        with pytest.raises(ValueError) as refused:
+            Engine(EngineConfig(model=str(tmp_path), dtype="float64", device="cpu", max_model_len=64))
+    assert f"genq cannot run {model_type}: its attention module" in str(refused.value)
+    assert f"of decoder layer 1 {has}" in str(refused.value)
+    assert "transformers would have to set the module's layer_idx to its layer's index" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "model_type,change",
+    [
+        (
+            "recurrent_gemma",
+            "transformers would have to keep both in the cache passed to the forward, by layer index",
+        ),
+        ("minimax", "transformers would have to keep it through the cache API's get_recurrent_state"),
+    ],
+)
+def test_a_state_kept_outside_the_cache_api_is_refused_naming_what_transformers_would_change(
+    model_type, change, tmp_path
+):
+    from batching import Engine, EngineConfig
+
+    with support.quiet():
+        support.build_tiny_model(support.tiny_config(model_type)).save_pretrained(tmp_path)
+        with pytest.raises(ValueError) as refused:
+            Engine(EngineConfig(model=str(tmp_path), dtype="float64", device="cpu", max_model_len=64))
+    assert f"genq cannot run {model_type}: its layers of types ['linear_attention'] keep their state" in str(
+        refused.value
+    )
+    assert change in str(refused.value)
