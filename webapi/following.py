@@ -76,7 +76,7 @@ class Followed:
     __slots__ = (
         "job",
         "inbox",
-        "row",
+        "first_row",
         "held",
         "finished",
         "ended",
@@ -91,7 +91,7 @@ class Followed:
 
     def __init__(self, job: Job, inbox: Inbox, row: Job | None):
         self.job, self.inbox = job, inbox
-        self.row = row  # the row as read after subscribing (not read again to start), or None
+        self.first_row = row  # the row as read after subscribing (not read again to start), or None
         self.held = START  # what the caller holds of the output
         self.finished = False  # a delta with the finish was given out
         self.ended = False  # Ended was given out
@@ -249,7 +249,7 @@ class JobFollower:
         taken: deque = deque()  # events taken from the inbox, not handled yet
         given = 0
         try:
-            job = followed.row if followed.row is not None else self._read_row(followed)
+            job = followed.first_row if followed.first_row is not None else self._read_row(followed)
             while job is RETRY:
                 time.sleep(tick_seconds)
                 job = self._read_row(followed)
@@ -310,9 +310,7 @@ class JobFollower:
                         continue
                     try:
                         new = trim(event, followed.held, followed.finished)
-                    except (
-                        Gap
-                    ):  # joined late, or missed events: the row has them (or will, at its next write)
+                    except Gap:  # joined late, or missed events: the row has them (or will at its next write)
                         pending.append(event)
                         job = READ_ROW
                         continue

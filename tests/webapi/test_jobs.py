@@ -286,7 +286,7 @@ def test_the_per_tenant_cap_is_checked_inside_the_insert(settings, auth):
 
 def test_a_wait_rereads_the_row_every_events_resync_seconds(settings, database, redis_client, auth, sessions):
     """A job that ends without an event reaching the API (here: cancelled in the row alone) ends a
-    `?wait=` within about EVENTS_RESYNC_SECONDS, not at the wait's end (with the hub's fixed 10 s before)."""
+    `?wait=` within about EVENTS_RESYNC_SECONDS (the follower rereads its row), not at the wait's end."""
     from webapi import create_app
 
     app = create_app(settings.replace(events_resync_seconds=0.4))
