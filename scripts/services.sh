@@ -13,9 +13,12 @@ if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
         --dir /var/lib/redis --logfile /var/log/redis/ci.log
     for _ in $(seq 30); do redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 && break; sleep 1; done
 fi
-# Debian's pgbouncer (tests/deployment/test_pgbouncer.py starts its own, in transaction mode): installed
-# once, no service started here
-if [ ! -x /usr/sbin/pgbouncer ]; then
-    echo "installing pgbouncer"
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends pgbouncer) >/dev/null
+# Debian's pgbouncer (tests/deployment/test_pgbouncer.py starts its own, in transaction mode) and
+# redis-sentinel (tests/contract/test_redis_client.py starts its own): installed once, no service started here
+missing=()
+[ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
+command -v redis-sentinel >/dev/null || missing+=(redis-sentinel)
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "installing ${missing[*]}"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}") >/dev/null
 fi

@@ -238,3 +238,7 @@ def test_the_image_installs_through_the_lock_less_its_torch_and_triton_pins(tmp_
     }
     assert pins == expected - {"torch", "triton"}
     assert shlex.split(step)[0] == "mkdir"
+
+
+def test_redis_never_evicts_the_queues(config):
+    assert "--maxmemory-policy noeviction" in config["services"]["redis"]["command"]
