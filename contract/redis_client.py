@@ -83,11 +83,19 @@ class SentinelBlockingConnectionPool(SentinelConnectionPool, redis.BlockingConne
 
 
 def redis_client(
-    url: str, *, timeout: float | None = None, max_connections: int | None = None
+    url: str,
+    *,
+    timeout: float | None = None,
+    connect_timeout: float | None = None,
+    max_connections: int | None = None,
 ) -> redis.Redis:
-    """A redis-py client for REDIS_URL: `timeout` seconds to connect and for each reply (None: none); with
-    `max_connections`, callers share at most that many connections and wait (up to `timeout`) for one."""
-    options: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+    """A redis-py client for REDIS_URL: `timeout` seconds for each reply and, unless `connect_timeout` says
+    otherwise, to connect (None: no limit); with `max_connections`, callers share at most that many
+    connections and wait (up to `timeout`) for one."""
+    options: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout if connect_timeout is None else connect_timeout,
+    }
     service = sentinel_service(url)
     if service is None:
         if max_connections is None:

@@ -19,7 +19,13 @@ from kombu import Connection
 from limits.storage import storage_from_string
 from redis.sentinel import Sentinel
 
-from contract.redis_client import celery_broker, limiter_storage, redis_client, sentinel_service
+from contract.redis_client import (
+    SentinelBlockingConnectionPool,
+    celery_broker,
+    limiter_storage,
+    redis_client,
+    sentinel_service,
+)
 from tests.conftest import free_port
 
 SERVICE = "genq-test"
@@ -136,6 +142,10 @@ def test_one_url_serves_redis_py_celery_and_the_limiter(private_redis, scheme):
     key = f"k-{uuid.uuid4().hex}"
     client.set(key, "v")
     assert bounded.get(key) == b"v" and client.connection_pool.connection_kwargs["db"] == db
+    assert isinstance(bounded.connection_pool, redis.BlockingConnectionPool)
+    assert bounded.connection_pool.max_connections == 2
+    reader = redis_client(url, timeout=10, connect_timeout=1)
+    assert reader.connection_pool.connection_kwargs["socket_connect_timeout"] == 1 and reader.get(key) == b"v"
     broker, options = celery_broker(url)
     with Connection(broker, transport_options=options) as conn:
         queue = conn.SimpleQueue(f"queue-{key}")
@@ -161,6 +171,12 @@ def test_clients_from_one_sentinel_url_carry_on_after_the_master_dies(sentinel_s
     storage = storage_from_string(uri, **storage_options)
     assert storage.incr("tenant", 60) == 1
     assert client.wait(1, 5000) == 1  # the replica has it all before the master dies
+    tight = redis_client(url, timeout=0.5, max_connections=1)  # bounded: a second caller waits, then gives up
+    held = tight.connection_pool.get_connection()
+    with pytest.raises(redis.ConnectionError, match="No connection available"):
+        tight.connection_pool.get_connection()
+    tight.connection_pool.release(held)
+    assert tight.get("job") == b"1"
 
     sentinel_set["master"].kill()
     sentinels = Sentinel([("127.0.0.1", sentinel_set["sentinel_port"])])
@@ -169,6 +185,7 @@ def test_clients_from_one_sentinel_url_carry_on_after_the_master_dies(sentinel_s
         seconds=30,
         what="Sentinel promotes the replica",
     )
+    assert isinstance(bounded.connection_pool, SentinelBlockingConnectionPool)
     wait_for(lambda: client.set("after", "2"), seconds=10, what="the client writes to the new master")
     assert client.get("job") == b"1" and bounded.get("after") == b"2"
     assert client.connection_pool.get_master_address()[1] == sentinel_set["replica_port"]
