@@ -222,9 +222,13 @@ def test_each_quantization_runs_exactly_or_is_refused_as_the_docs_say(name, quan
     assert [outputs[f"r{i}"].token_ids for i in range(len(PROMPTS))] == expected
 
 
-def test_int8_weight_only_stays_exact_under_preemption_and_swap(quantized):
+RUNNING = sorted(name for name, (verdict, _) in DOCUMENTED.items() if verdict == "runs exactly")
+
+
+@pytest.mark.parametrize("name", RUNNING)
+def test_what_runs_stays_exact_under_preemption_and_swap(name, quantized):
     """Low-priority sequences swapped out to the host pool and back while urgent ones run."""
-    path = quantized("torchao Int8WeightOnlyConfig")
+    path = quantized(name)
     engine = Engine(
         EngineConfig(
             model=path,
