@@ -18,6 +18,7 @@ fi
 missing=()
 [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
 command -v redis-sentinel >/dev/null || missing+=(redis-sentinel)
+command -v openssl >/dev/null || missing+=(openssl)  # the same test's TLS certificates
 if [ ${#missing[@]} -gt 0 ]; then
     echo "installing ${missing[*]}"
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}") >/dev/null

@@ -1,4 +1,4 @@
-"""contract/redis_client.py against real servers: a private redis-server over TCP and a Unix socket, and a
+"""contract/redis_client.py against real servers: a private redis-server over TCP, a Unix socket and TLS, and a
 master, its replica and a redis-sentinel (Debian's, scripts/services.sh installs it) on loopback, where the
 master is killed, Sentinel promotes the replica, and clients made from one URL carry on: the redis-py client
 (plain and bounded), Celery's broker (kombu: a message sent before the failover is received after it) and
@@ -73,14 +73,77 @@ def redis_server(where: Path, port: int, *extra: str) -> subprocess.Popen:
     return start([*argv, "no", "--dir", str(where), *extra], where, f"redis-{port}")
 
 
+def openssl(where: Path, *args: str) -> None:
+    subprocess.run(["openssl", *args], cwd=where, check=True, capture_output=True)
+
+
 @pytest.fixture()
-def private_redis(tmp_path) -> Iterator[tuple[str, str]]:
-    """A redis-server of this test's own on a free port and a Unix socket: (redis:// URL, unix:// URL)."""
-    port, sock = free_port(), tmp_path / "redis.sock"
-    proc = redis_server(tmp_path, port, "--unixsocket", str(sock), "--unixsocketperm", "700")
+def private_redis(tmp_path) -> Iterator[dict[str, str]]:
+    """A redis-server of this test's own on a free port, a Unix socket and a TLS port (a certificate for
+    127.0.0.1 signed by a CA made here): a URL for each scheme."""
+    openssl(
+        tmp_path,
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=genq-test-ca",
+        "-days",
+        "1",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+    )
+    openssl(
+        tmp_path,
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=127.0.0.1",
+        "-keyout",
+        "tls.key",
+        "-out",
+        "tls.csr",
+    )
+    (tmp_path / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl(
+        tmp_path,
+        "x509",
+        "-req",
+        "-in",
+        "tls.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-extfile",
+        "san.cnf",
+        "-out",
+        "tls.crt",
+    )
+    port, tls_port, sock = free_port(), free_port(), tmp_path / "redis.sock"
+    proc = redis_server(
+        tmp_path,
+        port,
+        *("--unixsocket", str(sock), "--unixsocketperm", "700", "--tls-port", str(tls_port)),
+        *("--tls-cert-file", "tls.crt", "--tls-key-file", "tls.key", "--tls-ca-cert-file", "ca.crt"),
+        *("--tls-auth-clients", "no"),
+    )
     try:
         wait_for(lambda: redis.Redis(port=port).ping(), what="redis-server")
-        yield f"redis://127.0.0.1:{port}/2", f"unix://{sock}?db=3"
+        yield {
+            "redis": f"redis://127.0.0.1:{port}/2",
+            "unix": f"unix://{sock}?db=3",
+            "rediss": f"rediss://127.0.0.1:{tls_port}/4?ssl_ca_certs={tmp_path / 'ca.crt'}",
+        }
     finally:
         stop(proc)
 
@@ -134,10 +197,9 @@ def test_sentinel_urls_are_parsed_and_refused_when_wrong():
             sentinel_service(bad)
 
 
-@pytest.mark.parametrize("scheme", ["redis", "unix"])
-def test_one_url_serves_redis_py_celery_and_the_limiter(private_redis, scheme):
-    url = dict(zip(("redis", "unix"), private_redis, strict=True))[scheme]
-    db = 2 if scheme == "redis" else 3
+@pytest.mark.parametrize("scheme, db", [("redis", 2), ("unix", 3), ("rediss", 4)])
+def test_one_url_serves_redis_py_celery_and_the_limiter(private_redis, scheme, db):
+    url = private_redis[scheme]
     client, bounded = redis_client(url, timeout=2), redis_client(url, timeout=2, max_connections=2)
     key = f"k-{uuid.uuid4().hex}"
     client.set(key, "v")
