@@ -14,18 +14,17 @@ call not done in COMPLETION_TIMEOUT_SECONDS cancels its job and answers 503.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from types import SimpleNamespace
 
-from flask import Blueprint
+from flask import Blueprint, Response
 from pydantic import ValidationError
 
 from contract.deltas import Delta
 from contract.requests import JobCreate
 from jobstore.batch_output import response_body
 from jobstore.models import Job, JobStatus
-from webapi.auth import current_tenant, require_api_key
+from webapi.auth import require_api_key
 from webapi.completion_chunks import DONE, Chunks
 from webapi.errors import APIError, from_validation_error
 from webapi.extensions import services
@@ -43,7 +42,6 @@ from webapi.prompts import NoChatTemplate, check_length, prepare_prompt, tokeniz
 from webapi.spec import endpoint
 from webapi.sse import FLUSH, HEARTBEAT, Flush
 
-log = logging.getLogger(__name__)
 bp = Blueprint("completions", __name__, url_prefix="/v1")
 bp.before_request(require_api_key)
 KEEPALIVE_SECONDS = 1.0  # a streamed call with no new text writes a HEARTBEAT (a blank line) this often
@@ -64,42 +62,50 @@ def text_completion(body: CompletionCreate):
 
 
 def complete(body: ChatCompletionCreate | CompletionCreate, endpoint: str):
-    """Submit a job per choice (choice i * n + j: prompt i's j-th, seed + j when seeded), following each from
-    before it is sent, then answer once all have ended, or stream them (`stream`)."""
+    """Submit a job per choice (choice i * n + j: prompt i's j-th, seed + j when seeded), each followed from
+    before it is sent, then answer once all have succeeded, or stream them (`stream`)."""
     prompts = body.prompts() if isinstance(body, CompletionCreate) else [None]
     requests = [completion_job(body, prompt, j) for prompt in prompts for j in range(body.choices())]
     found = services()
+    timeout = found.settings.completion_timeout_seconds
     with JobFollower(
-        found,
-        timeout=found.settings.completion_timeout_seconds,
-        tick_seconds=KEEPALIVE_SECONDS,
-        cancel_on_abandon=True,
+        found, timeout=timeout, tick_seconds=KEEPALIVE_SECONDS, cancel_on_abandon=True
     ) as follower:
-        submitted = [
+        jobs = [
             submit_job(request, tokens, on_created=follower.follow_created) for request, tokens in requests
         ]
-        log.debug("completion jobs %s for tenant %s", [job.id for job in submitted], current_tenant().name)
         if body.stream:
-            model = found.settings.model
-            chunks = [Chunks(endpoint, model, submitted[0].id, job, i) for i, job in enumerate(submitted)]
-            usage = body.stream_options is not None and bool(body.stream_options.include_usage)
-            prompt_tokens = sum(tokens for _, tokens in requests)
-            if len(chunks) == 1:
-                return follower.stream(
-                    chunk_pieces(follower, chunks[0], usage, prompt_tokens), chunks[0].plain_step
-                )
-            return follower.stream(merged_chunk_pieces(follower, chunks, usage, prompt_tokens))
-        ended = []
-        for index in range(
-            len(submitted)
-        ):  # with prefix caching, a prompt's later choices start on its blocks
-            done = follower.wait(index)
-            if done is None:
-                raise timeout_error(follower.timeout)
-            if done.status != JobStatus.SUCCEEDED:
-                raise ended_error(done)
-            ended.append(done)
-    return reply(ended, endpoint, found.settings.model)
+            return stream(follower, body, endpoint, jobs, sum(tokens for _, tokens in requests))
+        succeeded = [succeeded_job(follower, index) for index in range(len(jobs))]
+    return reply(succeeded, endpoint, found.settings.model)
+
+
+def succeeded_job(follower: JobFollower, index: int) -> Job:
+    """The follower's job `index` once it succeeded; 503 when the time runs out first (the follower cancels
+    the call's jobs), the job's error when it ends otherwise."""
+    done = follower.wait(index)
+    if done is None:
+        raise timeout_error(follower.timeout)
+    if done.status != JobStatus.SUCCEEDED:
+        raise ended_error(done)
+    return done
+
+
+def stream(
+    follower: JobFollower,
+    body: ChatCompletionCreate | CompletionCreate,
+    endpoint: str,
+    jobs: list[Job],
+    prompt_tokens: int,
+) -> Response:
+    """The choices' chunks as server-sent events; one choice's plain steps written by the hub as they come
+    (gevent worker)."""
+    model = services().settings.model
+    chunks = [Chunks(endpoint, model, jobs[0].id, job, i) for i, job in enumerate(jobs)]
+    usage = body.stream_options is not None and bool(body.stream_options.include_usage)
+    if len(chunks) == 1:
+        return follower.stream(chunk_pieces(follower, chunks[0], usage, prompt_tokens), chunks[0].plain_step)
+    return follower.stream(merged_chunk_pieces(follower, chunks, usage, prompt_tokens))
 
 
 def reply(ended: list[Job], endpoint: str, model: str) -> dict:

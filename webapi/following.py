@@ -5,15 +5,14 @@ A `JobFollower` holds what such a call holds, from the moment it starts waiting 
 - one of the process's COMPLETION_SLOTS (429 when all are held, 503 where waiting calls are off);
 - a subscription to each job's token events at the hub (webapi/hub.py), made before the job's row is read
   (or, for a job the call creates, before it is sent to the queue: then no event can come before);
-- how much of each job's output the caller holds (a Position), so that the row in Postgres and the events
-  from Redis join with no gap and no duplicate (contract/deltas.py): the row's output beyond the caller is
-  sent first, then each event trimmed to what the caller lacks. An event that starts beyond the caller
-  (it joined late and the row lagged, events were lost, Redis went away) is held back and the row read
-  again, which holds everything up to the worker's last progress write;
-- under the gevent worker, the hub's direct writes: while the stream waits with nothing queued, the hub's
-  put renders a delta that goes on exactly where the caller is and writes it to the socket itself
-  (webapi/gevent_worker.DirectWriter), instead of waking the stream's greenlet to write it: per token per
-  caller, no wake-up, no switch there and back, no pass through the generators to gunicorn's write;
+- how much of each job's output the caller holds (webapi/followed_job.py), so that the row in Postgres and
+  the events from Redis join with no gap and no duplicate: the row's output beyond the caller is sent
+  first, then each event trimmed to what the caller lacks. An event that starts beyond the caller (it
+  joined late and the row lagged, events were lost, Redis went away) is held back and the row read again,
+  which holds everything up to the worker's last progress write;
+- under the gevent worker, the hub's direct writes of a waiting stream's plain steps (webapi/followed_job.py):
+  per token per caller, no wake-up of the stream's greenlet, no switch there and back, no pass through the
+  generators to gunicorn's write;
 - cancel on abandon (the /v1 calls): a job whose caller went away, or whose COMPLETION_TIMEOUT_SECONDS
   passed, before its end is cancelled, since nobody will read the rest;
 - its end, once: the slot given back, the subscriptions dropped, the streamed deltas counted.
@@ -46,12 +45,12 @@ from jobstore.models import Job, JobStatus
 from webapi.cancels import cancel
 from webapi.errors import APIError
 from webapi.extensions import Services
-from webapi.hub import LOST, Inbox
+from webapi.followed_job import START, FollowedJob
+from webapi.hub import LOST
 from webapi.metrics import count_streamed_deltas
 from webapi.sse import FLUSH, Flush, direct_writer, sse_response
 
 log = logging.getLogger(__name__)
-START = Position()
 GAP_READ_SECONDS = 0.1  # while events wait for the row to catch up, it is read this often
 MAX_RESYNC_FACTOR = 6  # a quiet follower's row reads back off up to this many times EVENTS_RESYNC_SECONDS
 RETRY = object()  # a read of a row that failed: tried again later
@@ -68,91 +67,6 @@ class Ended(NamedTuple):
     """The job ended and its row holds the result."""
 
     job: Job
-
-
-class Followed:
-    """One job as one call follows it: its subscription, and how far the caller holds its output."""
-
-    __slots__ = (
-        "job",
-        "inbox",
-        "first_row",
-        "held",
-        "finished",
-        "ended",
-        "cancelled",
-        "heard_at",
-        "written_at",
-        "resync",
-        "first_resync",
-        "plain",
-        "writer",
-    )
-
-    def __init__(self, job: Job, inbox: Inbox, row: Job | None):
-        self.job, self.inbox = job, inbox
-        self.first_row = row  # the row as read after subscribing (not read again to start), or None
-        self.held = START  # what the caller holds of the output
-        self.finished = False  # a delta with the finish was given out
-        self.ended = False  # Ended was given out
-        self.cancelled = False  # cancelled by this call
-        self.heard_at = 0.0  # when something last came (the row is reread after a quiet while)
-        self.written_at = 0.0  # when the hub last wrote a delta directly
-        self.resync = self.first_resync = 0.0  # the quiet while before the row is reread: now, and at first
-        # the hub's direct writes (JobFollower.stream): a plain step's delta rendered, and the stream's writer
-        self.plain: Callable[[Delta], bytes | None] | None = None
-        self.writer = None
-
-    @property
-    def over(self) -> bool:
-        """The job's end was given out, or this call cancelled it: nothing left to cancel."""
-        return self.finished or self.ended or self.cancelled
-
-    def from_row(self, job: Job, pending: list[Delta]) -> Iterator[Delta]:
-        """What the row holds beyond the caller, then the held-back events as far as they go on from there."""
-        if len(job.output_token_ids) >= self.held.tokens and len(job.output_text or "") >= self.held.chars:
-            ended = JobStatus(job.status).finished
-            output = Delta(
-                0, list(job.output_token_ids), 0, job.output_text or "", job.finish_reason if ended else None
-            )
-            if (new := self._took(output)) is not None:
-                yield new
-        while pending:
-            try:
-                new = self._took(pending[0])
-            except Gap:
-                return
-            pending.pop(0)
-            if new is not None:
-                yield new
-
-    def _took(self, delta: Delta) -> Delta | None:
-        """What the caller lacks of `delta`, counted as held (Gap when it starts beyond the caller)."""
-        new = trim(delta, self.held, self.finished)
-        if new is not None:
-            self.held = new.end
-            self.finished = self.finished or new.finish_reason is not None
-        return new
-
-    def write_directly(self, event) -> bool:
-        """The hub's put while the follower waits (GreenInbox.direct): a delta without a finish that goes on
-        exactly where the caller is, rendered and written now; False leaves the event to the follower."""
-        held = self.held
-        if (
-            type(event) is not Delta
-            or event.finish_reason is not None
-            or self.finished
-            or event.start != held.tokens
-            or event.text_start != held.chars
-        ):
-            return False
-        data = self.plain(event)  # type: ignore[misc]
-        if data is None or (data and not self.writer.write(data)):  # type: ignore[attr-defined]
-            return False
-        self.held = event.end
-        self.heard_at = self.written_at = time.monotonic()
-        self.resync = self.first_resync
-        return True
 
 
 class JobFollower:
@@ -173,7 +87,7 @@ class JobFollower:
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._tick_seconds = tick_seconds
         self._cancel_on_abandon = cancel_on_abandon
-        self._jobs: list[Followed] = []
+        self._jobs: list[FollowedJob] = []
         self._writer = None  # the stream's DirectWriter, for the hub's direct writes
         self._given = 0  # deltas given out by events() (those the hub wrote, the writer counts)
         self._streaming = False
@@ -181,7 +95,7 @@ class JobFollower:
 
     def follow(self, job: Job, row: Job | None = None) -> None:
         """Subscribe to `job`'s events; `row`: the job's row as it is now (not read again to start)."""
-        self._jobs.append(Followed(job, self._found.hub.subscribe(job.id.hex), row))
+        self._jobs.append(FollowedJob(job, self._found.hub.subscribe(job.id.hex), row))
 
     def follow_created(self, job: Job) -> None:
         """Follow a job this call just created (submit_job's on_created): not sent yet, so no event came, and
@@ -386,7 +300,7 @@ class JobFollower:
             except RETRYABLE as exc:
                 log.warning("job %s not cancelled, database unavailable (%s)", job.id, exc)
 
-    def _read_row(self, followed: Followed):
+    def _read_row(self, followed: FollowedJob):
         """The job's row, on a connection of its own (none held while waiting); RETRY when the database did
         not answer (the follower tries again later rather than failing its caller)."""
         job = followed.job
