@@ -2,7 +2,7 @@
 # docker compose, tried as a new user would: build and start the CPU profile with .env.example as shipped,
 # then README's flow against it (a key, a job, its result), the probes and Prometheus' targets; everything
 # is removed at the end (containers, volumes). Needs a Docker daemon, Compose v2 and the base images
-# (python:3.11-slim, postgres:16, redis:7, prom/prometheus, grafana/grafana) or a registry to pull them from.
+# (python:3.11-slim and the images docker-compose.yml names) or a registry to pull them from.
 # Elsewhere it prints "skipped: <reason>" and exits 0; a failure exits 1.
 #
 #   bash scripts/compose_smoke.sh          # project genq-smoke, API on :18000 (SMOKE_API_PORT)
@@ -23,7 +23,8 @@ sed -e "s/^API_PORT=.*/API_PORT=$PORT/" -e "s/^FLOWER_PORT=.*/FLOWER_PORT=15555/
     .env.example > "$ENV_FILE"
 compose() { docker compose -p genq-smoke --env-file "$ENV_FILE" "$@"; }
 
-for image in python:3.11-slim postgres:16 redis:7; do
+# the base image and the services' images (genq's own are built from the Dockerfile)
+for image in python:3.11-slim $(compose --profile cpu config --images | grep -v '^genq:'); do
     docker image inspect "$image" >/dev/null 2>&1 || docker pull -q "$image" >/dev/null 2>&1 \
         || skip "image $image is not here and cannot be pulled (no registry reachable)"
 done
