@@ -54,11 +54,13 @@ def make_celery(settings: StoreSettings, name: str = "genq") -> Celery:
 
 
 def send_job(app: Celery, job_id: uuid.UUID, priority: int) -> None:
-    """Put "run job `job_id`" on the `generate` queue with the job's priority.
+    """Put "run job `job_id`" on the `generate` queue with the job's priority. The message's task id is the job's
+    id: however often a job is sent (handed back, recovered), it is one task (workers/job_tasks.py).
 
     Sent through the default exchange straight to the queue: kombu's Redis transport then needs no
     lookup of the `generate` exchange's bindings (a Redis round trip per message)."""
-    app.send_task(TASK, args=[str(job_id)], exchange="", routing_key=QUEUE, priority=priority)
+    job = str(job_id)
+    app.send_task(TASK, args=[job], task_id=job, exchange="", routing_key=QUEUE, priority=priority)
 
 
 def send_to_head(
@@ -104,18 +106,21 @@ _ARGSREPR = re.compile(rb'"argsrepr": "\[\'([0-9a-f-]{36})\'\]"')
 
 
 def take_messages(
-    client: redis.Redis, settings: StoreSettings, count: int, timeout: float
+    client: redis.Redis, settings: StoreSettings, priorities: Iterable[int], count: int, wait: float | None
 ) -> list[tuple[uuid.UUID | None, int]]:
-    """Take up to `count` messages from the most urgent non-empty priority list, at its head (one BLMPOP;
-    it waits up to `timeout` seconds for a message when every list is empty): (job id, priority) of each,
-    in the order a consumer takes them; a message naming no job gives None. What Celery's consumer does per
-    message, for many at once: a worker's intake pulls a backlog this way (workers/intake.py)."""
-    keys = [queue_key(settings, QUEUE, p) for p in PRIORITIES]
-    reply = client.blmpop(timeout, len(keys), *keys, direction="RIGHT", count=count)
+    """Take up to `count` messages from the most urgent non-empty list of `priorities`, at its head, as kombu's
+    consumer would: one LMPOP, or with `wait` one BLMPOP, which waits up to `wait` seconds for a message while
+    those lists are empty. (job id, priority) of each, in the order they were sent; a message naming no job gives
+    None. A worker's intake takes its jobs this way (workers/intake.py)."""
+    keys = [queue_key(settings, QUEUE, p) for p in priorities]
+    if wait is None:
+        reply = client.lmpop(len(keys), *keys, direction="RIGHT", count=count)
+    else:
+        reply = client.blmpop(wait, len(keys), *keys, direction="RIGHT", count=count)
     if not reply:
         return []
     key, messages = reply
-    priority = keys.index(key.decode() if isinstance(key, bytes) else key)
+    priority = list(priorities)[keys.index(key.decode() if isinstance(key, bytes) else key)]
     return [(job_of(message), priority) for message in messages]
 
 
@@ -254,7 +259,7 @@ class BulkSender:
         job = str(job_id)  # a uuid's text needs no JSON escaping
         body = f'[["{job}"], {{}}, {self._embed}]'.encode()
         return self._template.format(
-            task=uuid.uuid4(),
+            task=job,
             argsrepr=f"['{job}']",
             body=base64.b64encode(body).decode(),
             priority=int(priority),

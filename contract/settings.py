@@ -102,8 +102,8 @@ class WorkerSettings(StoreSettings):
     # --- a worker's intake (workers/intake.py)
     worker_reserve: int | None = None  # jobs held beyond max_num_seqs; None: max(2, max_num_seqs // 8)
     queue_watch_interval: float = 0.05  # seconds between looks at Redis for more urgent work, while full
-    # messages a worker with room takes from Redis at once (one BLMPOP, one claim); 0: one at a time, by Celery
-    intake_pull: int = 64
+    # messages a worker with room takes from Redis at once (one BLMPOP, one claim statement)
+    intake_pull: int = Field(64, ge=1)
     max_handbacks: int = 3  # a job is handed back for more urgent work at most this often
 
     # --- a worker's metrics (workers/metrics.py)

@@ -13,26 +13,39 @@ is bounded: such jobs are at most the `capacity` jobs held when they reached the
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Protocol
+
+
+class Held(Protocol):
+    """What the rule needs to know of a held job (workers/held_job.py's HeldJob, or a Claim)."""
+
+    @property
+    def priority(self) -> int: ...  # 0 most urgent
+    @property
+    def created_at(self) -> datetime: ...
+    @property
+    def handbacks(self) -> int: ...  # times it was handed back for more urgent work so far
+    @property
+    def pinned(self) -> bool: ...  # never handed back
 
 
 @dataclass(frozen=True, slots=True)
-class Held:
-    """What the rule needs to know of a held job."""
+class Claim:
+    """A job being claimed: it counts against capacity, and is never handed back."""
 
-    key: Hashable
-    priority: int  # 0 most urgent
+    priority: int
     created_at: datetime
-    handbacks: int  # times it was handed back for more urgent work so far
-    pinned: bool = False  # being claimed: counted, never handed back
+    handbacks: int = 0
+    pinned: bool = True
 
 
 @dataclass(frozen=True, slots=True)
 class Admission:
     take: bool
-    victim: Hashable | None = None  # the held job to hand back to make room
+    victim: Held | None = None  # the held job to hand back to make room
 
 
 def admit(held: Iterable[Held], priority: int, *, capacity: int, max_handbacks: int) -> Admission:
@@ -43,4 +56,4 @@ def admit(held: Iterable[Held], priority: int, *, capacity: int, max_handbacks: 
     less_urgent = [h for h in counted if h.priority > priority and not h.pinned]  # each below its bound
     if not less_urgent:
         return Admission(False)
-    return Admission(True, max(less_urgent, key=lambda h: (h.priority, h.created_at)).key)
+    return Admission(True, max(less_urgent, key=lambda h: (h.priority, h.created_at)))

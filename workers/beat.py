@@ -1,10 +1,10 @@
 """`celery -A workers beat` runs the reconciler itself, in the beat process.
 
-Beat used to send a `reconcile` task to the `generate` queue, where it waited behind every job of its
-priority and, sent with `expires` equal to its interval, expired unrun under a backlog: crash recovery and
-batch finalization stopped exactly when the system was busy. Now beat's scheduler (RecoveryScheduler, the
-`beat_scheduler` of workers/celery.py) runs the entries named in LOCAL here, each in a thread of its own, so
-recovery never waits for batch files to be written; a run still going when its next turn comes skips that
+Recovery does not go through a queue: a task on the `generate` queue would wait behind every job of its
+priority and, under a backlog, run late or expire unrun, so crash recovery and batch finalization would stop
+exactly when the system is busy. Beat's scheduler (RecoveryScheduler, the `beat_scheduler` of
+workers/celery.py) runs the entries named in LOCAL here, each in a thread of its own, so recovery never
+waits for batch files to be written; a run still going when its next turn comes skips that
 turn. Beat needs Postgres and Redis, never a worker.
 
 Several beats may run at once (a spare): recovery takes a Postgres advisory lock, batch finalization is

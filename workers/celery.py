@@ -6,8 +6,8 @@
 
 The broker settings every process shares (Redis priority emulation: ten steps, `generate:N` lists,
 0 first; default priority 5) come from contract.dispatch, so the API files messages exactly where
-workers look. The settings below concern consuming. This module imports no torch: beat and Flower
-load it too.
+workers look. A worker's intake (workers/intake.py), not Celery's consumer, takes the `generate` queue's
+messages. This module imports no torch: beat and Flower load it too.
 """
 
 from __future__ import annotations
@@ -30,16 +30,10 @@ os.environ.setdefault("FLOWER_CONF", str(Path(__file__).with_name("flowerconfig.
 app = Celery("genq", include=["workers.tasks"])
 app.conf.update(
     celery_config(settings),
-    # A job's message is acknowledged when its task ends, and a worker holds no more messages than it
-    # has task threads: the rest wait in Redis, where priority 0 is taken first.
-    task_acks_late=True,
-    worker_prefetch_multiplier=1,
-    # Task events let Flower show tasks as they happen. They are off until Flower, while it runs,
-    # turns them on (it broadcasts enable_events every few seconds): unwatched, a job costs no event
-    # messages. Those are Python work in the worker, taking the GIL from the engine thread: with them
-    # on, a 128-wide tiny-llama batch through the stack ran ~10% fewer tokens/s on 2 cores.
+    # Task events let Flower show each job as a task (workers/job_tasks.py). They are off until Flower,
+    # while it runs, turns them on (it broadcasts enable_events every few seconds): unwatched, a job costs
+    # no event messages. Those are Python work in the worker, taking the GIL from its other threads.
     worker_send_task_events=False,
-    task_send_sent_event=True,
     # beat runs recovery in its own process (workers/beat.py), where no backlog of jobs can delay it
     beat_scheduler="workers.beat:RecoveryScheduler",
     beat_schedule={

@@ -1,18 +1,18 @@
 """EngineHost: a worker's one batching.Engine, run in a process of its own (workers/engine_process.py).
 
 Why a process: a small model's step is mostly Python between kernels, and a worker holding hundreds of jobs
-runs plenty of Python of its own (Celery's deliveries, claims, batched writes, metrics). In one process they
-share one GIL, and the engine's steps ran 1.5-1.8x slower inside the worker than alone (bench/backlog.py at
-code 84ff309; the run is in bench/RESULTS.md's git history). In its own process the engine steps at its own
-pace; this process imports no torch.
+runs plenty of Python of its own (intake, claims, batched writes, token events, metrics). In one process they
+share one GIL, and the engine's steps ran 1.5-1.8x slower inside a worker than alone (bench/backlog.py). In
+its own process the engine steps at its own pace; this process imports no torch.
 
-Task threads call `submit()` / `abort()` / `stats()`; a sender thread writes those commands to the engine
-process, and a reader thread applies what comes back (per step, each changed request's new tokens) to
-the requests' handles as each step ends (and hands the step's new output to `on_step`: token events),
-on which the job book waits:
+Callers `submit()` an EngineRequest, `abort()` it, ask for `stats()`: each a message of
+workers/engine_protocol.py, written to the pipe by the calling thread (or, while the engine process
+restarts, by a sender thread, in order). The monitor thread reads what comes back and applies each step's
+report to the requests as the step ends: their transcripts grow, `on_step` gets the step's new output (token
+events), and `on_end` each request that finished or failed:
 
-    JobBook ─submit/abort─▶ outbox ─▶ sender ─pipe─▶ engine process: apply, step(), send deltas
-    RequestHandle ◀─ reader ◀─pipe─────────────────┘                 ─on_done─▶ JobBook
+    JobBook ─submit/abort─▶ pipe ─▶ engine process: apply, step(), send a StepReport
+    EngineRequest (a HeldJob) ◀─ monitor ◀─pipe─┘ ─on_step, on_end─▶ JobBook
 
 If the engine process dies (killed for memory, a sticky device error), its requests fail with
 `EngineLost` (the job book hands them back to the queue with the tokens they had) and a new engine
@@ -22,7 +22,6 @@ process starts; commands sent meanwhile wait for it. Should it die `max_losses` 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -33,10 +32,22 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import datetime, timezone
 
-from batching import EngineConfig, RequestOutput, SamplingParams
+from batching import EngineConfig, SamplingParams
 from contract.deltas import Delta, Gap, Transcript
 from workers import engine_process, metrics
-from workers.engine_process import RequestNews, StepReport
+from workers.engine_protocol import (
+    AbortRequest,
+    AddRequest,
+    Ready,
+    Refused,
+    RequestNews,
+    StartFailed,
+    StatsReply,
+    StatsRequest,
+    StepFailed,
+    StepReport,
+    Stop,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,26 +57,32 @@ class HostStopped(RuntimeError):
 
 
 class EngineLost(HostStopped):
-    """The engine process died while the request was in it; the handle holds the tokens made until then."""
+    """The engine process died while the request was in it; its transcript holds the tokens made until then."""
 
 
-class RequestHandle:
-    """A request in the engine, as other threads see it: its transcript so far, and an event when done.
+class EngineRequest:
+    """A request in the engine as the worker knows it: its output so far (a Transcript: other threads may read a
+    consistent prefix of it at any time), what the engine said of it, and its error once it failed.
 
-    Written by the reader thread only; the transcript (contract.deltas) lets other threads read a consistent
-    prefix of it at any time. `tag` is the caller's name for the request (the job book's: the job id)."""
+    Written by the host's reader thread only. The job book's HeldJob is one (workers/held_job.py), so a held job
+    is one record from its claim to its end."""
 
-    def __init__(
-        self,
-        request_id: str,
-        priority: int,
-        on_done: Callable[[RequestHandle], None] | None = None,
-        transcript: Transcript | None = None,
-        tag: str | None = None,
-    ):
+    __slots__ = (
+        "request_id",
+        "priority",
+        "transcript",
+        "first_token_at",
+        "prompt_token_ids",
+        "prompt_logprobs",
+        "num_preemptions",
+        "updated",
+        "error",
+    )
+
+    def __init__(self, request_id: str, priority: int, transcript: Transcript | None = None):
         self.request_id = request_id
         self.priority = priority
-        self.tag = tag
+        # what is known of its output: empty, or a resumed job's saved tokens and text
         self.transcript = transcript if transcript is not None else Transcript()
         self.first_token_at: datetime | None = None  # wall clock of the first token (the engine's clock)
         self.prompt_token_ids: list[int] = []  # known from the request's first update
@@ -73,34 +90,9 @@ class RequestHandle:
         self.num_preemptions = 0
         self.updated = False  # the engine reported on it at least once
         self.error: Exception | None = None
-        self.done = threading.Event()
-        self._on_done = on_done
-        self._arrival_time = time.time()
 
-    @property
-    def output(self) -> RequestOutput | None:
-        """The request's output as of the latest step that changed it (None before its first)."""
-        if not self.updated:
-            return None
-        t = self.transcript
-        at = t.position
-        first = self.first_token_at.timestamp() if self.first_token_at is not None else None
-        return RequestOutput(
-            self.request_id,
-            self.prompt_token_ids,
-            t.token_ids[: at.tokens],
-            t.text_since(0, at.chars),
-            t.finished,
-            t.finish_reason,
-            self.num_preemptions,
-            self._arrival_time,
-            first,
-            None,
-            self.priority,
-        )
-
-    def _apply(self, delta: Delta, news: RequestNews | None) -> Delta | None:
-        """A step's delta, trimmed to what this handle lacked (None: nothing new), and its news, if any."""
+    def apply(self, delta: Delta, news: RequestNews | None) -> Delta | None:
+        """A step's delta, trimmed to what this request lacked (None: nothing new), and its news, if any."""
         if news is not None:
             if news.prompt_token_ids is not None:
                 self.prompt_token_ids = news.prompt_token_ids
@@ -116,15 +108,6 @@ class RequestHandle:
             log.error("request %s: %s", self.request_id, delta)
             return None
 
-    def _fail(self, error: Exception) -> None:
-        self.error = error
-        self._end()
-
-    def _end(self) -> None:
-        self.done.set()
-        if self._on_done is not None:
-            self._on_done(self)
-
 
 class EngineHost:
     """Owns the engine process and the two threads that talk to it. `start()` waits until it is built."""
@@ -134,7 +117,6 @@ class EngineHost:
         config: EngineConfig,
         *,
         threads: int | None = None,
-        on_step: Callable[[list[tuple[RequestHandle, Delta]]], None] | None = None,
         on_give_up: Callable[[], None] | None = None,
         max_losses: int = 3,
         loss_window: float = 300.0,
@@ -144,10 +126,12 @@ class EngineHost:
         self.pid: int | None = None  # the engine process's
         self.losses: list[float] = []  # monotonic times the engine process died
         self._requested, self._threads = config, threads
-        self.on_step = on_step  # each step's new output of each request, as the step ends (token events)
+        # each step's new output of each request, as the step ends (token events)
+        self.on_step: Callable[[list[tuple[EngineRequest, Delta]]], None] | None = None
+        self.on_end: Callable[[EngineRequest], None] = lambda request: None  # finished, or failed: `error`
         self._on_give_up, self._max_losses, self._loss_window = on_give_up, max_losses, loss_window
         self._lock = threading.Condition()
-        self._handles: dict[str, RequestHandle] = {}  # requests in the engine (or on their way)
+        self._requests: dict[str, EngineRequest] = {}  # in the engine (or on their way)
         self._commands = None  # the pipe to the engine process; None while it (re)starts
         self._process: multiprocessing.Process | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -174,7 +158,7 @@ class EngineHost:
         with self._lock:
             self._stopping = True
             self._lock.notify_all()
-        self._command(("stop",))
+        self._command(Stop())
         self._monitor.join(timeout)
         process = self._process
         if process is not None and process.is_alive():
@@ -184,86 +168,78 @@ class EngineHost:
 
     def submit(
         self,
-        request_id: str,
+        request: EngineRequest,
         prompt: str | list[int],
         params: SamplingParams,
-        priority: int,
         resume_token_ids: list[int] | None = None,
-        on_done: Callable[[RequestHandle], None] | None = None,
-        transcript: Transcript | None = None,
-        tag: str | None = None,
-    ) -> RequestHandle:
-        """Queue a request for the engine; the handle's `done` is set (and `on_done` called) when it ends.
-        `transcript`: what is known of its output already (a resumed job's saved tokens and text)."""
-        params = dataclasses.replace(params, output_kind="delta")
-        handle = RequestHandle(request_id, priority, on_done, transcript, tag)
+    ) -> None:
+        """Send a request to the engine; `on_end(request)` is called when it finishes or fails."""
         with self._lock:
             stopped = self._stopping
             if not stopped:
-                self._handles[request_id] = handle
+                self._requests[request.request_id] = request
         if stopped:
-            handle._fail(HostStopped("the engine is stopping or cannot run"))
-            return handle
-        self._command(("add", request_id, prompt, params, priority, resume_token_ids, handle))
-        return handle
+            self._fail([request], HostStopped("the engine is stopping or cannot run"))
+            return
+        add = AddRequest(request.request_id, prompt, params, request.priority, resume_token_ids)
+        self._command(add, request)
 
     def abort(self, request_id: str) -> None:
         """Take the request out of the batch at the next step (its KV blocks are freed)."""
-        self._command(("abort", request_id))
+        self._command(AbortRequest(request_id))
 
     def stats(self, timeout: float = 5.0) -> dict:
         """The engine's counters and gauges, read between two steps."""
         ticket, reply = next(self._tickets), Future()
         self._stats[ticket] = reply
-        self._command(("stats", ticket))
+        self._command(StatsRequest(ticket))
         try:
             return reply.result(timeout)
         finally:
             self._stats.pop(ticket, None)
 
-    def _command(self, command: tuple) -> None:
-        """Send a command to the engine process from the calling thread when the engine is up and nothing
-        waits before it (no thread hand-off: the common case); else the sender thread sends it, in order."""
+    def _command(self, message, request: EngineRequest | None = None) -> None:
+        """Send a message to the engine process from the calling thread when the engine is up and nothing
+        waits before it (no thread hand-off: the common case); else the sender thread sends it, in order.
+        `request`: the request an AddRequest adds (not sent again if it was lost meanwhile)."""
         with self._send_lock:
             connection = self._commands
             if connection is not None and self._queued == 0:
                 try:
-                    connection.send(command[:-1] if command[0] == "add" else command)
+                    connection.send(message)
                     return
                 except (OSError, ValueError):  # the engine process is dying: the sender waits for the next
                     pass
             self._queued += 1
-        self._outbox.put(command)
+        self._outbox.put((message, request))
 
     # --- the sender thread: sends what could not be sent at once (the engine restarting), in order -------
 
     def _send_loop(self) -> None:
         while True:
-            command = self._outbox.get()
+            message, request = self._outbox.get()
             try:
-                if not self._send_one(command):
+                if not self._send_one(message, request):
                     return
             finally:
                 with self._send_lock:
                     self._queued -= 1
-            if command[0] == "stop":
+            if isinstance(message, Stop):
                 return
 
-    def _send_one(self, command: tuple) -> bool:
+    def _send_one(self, message, request: EngineRequest | None) -> bool:
         """False when there is no engine process to send to any more (stopping)."""
         with self._lock:
             while self._commands is None and not self._stopping:
                 self._lock.wait()  # the engine process is (re)starting
             connection = self._commands
-            if command[0] == "add":
-                if self._handles.get(command[1]) is not command[-1]:
-                    return True  # lost with an engine process while it waited: never re-add it
-                command = command[:-1]
+            if request is not None and self._requests.get(request.request_id) is not request:
+                return True  # lost with an engine process while it waited: never re-add it
         if connection is None:  # stopping with no engine process
             return False
         with self._send_lock:
             try:
-                connection.send(command)
+                connection.send(message)
             except (OSError, ValueError):  # the engine process is gone: the monitor fails its requests
                 pass
         return True
@@ -350,14 +326,11 @@ class EngineHost:
             message = events.recv()
         except (EOFError, OSError):
             process.join(5)
-            message = (
-                "start_failed",
-                f"the engine process exited while starting (exit code {process.exitcode})",
-            )
-        if message[0] != "ready":
+            message = StartFailed(f"the engine process exited while starting (exit code {process.exitcode})")
+        if not isinstance(message, Ready):
             process.join(5)
-            return process, events, commands, message[1]
-        _, self.config, self.info = message
+            return process, events, commands, message.error
+        self.config, self.info = message.config, message.info
         metrics.set_attention_path(self.info["attention"])
         log.info("engine process %d ready: %s", process.pid, self.describe())
         return process, events, commands, None
@@ -372,63 +345,61 @@ class EngineHost:
         )
 
     def _read(self, events) -> None:
-        """Apply the engine process's events until it exits."""
+        """Apply the engine process's messages until it exits."""
         while True:
             try:
                 message = events.recv()
             except (EOFError, OSError):
                 return
-            if isinstance(message, StepReport):
-                self._publish(message)
-                continue
-            kind = message[0]
-            if kind == "refused":
-                self._fail(self._take([message[1]]), ValueError(message[2]))
-            elif kind == "step_failed":
-                _, request_ids, is_value_error, text = message
-                self._fail(self._take(request_ids), (ValueError if is_value_error else RuntimeError)(text))
-            elif kind == "stats":
-                reply = self._stats.pop(message[1], None)
-                if reply is not None:
-                    reply.set_result(message[2])
+            match message:
+                case StepReport():
+                    self._publish(message)
+                case Refused(request_id, error):
+                    self._fail(self._take([request_id]), ValueError(error))
+                case StepFailed(request_ids, value_error, error):
+                    self._fail(self._take(request_ids), (ValueError if value_error else RuntimeError)(error))
+                case StatsReply(ticket, stats):
+                    reply = self._stats.pop(ticket, None)
+                    if reply is not None:
+                        reply.set_result(stats)
 
     def _publish(self, report: StepReport) -> None:
-        """One step's updates to their handles and to `on_step`; handles of finished requests end (outside
-        the lock)."""
+        """One step's updates to their requests and to `on_step`; requests that finished end (outside the
+        lock)."""
         ended, tokens, added = [], [], []
         news = report.news
         with self._lock:
             for request_id, delta in report.deltas():
-                handle = self._handles.get(request_id)
-                if handle is None:
+                request = self._requests.get(request_id)
+                if request is None:
                     continue
-                new = handle._apply(delta, news.get(request_id) if news else None)
+                new = request.apply(delta, news.get(request_id) if news else None)
                 if new is not None:
-                    added.append((handle, new))
+                    added.append((request, new))
                 finished = delta.finish_reason is not None
-                tokens.append((request_id, handle.priority, len(delta.token_ids), finished))
+                tokens.append((request_id, request.priority, len(delta.token_ids), finished))
                 if finished:
-                    del self._handles[request_id]
-                    ended.append(handle)
+                    del self._requests[request_id]
+                    ended.append(request)
         if added and self.on_step is not None:
             self.on_step(added)
-        for handle in ended:
-            handle._end()
+        for request in ended:
+            self.on_end(request)
         metrics.observe_steps(report.stats, (report.step_time,), tokens)
 
-    def _take(self, request_ids) -> list[RequestHandle]:
+    def _take(self, request_ids) -> list[EngineRequest]:
         with self._lock:
-            return [h for h in (self._handles.pop(r, None) for r in request_ids) if h is not None]
+            return [r for r in (self._requests.pop(i, None) for i in request_ids) if r is not None]
 
-    def _take_all(self) -> list[RequestHandle]:
+    def _take_all(self) -> list[EngineRequest]:
         with self._lock:
-            taken, self._handles = list(self._handles.values()), {}
+            taken, self._requests = list(self._requests.values()), {}
             return taken
 
-    @staticmethod
-    def _fail(handles: list[RequestHandle], error: Exception) -> None:
-        for handle in handles:
-            handle._fail(error)
+    def _fail(self, requests: list[EngineRequest], error: Exception) -> None:
+        for request in requests:
+            request.error = error
+            self.on_end(request)
 
     def _give_up(self) -> None:
         with self._lock:

@@ -7,15 +7,16 @@ takes the GIL from the step loop; the worker process imports no torch at all.
 
 What goes back is one message per step (`StepReport`): for the requests that changed, the fields of a
 contract.deltas.Delta each (the step's new token ids and new stable text, at absolute offsets: the engine runs
-its requests with output_kind="delta"), what else changed for some of them (`RequestNews`), and the engine's
-stats and step time. So the bytes sent grow with the tokens made, never with the output's length, and every
-step's tokens reach the worker as the step ends.
+every request with output_kind="delta", set here, where the reports rely on it), what else changed for some
+of them (`RequestNews`), and the engine's stats and step time. So the bytes sent grow with the tokens made,
+never with the output's length, and every step's tokens reach the worker as the step ends. The messages
+both ways are workers/engine_protocol.py's.
 
-    worker ──("add" | "abort" | "stats" | "stop", ...)──▶ commands ──▶ apply; engine.step()
-    worker ◀──("ready" | StepReport | "refused" | "step_failed" | "stats" | "start_failed", ...)── events
+    worker ──AddRequest | AbortRequest | StatsRequest | Stop──▶ commands ──▶ apply; engine.step()
+    worker ◀──Ready | StartFailed | StepReport | Refused | StepFailed | StatsReply── events
 
-This module imports neither torch nor batching's engine at import time: the worker imports it for
-`Delta` and for the spawn target.
+This module imports neither torch nor batching's engine at import time: the worker imports it for the
+spawn target.
 """
 
 from __future__ import annotations
@@ -25,57 +26,26 @@ import logging
 import signal
 import sys
 import traceback
-from collections.abc import Iterator
-from itertools import repeat
 from multiprocessing.connection import Connection
-from typing import NamedTuple
 
-from contract.deltas import Delta, Position
+from contract.deltas import Position
+from workers.engine_protocol import (
+    AbortRequest,
+    AddRequest,
+    Ready,
+    Refused,
+    RequestNews,
+    StartFailed,
+    StatsReply,
+    StatsRequest,
+    StepFailed,
+    StepReport,
+    Stop,
+)
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when the thread that started it ends
 PR_SET_NAME = 15  # prctl(2): the name `ps -o comm` and `top` show
-
-
-class RequestNews(NamedTuple):
-    """What else changed for one request: sent with its first update, and when one of these changed."""
-
-    num_preemptions: int
-    first_token_time: float | None  # time.time() of the request's first token in this engine
-    prompt_token_ids: list[int] | None  # in the request's first update only
-    prompt_logprobs: list | None = None  # in the first update, when the request asked (TokenLogprob.as_list)
-
-
-class StepReport(NamedTuple):
-    """One engine step, as the worker gets it: the requests that changed, a list per Delta field rather than an
-    object per request (a step of 256 requests unpickles in about a third of the time: it is decoded by the
-    worker's reader thread every step), `news` for the few whose other facts changed, and the step's stats."""
-
-    request_ids: list[str]
-    starts: list[int]
-    token_ids: list[list[int]]
-    text_starts: list[int]
-    texts: list[str]
-    finish_reasons: list[str | None]
-    # None when no request of the step has per-token fields (log probabilities)
-    fields: list[dict | None] | None
-    news: dict[str, RequestNews]
-    stats: dict
-    step_time: float
-
-    def deltas(self) -> Iterator[tuple[str, Delta]]:
-        """(request id, its Delta) for each request that changed."""
-        fields = self.fields or repeat(None)
-        for row in zip(
-            self.request_ids,
-            self.starts,
-            self.token_ids,
-            self.text_starts,
-            self.texts,
-            self.finish_reasons,
-            fields,
-        ):
-            yield row[0], tuple.__new__(Delta, row[1:])  # built in C: Delta(...) runs Python, per token
 
 
 class Reporter:
@@ -98,9 +68,7 @@ class Reporter:
                     out.num_preemptions,
                     out.first_token_time,
                     out.prompt_token_ids if first else None,
-                    [lp.as_list() for lp in out.prompt_logprobs]
-                    if first and out.prompt_logprobs is not None
-                    else None,
+                    _prompt_logprobs(out) if first else None,
                 )
             at = Position() if first else sent[0]
             ids.append(request_id)
@@ -135,6 +103,16 @@ class Reporter:
             self._sent.pop(request_id, None)
 
 
+def _prompt_logprobs(out) -> list | None:
+    """A prompt's log probabilities as sent: one [token, logprob, top] per prompt token. The engine gives
+    those of every token but the first, which has none (nothing comes before it): its logprob is None."""
+    if out.prompt_logprobs is None:
+        return None
+    return [[token, None, []] for token in out.prompt_token_ids[:1]] + [
+        lp.as_list() for lp in out.prompt_logprobs
+    ]
+
+
 def serve(
     config,
     commands: Connection,
@@ -159,10 +137,10 @@ def serve(
             torch.set_num_threads(threads)
         engine = Engine(config)
     except BaseException as exc:  # any build failure goes to the worker, which reports it
-        events.send(("start_failed", f"{exc.__class__.__name__}: {exc}\n{traceback.format_exc()}"))
+        events.send(StartFailed(f"{exc.__class__.__name__}: {exc}\n{traceback.format_exc()}"))
         return
     process_tuning.settle_for_serving()  # even steps: no GC walks of this heap, no mmap churn
-    events.send(("ready", engine.config, _describe(engine)))
+    events.send(Ready(engine.config, _describe(engine)))
     _loop(engine, commands, events, Reporter(events))
 
 
@@ -182,21 +160,21 @@ def _apply_commands(engine, commands: Connection, events: Connection, block: boo
     """Apply every command that came in (waiting for one if `block`); False once asked to stop."""
     while block or commands.poll():
         block = False
-        command = commands.recv()
-        kind = command[0]
-        if kind == "add":
-            _, request_id, prompt, params, priority, resume_token_ids = command
-            params.output_kind = "delta"  # the reports are deltas (Reporter)
-            try:
-                engine.add_request(request_id, prompt, params, priority, resume_token_ids)
-            except ValueError as exc:
-                events.send(("refused", request_id, str(exc)))
-        elif kind == "abort":
-            engine.abort(command[1])
-        elif kind == "stats":
-            events.send(("stats", command[1], engine.stats()))
-        elif kind == "stop":
-            return False
+        match commands.recv():
+            case AddRequest() as add:
+                add.params.output_kind = "delta"  # the reports are deltas (Reporter)
+                try:
+                    engine.add_request(
+                        add.request_id, add.prompt, add.params, add.priority, add.resume_token_ids
+                    )
+                except ValueError as exc:
+                    events.send(Refused(add.request_id, str(exc)))
+            case AbortRequest(request_id):
+                engine.abort(request_id)
+            case StatsRequest(ticket):
+                events.send(StatsReply(ticket, engine.stats()))
+            case Stop():
+                return False
     return True
 
 
@@ -211,7 +189,7 @@ def _step(engine, reporter: Reporter, events: Connection) -> None:
             engine.abort(request_id)
         reporter.send(engine.step(), engine.stats())  # the aborts; runs nothing: every request is gone
         reporter.forget(failed)
-        events.send(("step_failed", failed, isinstance(exc, ValueError), f"{exc.__class__.__name__}: {exc}"))
+        events.send(StepFailed(failed, isinstance(exc, ValueError), f"{exc.__class__.__name__}: {exc}"))
         return
     reporter.send(outputs, engine.stats())
 

@@ -18,7 +18,7 @@ changes (claimed, handed back, result stored) after the write that makes them tr
 A failed write (Postgres unreachable) is kept and tried again at the next wake-up while the engine
 goes on generating; what is written is idempotent (jobs.Output), so a retry never duplicates tokens.
 
-    intake ──add──▶ JobBook ──submit──▶ EngineHost ──on_done──▶ writer ──batched UPDATEs──▶ Postgres
+    intake ──add──▶ JobBook ──submit──▶ EngineHost ──on_end──▶ writer ──batched UPDATEs──▶ Postgres
 """
 
 from __future__ import annotations
@@ -28,126 +28,24 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
-from batching import SamplingParams
-from contract.deltas import Delta, Position, Transcript
+from contract.deltas import Delta
 from contract.settings import WorkerSettings
 from contract.token_events import EventPublisher
 from jobstore import jobs
 from jobstore.models import Job, JobStatus
 from workers import metrics
-from workers.admission import Held
-from workers.engine_host import EngineHost, EngineLost, HostStopped, RequestHandle
+from workers.engine_host import EngineHost, EngineLost, HostStopped
+from workers.held_job import HeldJob
+from workers.job_tasks import JobTasks
 from workers.outcomes import Outcome
 
 log = logging.getLogger(__name__)
 DB_DOWN = (OperationalError, InterfaceError, PoolTimeout)
-
-
-@dataclass(eq=False)
-class HeldJob:
-    """A claimed job in this worker: its row as claimed, its lease, its engine request, and what is saved."""
-
-    job: Job
-    lease: str  # the worker_id its row carries: one per claim
-    handle: RequestHandle | None = None
-    kept: Position = Position()  # output tokens and characters the row holds
-    kept_bytes: int = 0  # the UTF-8 bytes of those characters
-    claimed_at: float = field(default_factory=time.monotonic)
-    slot: Held = field(init=False)  # what admission needs to know of it; fixed while it is held
-
-    def __post_init__(self):
-        self.slot = Held(self.lease, self.job.priority, self.job.created_at, self.job.handbacks)
-
-    @property
-    def key(self) -> str:
-        """The job's name in token events."""
-        return self.job.id.hex
-
-    def output(self, *, final: bool = False) -> tuple[jobs.Output, Position]:
-        """What to write beyond what the row holds (with nothing new, it only renews the lease), and the
-        position the row will then hold."""
-        transcript = self.handle.transcript
-        new = transcript.since(self.kept)
-        output = jobs.Output(
-            self.job.id,
-            self.lease,
-            self.kept.tokens,
-            new.token_ids,
-            self.kept_bytes,
-            new.text.encode(),
-            self.handle.first_token_at,
-            transcript.finish_reason if final else None,
-            len(self.handle.prompt_token_ids) if final else None,
-            self.logprobs() if final else None,
-        )
-        return output, new.end
-
-    def logprobs(self) -> dict | None:
-        """The job's `logprobs` column, when it asked: {"prompt": [...] or None, "tokens": [...] or None},
-        each entry [token_id, logprob, [[id, logprob], ...]] (the prompt's first token's logprob is null)."""
-        options = self.job.options or {}
-        if options.get("logprobs") is None and options.get("prompt_logprobs") is None:
-            return None
-        tokens = self.handle.transcript.fields.get("logprobs")
-        prompt = None
-        if options.get("prompt_logprobs") is not None and self.handle.prompt_logprobs is not None:
-            first = self.handle.prompt_token_ids[:1]  # has no log probability: nothing comes before it
-            prompt = [[token, None, []] for token in first] + self.handle.prompt_logprobs
-        return {
-            "prompt": prompt,
-            "tokens": tokens[: self.handle.transcript.position.tokens]
-            if options.get("logprobs") is not None
-            else None,
-        }
-
-    def saved(self, output: jobs.Output, position: Position) -> None:
-        """The row now holds `output` (written by save_progress)."""
-        self.kept, self.kept_bytes = position, self.kept_bytes + len(output.text_tail)
-
-
-def sampling_params(job: Job) -> SamplingParams:
-    options = job.options or {}
-    return SamplingParams(
-        max_tokens=job.max_tokens,
-        min_tokens=options.get("min_tokens", 0),
-        temperature=job.temperature,
-        top_p=job.top_p,
-        top_k=job.top_k,
-        seed=job.seed,
-        stop=list(job.stop),
-        stop_token_ids=list(options.get("stop_token_ids", ())),
-        ignore_eos=options.get("ignore_eos", False),
-        include_stop_str_in_output=options.get("include_stop_str_in_output", False),
-        skip_special_tokens=options.get("skip_special_tokens", True),
-        min_p=options.get("min_p", 0.0),
-        presence_penalty=options.get("presence_penalty", 0.0),
-        frequency_penalty=options.get("frequency_penalty", 0.0),
-        repetition_penalty=options.get("repetition_penalty", 1.0),
-        logit_bias={int(token): bias for token, bias in options.get("logit_bias", {}).items()},
-        logprobs=options.get("logprobs"),
-        prompt_logprobs=options.get("prompt_logprobs"),
-        json_schema=options.get("json_schema"),
-        output_kind="delta",
-    )
-
-
-def _with_prompt_logprobs(handle: RequestHandle, delta: Delta) -> Delta:
-    """The delta as a token event: an abort is no end for readers (the job is cancelled, or resumes), and the
-    first (from the output's start) carries the prompt's log probabilities, when the request has them."""
-    if delta.finish_reason == "abort":
-        delta = delta._replace(finish_reason=None)
-    if delta.start == 0 and delta.token_ids and handle.prompt_logprobs is not None:
-        first = [[token, None, []] for token in handle.prompt_token_ids[:1]]
-        delta = delta._replace(
-            fields={**(delta.fields or {}), "prompt_logprobs": first + handle.prompt_logprobs}
-        )
-    return delta
 
 
 class JobBook:
@@ -160,10 +58,12 @@ class JobBook:
         settings: WorkerSettings,
         send: Callable[[uuid.UUID, int], None],
         events: EventPublisher | None = None,
+        tasks: JobTasks | None = None,
     ):
         self.lock = threading.RLock()
         self._events = events
-        host.on_step = self._stepped
+        self._tasks = tasks if tasks is not None else JobTasks()
+        host.on_step, host.on_end = self._stepped, self._ended_in_engine
         self.on_change: Callable[[], None] = lambda: None  # called (lock held) when a job leaves the book
         self._host, self._sessions, self._settings, self._send = host, sessions, settings, send
         # in the engine (what counts against capacity), by lease: a job re-dispatched to this worker while a stale
@@ -181,8 +81,8 @@ class JobBook:
 
     # --- what intake sees (call with `lock` held) --------------------------------------------------
 
-    def slots(self) -> list[Held]:
-        return [held.slot for held in self._held.values()]
+    def held(self) -> list[HeldJob]:
+        return list(self._held.values())
 
     def __len__(self) -> int:
         return len(self._held)
@@ -191,24 +91,10 @@ class JobBook:
 
     def add(self, job: Job, lease: str) -> None:
         """Hold a claimed job and submit it to the engine, resuming after the tokens its row holds."""
-        text = job.output_text or ""
-        held = HeldJob(
-            job, lease, kept=Position(len(job.output_token_ids), len(text)), kept_bytes=len(text.encode())
-        )
-        resumed = list(job.output_token_ids)
+        held = HeldJob(job, lease)
         with self.lock:
             self._held[lease] = held
-            # one engine request per attempt: a stale attempt still in the engine never blocks a new one
-            held.handle = self._host.submit(
-                f"{job.id}/{job.attempts}",
-                job.prompt if job.prompt is not None else list(job.input_ids),
-                sampling_params(job),
-                job.priority,
-                resume_token_ids=resumed or None,
-                on_done=lambda handle, held=held: self._ended_in_engine(held, handle),
-                transcript=Transcript(resumed, text),
-                tag=held.key,
-            )
+            self._host.submit(held, held.prompt, held.sampling_params(), held.resume_token_ids)
         if self._events is not None:  # goes with the next step's events (the engine steps for it soon)
             self._events.status([(held.key, JobStatus.RUNNING.value)], wake=False)
 
@@ -218,10 +104,10 @@ class JobBook:
             held = self._held.get(lease)
             # a job whose last step ended it in the engine (its finish applied, its end on the way) is not handed
             # back: its result is written (_ended_in_engine); resumed, it would go on past its end (its EOS)
-            if held is None or held.handle.transcript.finished:
+            if held is None or held.transcript.finished:
                 return None
             del self._held[lease]
-            self._host.abort(held.handle.request_id)
+            self._host.abort(held.request_id)
             self._returning.append((held, outcome))
             self.on_change()
         self._wake.set()
@@ -238,30 +124,27 @@ class JobBook:
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
-    def _stepped(self, added: list[tuple[RequestHandle, Delta]]) -> None:
-        """On the host's reader thread: one engine step's new output of each job, sent as token events. A job's
-        first event also carries its prompt's log probabilities when it asked (`prompt_logprobs`, as its row
-        will hold them: the first token's null), for a streamed echo's first chunk."""
-        if self._events is not None:  # an abort is no end for readers: the job is cancelled, or resumes
-            self._events.step(
-                [
-                    (handle.tag, _with_prompt_logprobs(handle, delta))
-                    for handle, delta in added
-                    if handle.tag is not None
-                ]
-            )
+    def _stepped(self, added: list[tuple[HeldJob, Delta]]) -> None:
+        """On the host's reader thread: one engine step's new output of each job, sent as token events."""
+        if self._events is not None:
+            self._events.step([(held.key, held.event(delta)) for held, delta in added])
+
+    def _done(self, held: HeldJob, outcome: Outcome, error_code: str | None = None) -> None:
+        """The worker's hold on a job ended: counted, and its task ended in Flower."""
+        metrics.job_done(held.job, held.first_token_at, outcome, error_code=error_code)
+        self._tasks.ended(held.job, outcome, error_code, time.monotonic() - held.claimed_at)
 
     def _status(self, changes: list[tuple[HeldJob, JobStatus]]) -> None:
         if self._events is not None and changes:
             self._events.status([(h.key, status.value) for h, status in changes])
 
-    def _ended_in_engine(self, held: HeldJob, handle: RequestHandle) -> None:
+    def _ended_in_engine(self, held: HeldJob) -> None:
         """On the host's reader thread: the request finished or failed; its slot is free now, its result
         written soon. A request lost with its engine process goes back to the queue with its tokens."""
         with self.lock:
             if self._held.pop(held.lease, None) is None:  # handed back or taken away meanwhile
                 return
-            if isinstance(handle.error, EngineLost):
+            if isinstance(held.error, EngineLost):
                 self._returning.append((held, Outcome.ENGINE_LOST))
             else:
                 self._ended.append(held)
@@ -326,10 +209,10 @@ class JobBook:
             with self.lock:
                 if self._held.pop(h.lease, None) is None:  # ended meanwhile: its result write will say
                     continue
-                self._host.abort(h.handle.request_id)
+                self._host.abort(h.request_id)
                 self.on_change()
             log.info("job %s stopped: cancelled or no longer leased by this worker", h.job.id)
-            metrics.job_done(h.job, h.handle, Outcome.STOPPED)
+            self._done(h, Outcome.STOPPED)
             stopped.append(h)
         # followers read the row on an ended status (cancelled here or by a batch's cancel or expiry, which
         # publish nothing; or back in the queue: the row says which)
@@ -338,43 +221,43 @@ class JobBook:
     def _write_results(self, ended: list[HeldJob]) -> None:
         """Results of requests the engine ended: successes in one statement, failures one by one (rare).
         Once the successes are written they leave `ended`, so a failure write that fails retries only itself."""
-        done = [h for h in ended if h.handle.error is None]
+        done = [h for h in ended if h.error is None]
         if done:
             outputs = [h.output(final=True)[0] for h in done]
             with self._sessions() as session:
                 ours = jobs.finish_jobs(session, outputs)
-            ended[:] = [h for h in ended if h.handle.error is not None]
+            ended[:] = [h for h in ended if h.error is not None]
             for h in done:  # logged first: a process killed between the commit and its log loses less
                 if (h.job.id, h.lease) in ours:
                     log.info(
                         "job %s succeeded: %d tokens (%s) in %.2fs, %d preemptions",
                         h.job.id,
-                        h.handle.transcript.position.tokens,
-                        h.handle.transcript.finish_reason,
+                        h.transcript.position.tokens,
+                        h.transcript.finish_reason,
                         time.monotonic() - h.claimed_at,
-                        h.handle.num_preemptions,
+                        h.num_preemptions,
                     )
-                    metrics.job_done(h.job, h.handle, Outcome.SUCCEEDED)
+                    self._done(h, Outcome.SUCCEEDED)
                 else:
                     log.info("job %s finished, but was no longer this worker's; result discarded", h.job.id)
-                    metrics.job_done(h.job, h.handle, Outcome.DISCARDED)
+                    self._done(h, Outcome.DISCARDED)
             self._status([(h, JobStatus.SUCCEEDED) for h in done if (h.job.id, h.lease) in ours])
         if ended:
             with self._sessions() as session:
                 failures = [(h, *self._fail(session, h)) for h in ended]
             self._status([(h, JobStatus.FAILED) for h, outcome, _ in failures if outcome is Outcome.FAILED])
             for h, outcome, code in failures:
-                metrics.job_done(h.job, h.handle, outcome, error_code=code)
+                self._done(h, outcome, error_code=code)
 
     def _fail(self, session: Session, held: HeldJob) -> tuple[Outcome, str | None]:
         """Write a request the engine failed as a failed job; the outcome and the error code."""
-        error = held.handle.error
+        error = held.error
         if isinstance(error, HostStopped):
             log.info("job %s left running; its lease lapses and the reconciler re-dispatches it", held.job.id)
             return Outcome.LEFT, None
         # the engine refusing a request outright (ValueError, no output): the stored row is one the API would
         # have refused (e.g. a prompt over max_model_len written behind its back)
-        refused = isinstance(error, ValueError) and not held.handle.updated
+        refused = isinstance(error, ValueError) and not held.updated
         code = (
             "invalid_job"
             if refused
@@ -392,7 +275,7 @@ class JobBook:
         released = []
         with self._sessions() as session:
             for h, outcome in returning:
-                transcript = h.handle.transcript
+                transcript = h.transcript
                 at = transcript.position
                 tokens, text = transcript.token_ids[: at.tokens], transcript.text_since(0, at.chars)
                 if jobs.release_job(
@@ -406,7 +289,7 @@ class JobBook:
                     released.append((h, outcome, len(tokens)))
                 else:
                     log.info("job %s stopped while being handed back (no longer this worker's)", h.job.id)
-                    metrics.job_done(h.job, h.handle, Outcome.STOPPED)
+                    self._done(h, Outcome.STOPPED)
         self._status([(h, JobStatus.QUEUED) for h, _, _ in released])
         sent = []
         for h, outcome, n in released:
@@ -416,7 +299,7 @@ class JobBook:
             except Exception as exc:  # queued and unsent in Postgres: the reconciler sends it
                 log.warning("job %s handed back but not sent (the reconciler will): %s", h.job.id, exc)
             log.info("job %s handed back (%s) after %d tokens", h.job.id, outcome.value, n)
-            metrics.job_done(h.job, h.handle, outcome)
+            self._done(h, outcome)
         if sent:
             with self._sessions() as session:
                 jobs.mark_enqueued(session, sent)

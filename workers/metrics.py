@@ -172,15 +172,15 @@ def _observe_token_gaps(tokens) -> None:
             del _last_token[request_id]
 
 
-def job_done(job, handle, outcome: Outcome, error_code: str | None = None) -> None:
-    """When a worker's hold on a job ends: latency, TTFT and outcome per priority."""
+def job_done(job, first_token_at: datetime | None, outcome: Outcome, error_code: str | None = None) -> None:
+    """When a worker's hold on a job ends: latency, TTFT (from its first token in this hold, if any) and
+    outcome per priority."""
     priority = str(job.priority)
     now = datetime.now(timezone.utc)
     if outcome in (Outcome.SUCCEEDED, Outcome.FAILED):
         LATENCY.labels(priority).observe((now - job.created_at).total_seconds())
-    first = handle.first_token_at if handle is not None else None
-    if first is not None and not job.output_token_ids:  # a resumed job's first token is not its TTFT
-        TTFT.labels(priority).observe((first - job.created_at).total_seconds())
+    if first_token_at is not None and not job.output_token_ids:  # a resumed job's first token is not its TTFT
+        TTFT.labels(priority).observe((first_token_at - job.created_at).total_seconds())
     JOBS.labels(priority, outcome.value).inc()
     if outcome is Outcome.FAILED:
         FAILURES.labels(priority, error_code or "unknown").inc()

@@ -15,4 +15,4 @@ class Outcome(str, enum.Enum):
     LEFT = "left"  # the engine stopped first: the lease lapses and the reconciler re-sends it
     DISCARDED = "discarded"  # finished, but the job was no longer this worker's: result not written
     DROPPED = "dropped"  # a message for a job that was not queued (finished, cancelled, taken)
-    DECLINED = "declined"  # the worker was full of work at least as urgent: message sent back unclaimed
+    DECLINED = "declined"  # taken as the intake stopped (paused, shutting down): message sent back unclaimed

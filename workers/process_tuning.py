@@ -3,8 +3,8 @@
 Both keep engine steps even; neither changes what they compute:
 
 - The heap built so far (Celery, SQLAlchemy, transformers, the model) is frozen out of the garbage
-  collector's sight, so a full collection no longer walks it: bench/serving.py saw such pauses of
-  up to 250 ms inside steps before.
+  collector's sight, so a full collection does not walk it: bench/serving.py saw such walks pause steps
+  for up to 250 ms.
 - glibc malloc keeps freed memory for reuse instead of returning it to the kernel. Each step frees
   and reallocates megabytes of activations; with glibc's defaults these come and go as mmap/munmap
   with fresh page faults, and the p99 step time during bench/serving.py's bursts was 22 ms against

@@ -1,11 +1,13 @@
-"""Thin tasks taking ids; the work is in workers/intake.py and workers/job_book.py (the reconciler runs in
-beat: workers/beat.py).
+"""A worker process's parts, built when Celery starts the worker, and the signals that drive them (the
+reconciler runs in beat: workers/beat.py).
 
-Each worker process has one engine (built when the worker starts, before it takes jobs, and run in a
-process of its own: workers/engine_host.py), one job book
-(the jobs it holds and their writer thread), one intake, one database pool and one worker id, which
-names its leases. A `generate` task only takes its job in (claims it and hands it to the engine) and
-returns; after every task, `task_postrun` holds the thread until the worker wants another message.
+Each worker process has one engine (built before it takes jobs, and run in a process of its own:
+workers/engine_host.py), one job book (the jobs it holds and their writer thread), one intake (the thread that
+takes jobs from Redis: workers/intake.py), one database pool and one worker id, which names its leases.
+
+`celery -A workers worker ... -Q generate` gives the `generate` queue to the intake: Celery's own consumer
+does not consume it (it would take one message per task thread, with kombu's bookkeeping for each), so no
+`generate` task runs in Celery's pool; each job is still one task in Flower (workers/job_tasks.py).
 """
 
 from __future__ import annotations
@@ -20,23 +22,17 @@ from collections.abc import Callable
 from functools import cache
 
 import redis
-from celery.signals import (
-    task_postrun,
-    task_prerun,
-    worker_init,
-    worker_ready,
-    worker_shutdown,
-    worker_shutting_down,
-)
+from celery.signals import worker_init, worker_ready, worker_shutdown, worker_shutting_down
 from sqlalchemy import Connection
 
-from contract.dispatch import DEFAULT_PRIORITY, QUEUE, send_to_head
+from contract.dispatch import QUEUE, send_to_head
 from contract.token_events import EventPublisher
 from jobstore.db import make_engine
 from workers.celery import app, settings
 from workers.engine_host import EngineHost
 from workers.intake import Intake
 from workers.job_book import JobBook
+from workers.job_tasks import JobTasks
 
 log = logging.getLogger(__name__)
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -44,14 +40,8 @@ _lock = threading.Lock()
 _host: EngineHost | None = None
 _book: JobBook | None = None
 _intake: Intake | None = None
-
-
-@app.task(name="generate", bind=True)
-def generate(self, job_id: str) -> str:
-    """Take job `job_id` into this worker's engine (or back to the queue); returns once it is held."""
-    priority = (self.request.delivery_info or {}).get("priority")
-    outcome = intake().take(uuid.UUID(job_id), DEFAULT_PRIORITY if priority is None else priority)
-    return "held" if outcome is None else outcome.value
+_tasks = JobTasks()
+_takes_generate = False  # the worker was told to consume `generate` (-Q): its intake does, once it is ready
 
 
 def send_back(job_id: uuid.UUID, priority: int) -> None:
@@ -103,9 +93,9 @@ def intake() -> Intake:
     with _lock:
         if _intake is None:
             events = EventPublisher(_redis(), settings.redis_key_prefix, settings.events_retention_seconds)
-            _book = JobBook(host, job_sessions(), settings, send_back, events.start()).start()
+            _book = JobBook(host, job_sessions(), settings, send_back, events.start(), _tasks).start()
             capacity = settings.worker_capacity(host.config.max_num_seqs)
-            _intake = Intake(_book, job_sessions(), settings, WORKER_ID, send_back, capacity).start()
+            _intake = Intake(_book, job_sessions(), settings, WORKER_ID, send_back, capacity, _tasks).start()
             log.info(
                 "worker %s holds up to %d jobs (engine max_num_seqs %d)",
                 WORKER_ID,
@@ -116,39 +106,44 @@ def intake() -> Intake:
 
 
 @worker_init.connect
-def _build_engine_before_taking_jobs(**_) -> None:
+def _build_engine_before_taking_jobs(sender=None, **_) -> None:
+    """Build the engine and the intake, and give the `generate` queue to the intake: taken out of the queues
+    Celery's consumer consumes (`sender`, the WorkController, selected them from -Q) before that consumer
+    starts."""
+    global _takes_generate
     intake()
+    queues = sender.app.amqp.queues if sender is not None else None
+    if queues is not None and QUEUE in queues.consume_from:
+        queues.deselect(QUEUE)
+        _takes_generate = True
 
 
 @worker_ready.connect
-def _say_what_runs(sender=None, **_) -> None:
+def _start_taking_jobs(sender=None, **_) -> None:
     """The engine is built in worker_init, before Celery sets up logging (what is logged there is lost):
-    say here, once the log works, what this worker runs. Then start pulling backlogs (workers/intake.py)
-    while Celery's consumer (`sender`) consumes the `generate` queue."""
+    say here, once the log works, what this worker runs. Then the intake takes jobs, and their task events go
+    through Celery's consumer (`sender`)."""
     if _host is not None and _intake is not None:
         log.info("worker %s runs %s; holds up to %d jobs", WORKER_ID, _host.describe(), _intake.capacity)
-        if sender is not None:
-            _intake.pull(lambda: _consuming(sender))
+        _tasks.consumer = sender
+        if _takes_generate:
+            _intake.resume()
 
 
-def _consuming(consumer) -> bool:
-    """Whether Celery's consumer takes `generate` messages now (a cancel_consumer stops it, add_consumer
-    starts it again; while it reconnects to Redis it has no task consumer)."""
-    tasks = getattr(consumer, "task_consumer", None)
-    return tasks is not None and tasks.consuming_from(QUEUE)
+def consume_generate(consume: bool) -> None:
+    """`celery control add_consumer generate` (True) / `cancel_consumer generate` (False): resume or pause the
+    intake (workers/control.py)."""
+    global _takes_generate
+    _takes_generate = consume
+    if _intake is not None and consume:
+        _intake.resume()
+    elif _intake is not None:
+        _intake.pause()
 
 
-@task_prerun.connect
-def _message_started(**_) -> None:
-    if _intake is not None:
-        _intake.message_started()
-
-
-@task_postrun.connect
-def _wait_for_room(**_) -> None:
-    """Before the late ack lets Celery fetch the next message: wait until this worker wants one."""
-    if _intake is not None:
-        _intake.wait_for_room()
+def consumes_generate() -> bool:
+    """Whether this worker takes `generate` jobs now (`celery inspect active_queues`)."""
+    return _intake is not None and _intake.consuming
 
 
 @worker_shutting_down.connect

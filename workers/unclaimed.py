@@ -1,16 +1,14 @@
 """Queued jobs whose message left Redis but that nobody claimed: the reconciler sends them again.
 
-A worker takes a job's message from Redis (kombu BRPOPs it, then records it as unacknowledged; or the
-worker's puller takes it with many others, workers/intake.py) and claims the job in Postgres, milliseconds
-later. A worker killed in between leaves the job `queued`, recorded as sent, with its message in kombu's
-unacknowledged set, which kombu gives back only after its visibility timeout (an hour), or gone (pulled, or
-killed between the BRPOP and kombu's bookkeeping).
-Nothing else would send such a job again, so each reconciler run looks for them, without reading whole queues:
+A worker's intake takes a job's message out of its Redis list (with others, in one LMPOP or BLMPOP:
+workers/intake.py) and claims the job in Postgres, milliseconds later. A worker killed in between leaves the
+job `queued`, recorded as sent, and its message gone. Nothing else would send such a job again, so each
+reconciler run looks for them, without reading whole queues:
 
 - for each priority, one MULTI reads the length of its list and the HEAD messages next in line;
 - a list that short is read whole: a queued job of that priority sent before this run began and named by
   no waiting message has left its list;
-- in a longer list, messages wait in the order they were sent (kombu pushes at the tail, pops at the head;
+- in a longer list, messages wait in the order they were sent (pushed at the tail, taken at the head;
   a job handed back or declined is moved to the head, see contract.dispatch.move_to_head), so a queued job
   sent before every job named at the head (less MARK_SLACK: the API records sends in batches) has left it.
 

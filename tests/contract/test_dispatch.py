@@ -7,6 +7,7 @@ import json
 import uuid
 
 from contract.dispatch import (
+    PRIORITIES,
     QUEUE,
     BulkSender,
     jobs_in_queue,
@@ -14,6 +15,7 @@ from contract.dispatch import (
     move_to_head,
     queue_key,
     send_job,
+    take_messages,
     waiting_jobs,
 )
 
@@ -55,14 +57,14 @@ def test_bulk_sender_writes_the_message_celery_writes(settings, redis_client):
         send_job(app, job_id, 4)
         celerys = json.loads(redis_client.lpop(queue_key(settings, QUEUE, 4)))
         ours = json.loads(sender.message(job_id, 4))
-        for message in (celerys, ours):  # fresh per message: the task id and kombu's delivery tag
-            message["headers"].update(id=None, root_id=None)
-            message["properties"].update(correlation_id=None, delivery_tag=None)
+        # the task id is the job's (one task per job, however often it is sent)
+        assert celerys["headers"]["id"] == ours["headers"]["id"] == str(job_id)
+        for message in (celerys, ours):  # fresh per message: kombu's delivery tag
+            message["properties"].update(delivery_tag=None)
         assert ours == celerys
         sender.send_one(job_id, 4)  # POST /jobs' send: the same message, on the same list
         single = json.loads(redis_client.lpop(queue_key(settings, QUEUE, 4)))
-        single["headers"].update(id=None, root_id=None)
-        single["properties"].update(correlation_id=None, delivery_tag=None)
+        single["properties"].update(delivery_tag=None)
         assert single == celerys
 
         # more than one pipeline's worth, and a run of one priority longer than a pipeline (one LPUSH each)
@@ -102,3 +104,44 @@ def test_the_jobs_waiting_in_each_queue_are_read_at_its_head_and_found_anywhere(
         sender.close()
         app.close()
         redis_client.delete(key)
+
+
+def test_the_priority_lists_are_named_as_the_installed_kombu_names_them(settings):
+    """queue_key is kombu's Redis transport's naming (its channel's list of a queue's priority step, under the
+    global key prefix): a kombu that names them otherwise fails here, not in a worker that finds no jobs."""
+    settings = settings.replace(redis_key_prefix="genq-test-names:")
+    app = make_celery(settings)
+    try:
+        with app.connection_for_write() as connection:
+            channel = connection.default_channel
+            assert channel.priority_steps == list(PRIORITIES)
+            kombus = [
+                channel.global_keyprefix + channel._q_for_pri(QUEUE, channel.priority(p)) for p in PRIORITIES
+            ]
+    finally:
+        app.close()
+    assert [queue_key(settings, QUEUE, p) for p in PRIORITIES] == kombus
+
+
+def test_messages_are_taken_most_urgent_first_and_in_order_within_a_priority(settings, redis_client):
+    settings = settings.replace(redis_key_prefix=f"{settings.redis_key_prefix}take-{uuid.uuid4().hex[:6]}:")
+    app = make_celery(settings)
+    sender = BulkSender(app, settings)
+    try:
+        sent = [(uuid.uuid4(), p) for p in (9, 5, 0, 5, 0, 9)]
+        for job_id, priority in sent[:3]:
+            send_job(app, job_id, priority)  # Celery's messages and the bulk sender's alike
+        sender.send(sent[3:])
+        urgent = [(j, p) for j, p in sent if p == 0]
+        assert take_messages(redis_client, settings, PRIORITIES, 5, wait=None) == urgent  # one list per take
+        assert take_messages(redis_client, settings, range(5), 5, wait=None) == []  # 5 and 9 not looked at
+        fives = [(j, p) for j, p in sent if p == 5]
+        assert take_messages(redis_client, settings, PRIORITIES, 1, wait=0.1) == fives[:1]
+        assert take_messages(redis_client, settings, PRIORITIES, 9, wait=0.1) == fives[1:]
+        nines = [(j, p) for j, p in sent if p == 9]
+        assert take_messages(redis_client, settings, PRIORITIES, 9, wait=0.1) == nines
+        assert take_messages(redis_client, settings, PRIORITIES, 9, wait=0.1) == []  # waited, none came
+    finally:
+        sender.close()
+        app.close()
+        redis_client.delete(*(queue_key(settings, QUEUE, p) for p in PRIORITIES))

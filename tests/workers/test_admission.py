@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workers.admission import Held, admit
+from workers.admission import admit
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 MAX = 3
+
+
+@dataclass(frozen=True)
+class Held:
+    """A held job as the rule sees it (workers.admission.Held), named by `key`."""
+
+    key: str
+    priority: int
+    created_at: datetime
+    handbacks: int
+    pinned: bool
 
 
 def held(key, priority, age=0, handbacks=0, pinned=False) -> Held:
@@ -25,8 +37,8 @@ def test_full_takes_only_strictly_more_urgent_and_hands_back_the_least_urgent_la
     full = [held("a", 9, age=1), held("b", 9, age=2), held("c", 5, age=3)]
     assert not admit(full, 9, capacity=3, max_handbacks=MAX).take  # equal: never preempts
     decision = admit(full, 5, capacity=3, max_handbacks=MAX)
-    assert decision.take and decision.victim == "b"  # least urgent, latest created
-    assert admit(full, 0, capacity=3, max_handbacks=MAX).victim == "b"
+    assert decision.take and decision.victim.key == "b"  # least urgent, latest created
+    assert admit(full, 0, capacity=3, max_handbacks=MAX).victim.key == "b"
 
 
 def test_a_job_at_its_bound_is_not_handed_back_and_does_not_block_urgent_work():
@@ -40,7 +52,7 @@ def test_a_job_at_its_bound_is_not_handed_back_and_does_not_block_urgent_work():
 
 def test_a_job_being_claimed_keeps_its_place_and_is_never_the_victim():
     full = [held("claiming", 9, pinned=True), held("b", 5)]
-    assert admit(full, 0, capacity=2, max_handbacks=MAX).victim == "b"
+    assert admit(full, 0, capacity=2, max_handbacks=MAX).victim.key == "b"
     assert not admit([held("claiming", 9, pinned=True)], 0, capacity=1, max_handbacks=MAX).take
 
 
@@ -55,7 +67,8 @@ def test_the_rule_keeps_its_promises(rows, priority, capacity):
     decision = admit(slots, priority, capacity=capacity, max_handbacks=MAX)
     counted = [h for h in slots if h.handbacks < MAX or h.priority <= priority]
     if decision.victim is not None:
-        victim = next(h for h in slots if h.key == decision.victim)
+        victim = decision.victim
+        assert victim in slots
         assert decision.take and len(counted) >= capacity
         assert victim.priority > priority and victim.handbacks < MAX and not victim.pinned
         # no other candidate is less urgent, or as urgent and newer

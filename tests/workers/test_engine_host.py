@@ -14,27 +14,49 @@ import pytest
 
 from batching import EngineConfig, SamplingParams
 from tests.conftest import ROOT
-from workers.engine_host import EngineHost, EngineLost, HostStopped
+from workers.engine_host import EngineHost, EngineLost, EngineRequest, HostStopped
+
+
+class Submitter:
+    """Submits requests to a host and sees them end (its on_end)."""
+
+    def __init__(self, host: EngineHost):
+        self.host = host
+        self._ended: dict[str, threading.Event] = {}
+        host.on_end = lambda request: self._ended[request.request_id].set()
+
+    def submit(self, request_id: str, prompt, params: SamplingParams, priority: int = 5) -> EngineRequest:
+        request = EngineRequest(request_id, priority)
+        self._ended[request_id] = threading.Event()
+        self.host.submit(request, prompt, params)
+        return request
+
+    def wait(self, request: EngineRequest, timeout: float) -> bool:
+        """Whether the request ended within `timeout` seconds."""
+        return self._ended[request.request_id].wait(timeout)
+
+
+def start(settings, **options) -> Submitter:
+    return Submitter(EngineHost(EngineConfig(**settings.engine_options()), **options).start())
 
 
 @pytest.fixture(params=[None, True], ids=["default", "async"])
 def host(settings, request):
     """The host on its engine's defaults (on the CPU: one step at a time), and with async scheduling (the
     CUDA default: outputs a step later, tokens in flight dropped on a cancel) run on the CPU."""
-    settings = settings.replace(async_scheduling=request.param)
-    host = EngineHost(EngineConfig(**settings.engine_options())).start()
-    yield host
-    host.stop()
+    submitter = start(settings.replace(async_scheduling=request.param))
+    yield submitter
+    submitter.host.stop()
 
 
 def test_concurrent_submissions_equal_generate(host, offline_engine):
     prompts = [f"thread {i} says" for i in range(6)]
     params = [SamplingParams(max_tokens=8 + i, temperature=0.0 if i % 2 else 0.9, seed=i) for i in range(6)]
-    handles = [None] * 6
+    requests = [None] * 6
 
     def task(i):
-        handles[i] = host.submit(f"r{i}", prompts[i], params[i], priority=i)
-        assert handles[i].done.wait(60)
+        requests[i] = host.submit(f"r{i}", prompts[i], params[i], priority=i)
+        assert host.wait(requests[i], 60)
 
     threads = [threading.Thread(target=task, args=(i,)) for i in range(6)]
     for t in threads:
@@ -42,34 +64,32 @@ def test_concurrent_submissions_equal_generate(host, offline_engine):
     for t in threads:
         t.join()
     expected = offline_engine.generate(prompts, params)
-    assert [h.output.token_ids for h in handles] == [e.token_ids for e in expected]
-    assert all(h.error is None and h.first_token_at is not None for h in handles)
+    assert [r.transcript.token_ids for r in requests] == [e.token_ids for e in expected]
+    assert all(r.error is None and r.first_token_at is not None for r in requests)
 
 
 def test_abort_frees_the_request(host):
-    handle = host.submit("long", "A long story", SamplingParams(max_tokens=1000, temperature=0.0), priority=5)
-    while handle.output is None or not handle.output.token_ids:
-        handle.done.wait(0.01)
-    host.abort("long")
-    assert handle.done.wait(10) and handle.output.finish_reason == "abort"
-    stats = host.stats()
+    request = host.submit("long", "A long story", SamplingParams(max_tokens=1000, temperature=0.0))
+    while not request.transcript.token_ids:
+        host.wait(request, 0.01)
+    host.host.abort("long")
+    assert host.wait(request, 10) and request.transcript.finish_reason == "abort"
+    stats = host.host.stats()
     assert stats["num_running"] == stats["num_waiting"] == 0 and stats["num_aborted"] == 1
 
 
-def test_bad_request_fails_its_handle_only(host):
-    bad = host.submit("bad", "x", SamplingParams(max_tokens=5000), priority=5)
-    good = host.submit("good", "y", SamplingParams(max_tokens=2), priority=5)
-    assert bad.done.wait(10) and isinstance(bad.error, ValueError) and "max_tokens" in str(bad.error)
-    assert good.done.wait(10) and good.error is None and len(good.output.token_ids) == 2
+def test_bad_request_fails_that_request_only(host):
+    bad = host.submit("bad", "x", SamplingParams(max_tokens=5000))
+    good = host.submit("good", "y", SamplingParams(max_tokens=2))
+    assert host.wait(bad, 10) and isinstance(bad.error, ValueError) and "max_tokens" in str(bad.error)
+    assert host.wait(good, 10) and good.error is None and len(good.transcript.token_ids) == 2
 
 
 def test_stop_fails_pending_requests_with_host_stopped(settings):
-    host = EngineHost(EngineConfig(**settings.engine_options())).start()
-    handle = host.submit(
-        "pending", "A long story", SamplingParams(max_tokens=1000, temperature=0.0), priority=5
-    )
-    host.stop()
-    assert handle.done.is_set() and isinstance(handle.error, HostStopped)
+    host = start(settings)
+    request = host.submit("pending", "A long story", SamplingParams(max_tokens=1000, temperature=0.0))
+    host.host.stop()
+    assert host.wait(request, 0) and isinstance(request.error, HostStopped)
 
 
 def test_a_build_failure_is_raised_by_start():
@@ -88,38 +108,35 @@ def test_outputs_cross_the_process_boundary_whole(host, offline_engine):
         SamplingParams(max_tokens=40, temperature=0.8, seed=3),
     ]
     expected = offline_engine.generate(prompts, params)
-    handles = [host.submit(f"x{i}", p, params[i], priority=5) for i, p in enumerate(prompts)]
-    for handle, want in zip(handles, expected):
-        assert handle.done.wait(60) and handle.error is None
-        got = handle.output
-        assert (got.token_ids, got.text, got.finish_reason, got.prompt_token_ids) == (
+    requests = [host.submit(f"x{i}", p, params[i]) for i, p in enumerate(prompts)]
+    for request, want in zip(requests, expected):
+        assert host.wait(request, 60) and request.error is None
+        got = request.transcript
+        assert (got.token_ids, got.text, got.finish_reason, request.prompt_token_ids) == (
             want.token_ids,
             want.text,
             want.finish_reason,
             want.prompt_token_ids,
         )
-    assert handles[1].output.finish_reason == "stop"
+    assert requests[1].transcript.finish_reason == "stop"
 
 
 def test_a_dead_engine_process_loses_its_requests_and_a_new_one_starts(settings):
-    host = EngineHost(EngineConfig(**settings.engine_options())).start()
+    submitter = start(settings)
+    host = submitter.host
     try:
         first_pid = host.pid
         with open(f"/proc/{first_pid}/comm") as comm:  # what top and ps show
             assert comm.read().strip() == "genq-engine"
-        handle = host.submit(
-            "long", "A long story", SamplingParams(max_tokens=1000, temperature=0.0), priority=5
-        )
-        while handle.output is None or len(handle.output.token_ids) < 3:
-            assert not handle.done.is_set()
+        request = submitter.submit("long", "A long story", SamplingParams(max_tokens=1000, temperature=0.0))
+        while len(request.transcript.token_ids) < 3:
+            assert not submitter.wait(request, 0)
             time.sleep(0.01)
         os.kill(first_pid, signal.SIGKILL)
-        assert handle.done.wait(30) and isinstance(handle.error, EngineLost)
-        assert len(handle.output.token_ids) >= 3  # what it made is kept for the hand-back
-        after = host.submit(
-            "after", "y", SamplingParams(max_tokens=2), priority=5
-        )  # waits for the new engine
-        assert after.done.wait(120) and after.error is None and len(after.output.token_ids) == 2
+        assert submitter.wait(request, 30) and isinstance(request.error, EngineLost)
+        assert len(request.transcript.token_ids) >= 3  # what it made is kept for the hand-back
+        after = submitter.submit("after", "y", SamplingParams(max_tokens=2))  # waits for the new engine
+        assert submitter.wait(after, 120) and after.error is None and len(after.transcript.token_ids) == 2
         assert host.pid != first_pid and len(host.losses) == 1
     finally:
         host.stop()
@@ -127,13 +144,13 @@ def test_a_dead_engine_process_loses_its_requests_and_a_new_one_starts(settings)
 
 def test_an_engine_process_that_keeps_dying_gives_up(settings):
     gave_up = threading.Event()
-    host = EngineHost(EngineConfig(**settings.engine_options()), on_give_up=gave_up.set, max_losses=1).start()
-    handle = host.submit("long", "A long story", SamplingParams(max_tokens=1000, temperature=0.0), priority=5)
-    os.kill(host.pid, signal.SIGKILL)
-    assert gave_up.wait(30) and handle.done.wait(5) and isinstance(handle.error, EngineLost)
-    late = host.submit("late", "y", SamplingParams(max_tokens=2), priority=5)
-    assert late.done.is_set() and isinstance(late.error, HostStopped)
-    host.stop()
+    submitter = start(settings, on_give_up=gave_up.set, max_losses=1)
+    request = submitter.submit("long", "A long story", SamplingParams(max_tokens=1000, temperature=0.0))
+    os.kill(submitter.host.pid, signal.SIGKILL)
+    assert gave_up.wait(30) and submitter.wait(request, 5) and isinstance(request.error, EngineLost)
+    late = submitter.submit("late", "y", SamplingParams(max_tokens=2))
+    assert submitter.wait(late, 0) and isinstance(late.error, HostStopped)
+    submitter.host.stop()
 
 
 def test_a_killed_worker_takes_its_engine_process_with_it(tmp_path, settings):

@@ -201,10 +201,9 @@ def test_failed_jobs_are_counted_by_code():
     job = SimpleNamespace(
         priority=6, created_at=worker_metrics.datetime.now(worker_metrics.timezone.utc), output_token_ids=[]
     )
-    handle = SimpleNamespace(first_token_at=None)
     counter = worker_metrics.FAILURES.labels("6", "engine_error")
     before = counter._value.get()
-    worker_metrics.job_done(job, handle, Outcome.FAILED, error_code="engine_error")
+    worker_metrics.job_done(job, None, Outcome.FAILED, error_code="engine_error")
     assert counter._value.get() == before + 1
 
 

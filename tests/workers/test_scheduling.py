@@ -40,9 +40,8 @@ def test_priority_0_takes_the_place_of_a_running_job_which_resumes_token_identic
     with sessions.begin() as s:
         row = jobs.get_job(s, uuid.UUID(blocker))
     # handed back for the urgent jobs, at most once for each, and each time claimed again (no attempt lost).
-    # Twice happens: once the first urgent job is done, the puller may claim the handed-back job while Celery's
-    # consumer holds the second urgent message (fetched before); that message is declined (the claim in
-    # flight is pinned), comes again, and takes the resumed job's place a second time, tokens kept.
+    # Twice happens: the first urgent job may be done before the second is sent, and the handed-back job, at
+    # the head of its list, takes the free place again, until the second urgent job takes it once more.
     assert 1 <= row.handbacks <= len(high) and row.attempts == row.handbacks + 1, (
         row.handbacks,
         row.attempts,
@@ -51,12 +50,11 @@ def test_priority_0_takes_the_place_of_a_running_job_which_resumes_token_identic
     assert max(finished(j) for j in high_jobs) < finished(done)
 
 
-def test_a_full_worker_takes_no_job_less_urgent_than_it_holds_however_the_message_comes(narrow):
-    """The worker holds one job. A less urgent job submitted while it runs waits in Redis until it ends, by
-    whichever path its message comes: Celery's consumer, or the puller's BLMPOP, which an idle worker
-    issues with room kept and which may still be waiting when Celery's consumer fills that room (the
-    blocker arrives first through Celery, the next message through the puller). Each round opens that
-    window anew (the worker idle again); a few rounds make it near certain that one lands in it."""
+def test_a_full_worker_takes_no_job_less_urgent_than_it_holds(narrow):
+    """The worker holds one job. A less urgent job submitted while it runs waits in Redis until it ends: the
+    intake of a full worker looks only at more urgent lists. Each round starts from an idle worker, whose
+    intake waits in a BLMPOP on every list when the blocker comes (the next message must not be taken with
+    the room the blocker filled)."""
     for round_ in range(4):
         blocker = narrow.submit(**LONG, max_tokens=1500, ignore_eos=True)
         narrow.wait(blocker, until=lambda j: j["status"] == "running")
@@ -89,7 +87,7 @@ def test_cancel_running_job_frees_its_slot(narrow):
 
 def test_cancel_queued_job_never_runs(narrow):
     outcomes_before = narrow.outcomes()
-    blocker = narrow.submit(**LONG, max_tokens=80)
+    blocker = narrow.submit(**LONG, max_tokens=400)  # runs on while `queued` is submitted and cancelled
     narrow.wait(blocker, until=lambda j: j["status"] == "running")
     queued = narrow.submit(prompt="never", max_tokens=2)
     assert narrow.client.post(f"/jobs/{queued}/cancel", headers=narrow.headers).json["status"] == "cancelled"

@@ -7,7 +7,8 @@ import pickle
 from types import SimpleNamespace
 
 from contract.deltas import Delta, Position, Transcript
-from workers.engine_process import Reporter, RequestNews, StepReport
+from workers.engine_process import Reporter
+from workers.engine_protocol import RequestNews, StepReport
 
 
 class Pipe:
@@ -90,3 +91,12 @@ def test_a_forgotten_request_starts_again_from_its_first_update():
     reporter.send([output("a", [5], "y", first=1.0)], STATS)
     [(_, delta)] = pipe.sent[1].deltas()
     assert delta.start == 0 and pipe.sent[1].news["a"].prompt_token_ids == [1, 2, 3]
+
+
+def test_a_prompts_log_probabilities_name_each_prompt_token_the_first_without_one():
+    pipe = Pipe()
+    reporter = Reporter(pipe)
+    first = output("a", [4], "x")
+    first.prompt_logprobs = [lp(2, -1.5), lp(3, -0.25)]  # the engine's: every prompt token but the first
+    reporter.send([first], STATS)
+    assert pipe.sent[0].news["a"].prompt_logprobs == [[1, None, []], [2, -1.5, []], [3, -0.25, []]]

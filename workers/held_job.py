@@ -1,0 +1,114 @@
+"""HeldJob: one claimed job in a worker, from its claim to its end, and the one record of it.
+
+It is the engine's request (an EngineRequest: the output so far, the engine's news), the job's row as claimed,
+its lease, what the row holds of its output, and what admission (workers/admission.py) weighs when a more
+urgent job wants its place. The job book (workers/job_book.py) keeps them; the engine host's reader thread
+writes their transcripts; the book's writer thread reads them to write rows.
+"""
+
+from __future__ import annotations
+
+import time
+
+from batching import SamplingParams
+from contract.deltas import Delta, Position, Transcript
+from jobstore import jobs
+from jobstore.models import Job
+from workers.engine_host import EngineRequest
+
+
+class HeldJob(EngineRequest):
+    __slots__ = ("job", "lease", "key", "kept", "kept_bytes", "claimed_at", "created_at", "handbacks")
+    pinned = False  # admission: a held job may be handed back (a claim in flight may not)
+
+    def __init__(self, job: Job, lease: str):
+        text = job.output_text or ""
+        # one engine request per attempt: a stale attempt still in the engine never blocks a new one
+        super().__init__(f"{job.id}/{job.attempts}", job.priority, Transcript(job.output_token_ids, text))
+        self.job = job
+        self.lease = lease  # the worker_id its row carries: one per claim
+        self.key = job.id.hex  # the job's name in token events
+        self.kept = self.transcript.position  # output tokens and characters the row holds
+        self.kept_bytes = len(text.encode())  # the UTF-8 bytes of those characters
+        self.claimed_at = time.monotonic()
+        self.created_at, self.handbacks = job.created_at, job.handbacks  # what admission weighs
+
+    @property
+    def prompt(self) -> str | list[int]:
+        return self.job.prompt if self.job.prompt is not None else list(self.job.input_ids)
+
+    @property
+    def resume_token_ids(self) -> list[int] | None:
+        """The tokens its row holds (a resumed job's), prefilled and continued from."""
+        return list(self.job.output_token_ids) or None
+
+    def sampling_params(self) -> SamplingParams:
+        job, options = self.job, self.job.options or {}
+        return SamplingParams(
+            max_tokens=job.max_tokens,
+            min_tokens=options.get("min_tokens", 0),
+            temperature=job.temperature,
+            top_p=job.top_p,
+            top_k=job.top_k,
+            seed=job.seed,
+            stop=list(job.stop),
+            stop_token_ids=list(options.get("stop_token_ids", ())),
+            ignore_eos=options.get("ignore_eos", False),
+            include_stop_str_in_output=options.get("include_stop_str_in_output", False),
+            skip_special_tokens=options.get("skip_special_tokens", True),
+            min_p=options.get("min_p", 0.0),
+            presence_penalty=options.get("presence_penalty", 0.0),
+            frequency_penalty=options.get("frequency_penalty", 0.0),
+            repetition_penalty=options.get("repetition_penalty", 1.0),
+            logit_bias={int(token): bias for token, bias in options.get("logit_bias", {}).items()},
+            logprobs=options.get("logprobs"),
+            prompt_logprobs=options.get("prompt_logprobs"),
+            json_schema=options.get("json_schema"),
+        )
+
+    def output(self, *, final: bool = False) -> tuple[jobs.Output, Position]:
+        """What to write beyond what the row holds (with nothing new, it only renews the lease), and the
+        position the row will then hold."""
+        transcript = self.transcript
+        new = transcript.since(self.kept)
+        output = jobs.Output(
+            self.job.id,
+            self.lease,
+            self.kept.tokens,
+            new.token_ids,
+            self.kept_bytes,
+            new.text.encode(),
+            self.first_token_at,
+            transcript.finish_reason if final else None,
+            len(self.prompt_token_ids) if final else None,
+            self.logprobs() if final else None,
+        )
+        return output, new.end
+
+    def saved(self, output: jobs.Output, position: Position) -> None:
+        """The row now holds `output` (written by save_progress)."""
+        self.kept, self.kept_bytes = position, self.kept_bytes + len(output.text_tail)
+
+    def logprobs(self) -> dict | None:
+        """The job's `logprobs` column, when it asked: {"prompt": [...] or None, "tokens": [...] or None},
+        each entry [token_id, logprob, [[id, logprob], ...]]."""
+        options = self.job.options or {}
+        if options.get("logprobs") is None and options.get("prompt_logprobs") is None:
+            return None
+        tokens = self.transcript.fields.get("logprobs")
+        return {
+            "prompt": self.prompt_logprobs if options.get("prompt_logprobs") is not None else None,
+            "tokens": tokens[: self.transcript.position.tokens]
+            if options.get("logprobs") is not None
+            else None,
+        }
+
+    def event(self, delta: Delta) -> Delta:
+        """A step's new output as a token event: an abort is no end for readers (the job is cancelled, or
+        resumes), and the first (from the output's start) carries the prompt's log probabilities when the job
+        asked (a streamed echo's first chunk)."""
+        if delta.finish_reason == "abort":
+            delta = delta._replace(finish_reason=None)
+        if delta.start == 0 and delta.token_ids and self.prompt_logprobs is not None:
+            delta = delta._replace(fields={**(delta.fields or {}), "prompt_logprobs": self.prompt_logprobs})
+        return delta
