@@ -12,7 +12,7 @@ from batching import attention_classes, state_layers
 from batching.attention import ATTENTION_NAME, paged_attention
 from batching.config import EngineConfig
 from batching.model_probe import refusal
-from batching.quantization import check_quantization, quantization_of
+from batching.quantization import check_quantization, check_weights, quantization_of
 from batching.tokenizer import BOS_ID, BUILTIN_MODEL, EOS_ID, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -234,6 +234,7 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, m
         model = model.to(device=device, dtype=dtype)
     else:  # loaded in `dtype` already; quantized weights keep their own (bitsandbytes refuses a cast)
         model = model.to(device=device)
+        check_weights(model, dtype, model_config.model_type)
     model = model.eval()
     model.requires_grad_(False)
     return model

@@ -18,7 +18,9 @@ On the CPU, torchao's Int4WeightOnlyConfig is refused too (none of its packings 
 IntxWeightOnlyConfig(weight_dtype=torch.int4) is torchao's int4 for the CPU), while transformers' fp8
 checkpoints load there dequantized to plain weights (its own choice without a GPU), which runs as the plain
 model. What transformers itself cannot load here (a quantizer whose package is missing, a kernel this device
-lacks) is refused by models.load_model with transformers' own message.
+lacks) is refused by models.load_model with transformers' own message. Once loaded, each kind of quantized
+weight must multiply activations of the engine's dtype: torchao's int8 weights do in any float dtype, its
+intx and float8 weights only in the dtype they were quantized from (`check_weights`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from batching.model_probe import refusal
 
@@ -160,3 +164,31 @@ def _ct_args(args: dict) -> str:
     kind = f"{args.get('type', '?')}{args.get('num_bits', '')}"
     dynamic = " dynamic" if args.get("dynamic") else ""
     return f"{kind} {args.get('strategy', '?')}{dynamic}"
+
+
+def check_weights(model: nn.Module, dtype: torch.dtype, model_type: str) -> None:
+    """Refuse a model whose quantized weights (tensor subclasses: torchao's) cannot multiply activations of
+    `dtype`, found by one product of each kind of weight with a row of zeros, before the probe runs."""
+    tried: set[tuple[type, torch.dtype]] = set()
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (
+            not isinstance(module, nn.Linear)
+            or type(weight) in (torch.Tensor, nn.Parameter)
+            or weight is None
+        ):
+            continue
+        if (type(weight), weight.dtype) in tried:
+            continue
+        tried.add((type(weight), weight.dtype))
+        x = torch.zeros(1, module.in_features, dtype=dtype, device=weight.device)
+        try:
+            with torch.inference_mode():
+                F.linear(x, weight)
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            raise refusal(
+                model_type,
+                f"its quantized weights ({type(weight).__name__}, dequantized to {weight.dtype}) do not multiply "
+                f"{dtype} activations ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}): load it with "
+                f"dtype={str(weight.dtype).removeprefix('torch.')!r}",
+            ) from exc

@@ -179,9 +179,11 @@ def quantized(checkpoint, tmp_path_factory):
     return make
 
 
-def generate_reference(path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy tokens of transformers' own generate() on the quantized model, float32."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def generate_reference(
+    path: str, prompts: list[list[int]], max_tokens: int, dtype: torch.dtype = torch.float32
+) -> list[list[int]]:
+    """Greedy tokens of transformers' own generate() on the quantized model (float32 unless `dtype`)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
@@ -265,3 +267,29 @@ def test_the_cpu_linear_path_packs_the_plain_layers_and_leaves_the_quantized_one
     packed = [m for m in linears if isinstance(m, cpu_linear.PackedLinear)]
     assert packed == [engine.model.lm_head]
     assert all(type(m.weight).__name__ == "Int8Tensor" for m in linears if m is not engine.model.lm_head)
+
+
+def test_int8_weights_run_exactly_in_float64_too(quantized):
+    """torchao's int8 weights multiply activations of any float dtype: float64, genq's dtype of record."""
+    path = quantized("torchao Int8WeightOnlyConfig")
+    engine = Engine(
+        EngineConfig(model=path, dtype="float64", device="cpu", block_size=4, max_num_batched_tokens=16)
+    )
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, greedy(MAX_TOKENS))
+    outputs = run_to_completion(engine)
+    expected = generate_reference(path, PROMPTS, MAX_TOKENS, torch.float64)
+    assert [outputs[f"r{i}"].token_ids for i in range(len(PROMPTS))] == expected
+
+
+@pytest.mark.parametrize(
+    "name", ["torchao IntxWeightOnlyConfig, int4 in groups of 32", "torchao Float8WeightOnlyConfig"]
+)
+def test_weights_that_compute_only_in_their_own_dtype_are_refused_in_another(name, quantized):
+    """torchao's intx and float8 weights quantized from float32 multiply float32 activations only: in float64
+    the refusal says so and names the dtype to load them in (it was a failure inside the forward before)."""
+    with pytest.raises(Refusal) as refused:
+        Engine(EngineConfig(model=quantized(name), dtype="float64", device="cpu"))
+    assert not refused.value.unexpected
+    assert "dequantized to torch.float32) do not multiply torch.float64 activations" in str(refused.value)
+    assert "load it with dtype='float32'" in str(refused.value)
