@@ -47,10 +47,11 @@ def torchao_checkpoint(make_config: Callable[[], object]) -> Callable[[str, Path
     return write
 
 
-def compressed_tensors_fp8(dynamic_activations: bool) -> Callable[[str, Path], None]:
+def compressed_tensors_fp8(activations: str | None) -> Callable[[str, Path], None]:
     """compressed-tensors' float-quantized format, written directly: each projection's weight in float8
-    (e4m3) with a float32 scale per output channel; with `dynamic_activations`, FP8_DYNAMIC's per-token
-    float8 inputs too (llm-compressor's FP8 recipes write the same tensors and config)."""
+    (e4m3) with a float32 scale per output channel; `activations` "dynamic": FP8_DYNAMIC's per-token float8
+    inputs too, "static": the FP8 preset's inputs at one calibrated scale per projection (llm-compressor's FP8
+    recipes write the same tensors and config)."""
 
     def write(plain: str, directory: Path) -> None:
         import compressed_tensors
@@ -62,11 +63,17 @@ def compressed_tensors_fp8(dynamic_activations: bool) -> Callable[[str, Path], N
                 scale = weight.abs().amax(dim=1, keepdim=True).float() / f8max  # [out, 1]
                 tensors[name] = (weight / scale).to(torch.float8_e4m3fn)
                 tensors[name.removesuffix("weight") + "weight_scale"] = scale
+                if activations == "static":
+                    tensors[name.removesuffix("weight") + "input_scale"] = torch.ones(1)
             else:
                 tensors[name] = weight
         save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
         fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
-        inputs = fp8 | {"strategy": "token", "dynamic": True} if dynamic_activations else None
+        inputs = {
+            None: None,
+            "dynamic": fp8 | {"strategy": "token", "dynamic": True},
+            "static": fp8 | {"strategy": "tensor", "dynamic": False},
+        }[activations]
         group = {"targets": ["Linear"], "weights": fp8 | {"strategy": "channel", "dynamic": False}}
         _set_quantization_config(
             directory,
@@ -136,7 +143,7 @@ CHECKPOINTS: dict[str, Callable[[str, Path], None]] = {
         _torchao("IntxWeightOnlyConfig", weight_dtype=torch.int4, group=32)
     ),
     "torchao Float8WeightOnlyConfig": torchao_checkpoint(_torchao("Float8WeightOnlyConfig")),
-    "compressed-tensors FP8 weights (W8A16, per channel)": compressed_tensors_fp8(dynamic_activations=False),
+    "compressed-tensors FP8 weights (W8A16, per channel)": compressed_tensors_fp8(activations=None),
     "torchao Int4WeightOnlyConfig": named_in_config(_torchao_config_dict(_torchao("Int4WeightOnlyConfig"))),
     "torchao Int8DynamicActivationInt8WeightConfig": torchao_checkpoint(
         _torchao("Int8DynamicActivationInt8WeightConfig")
@@ -147,7 +154,8 @@ CHECKPOINTS: dict[str, Callable[[str, Path], None]] = {
     "torchao Float8DynamicActivationFloat8WeightConfig": named_in_config(
         _torchao_config_dict(_torchao("Float8DynamicActivationFloat8WeightConfig"))
     ),
-    "compressed-tensors FP8_DYNAMIC (W8A8)": compressed_tensors_fp8(dynamic_activations=True),
+    "compressed-tensors FP8_DYNAMIC (W8A8)": compressed_tensors_fp8(activations="dynamic"),
+    "compressed-tensors FP8 (W8A8, static activation scales)": compressed_tensors_fp8(activations="static"),
     "bitsandbytes 8-bit (LLM.int8())": named_in_config(
         _quant_method_dict("BitsAndBytesConfig", load_in_8bit=True)
     ),
