@@ -7,7 +7,7 @@ compressed-tensors weight-only schemes) dequantizes its weights and multiplies f
 products for one sequence alone as in a packed batch, so greedy tokens stay those of `model.generate()` on the
 same quantized model, as they do for plain weights. A quantization that also rounds the *activations* to 8
 bits as they are computed (torchao's dynamic- and static-activation configs, bitsandbytes' LLM.int8(),
-compressed-tensors W8A8, transformers' fp8 and fbgemm_fp8) cannot: a packed batch sums in another order
+compressed-tensors W8A8, transformers' fp8 and fbgemm_fp8, quanto with activations) cannot: a packed batch sums in another order
 than one sequence alone (the last bits of float32 differ, as between batch sizes), and rounding to 8 bits
 turns such a difference, where a value sits near the midpoint of two steps, into a whole step of 1/127 of
 the row's range, which the following layers carry on. A tiny Llama under torchao's
@@ -50,7 +50,6 @@ class Quantization:
 ACTIVATION_METHODS = {
     "fp8": "transformers' fine-grained fp8 quantizes each activation group to float8 as it multiplies",
     "fbgemm_fp8": "fbgemm's fp8 linear quantizes each activation row to float8 as it multiplies",
-    "w8a8_int8": "it quantizes each activation row to int8 as it multiplies",
 }
 # quant_methods transformers loads on the CPU dequantized to plain weights (quantizer_finegrained_fp8.py)
 DEQUANTIZED_ON_CPU = {"fp8"}
@@ -77,6 +76,8 @@ def quantization_of(model_config) -> Quantization | None:
     if method == "compressed-tensors":
         return _compressed_tensors(config)
     activations = None if config.get("dequantize") else ACTIVATION_METHODS.get(method)
+    if method == "quanto" and config.get("activations"):  # optimum-quanto's W8A8 / W8A-float8
+        activations = f"quanto quantizes activations to {config['activations']} as it multiplies"
     return Quantization(method, (), activations)
 
 
