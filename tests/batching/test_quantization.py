@@ -162,6 +162,10 @@ CHECKPOINTS: dict[str, Callable[[str, Path], None]] = {
     "bitsandbytes 4-bit (nf4)": named_in_config(
         _quant_method_dict("BitsAndBytesConfig", load_in_4bit=True, bnb_4bit_quant_type="nf4")
     ),
+    "optimum-quanto int8 weights and activations": named_in_config(
+        _quant_method_dict("QuantoConfig", weights="int8", activations="int8")
+    ),
+    "optimum-quanto int8 weights": named_in_config(_quant_method_dict("QuantoConfig", weights="int8")),
     "GPTQ (4-bit)": named_in_config(_quant_method_dict("GPTQConfig", bits=4)),
     "AWQ (4-bit)": named_in_config(_quant_method_dict("AwqConfig", bits=4)),
     "transformers fp8 (FineGrainedFP8Config)": named_in_config(_quant_method_dict("FineGrainedFP8Config")),
