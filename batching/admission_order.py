@@ -36,7 +36,8 @@ from collections.abc import Callable
 from batching.config import EngineConfig
 from batching.sequence import Sequence
 
-Rank = tuple[int, int, float]  # (priority, 0 at risk / 1 otherwise, deadline / place): smaller goes first
+# (priority, 0 at risk / 1 otherwise, deadline / place, arrival: first come among equals): smaller goes first
+Rank = tuple[int, int, float, float]
 AT_RISK, IN_PLACE = 0, 1
 # a step's measured time moves the estimate by this share (about the last 10 steps count)
 STEP_TIME_SMOOTHING = 0.1
@@ -56,6 +57,7 @@ class AdmissionOrder:
         self.seconds_per_step = config.cost_seconds_per_token
         self.now = clock()  # of the step being scheduled: one value for all its decisions
         self._last_busy_step: float | None = None
+        self._ranks: dict[Sequence, Rank] = {}  # this step's, as first computed: one rank per step
 
     def place(self, seq: Sequence) -> float:
         """Where `seq` stands in its class, fixed once it is queued (`Sequence.order_key`)."""
@@ -65,13 +67,19 @@ class AdmissionOrder:
         return seq.arrival_time + min(shift, self.aging_seconds)
 
     def rank(self, seq: Sequence) -> Rank:
-        """Its urgency now: priority, then a deadline at risk (earliest first), then its place."""
+        """Its urgency in this step: priority, then a deadline at risk (earliest first), then its place. A
+        sequence with a deadline keeps the rank first computed in the step, whatever the step does to it (a
+        cached prefix, a preemption), so every decision of a step follows one order."""
         deadline = seq.deadline
-        if deadline is not None and self.predicted:
+        if deadline is None or not self.predicted:
+            return (seq.priority, IN_PLACE, seq.order_key, seq.arrival_time)
+        rank = self._ranks.get(seq)
+        if rank is None:
             slack = deadline - self.now - self.seconds_to_finish(seq)
-            if 0.0 <= slack < self.margin:
-                return (seq.priority, AT_RISK, deadline)
-        return (seq.priority, IN_PLACE, seq.order_key)
+            at_risk = 0.0 <= slack < self.margin
+            key = deadline if at_risk else seq.order_key
+            rank = self._ranks[seq] = (seq.priority, AT_RISK if at_risk else IN_PLACE, key, seq.arrival_time)
+        return rank
 
     def seconds_to_finish(self, seq: Sequence) -> float:
         """Predicted time from now to its last token if it ran from now: its uncomputed tokens in chunks of a
@@ -86,6 +94,7 @@ class AdmissionOrder:
         sample of the step time."""
         if not self.predicted:
             return
+        self._ranks.clear()
         self.now = now = self.clock()
         if (
             self._last_busy_step is not None

@@ -522,9 +522,10 @@ class _Fill:
     taken: int = 0
 
 
-_place_key = attrgetter("priority", "order_key")  # _place, in C
+_place_key = attrgetter("priority", "order_key", "arrival_time")  # _place, in C
 
 
-def _place(seq: Sequence) -> tuple[int, float]:
-    """A sequence's standing apart from deadlines: its class, then its place in it (admission_order.py)."""
-    return (seq.priority, seq.order_key)
+def _place(seq: Sequence) -> tuple[int, float, float]:
+    """A sequence's standing apart from deadlines: its class, then its place in it (admission_order.py), the
+    first come first among equal places."""
+    return (seq.priority, seq.order_key, seq.arrival_time)

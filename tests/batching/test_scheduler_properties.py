@@ -2,7 +2,8 @@
 
 1. The Scheduler alone, with a fake runner (pure Python, fast, many examples): token budget, max_num_seqs,
    stall-free decodes, no chunking when it is off, admission in strict urgency order (a preempted
-   sequence keeps its place), no deadlock, every block free at the end.
+   sequence keeps its place) under either policy within a class (admission_order.py: by arrival, or by
+   predicted cost with deadlines at risk first), no deadlock, every block free at the end.
 2. The real Engine over a tiny float64 checkpoint (small pools, block sizes 1-4, both preemption modes,
    chunked prefill on and off):
    random add / abort / step never leak or double-own a block, every request finishes exactly once,
@@ -33,10 +34,6 @@ from tests.batching.conftest import random_prompts
 # --- 1. the scheduler with a fake runner -------------------------------------------------------------
 
 
-def urgency(seq: Sequence) -> tuple[int, float]:
-    return (seq.priority, seq.arrival_time)
-
-
 class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
@@ -53,8 +50,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         mode=st.sampled_from(["swap", "recompute"]),
         chunked=st.booleans(),
         stateful=st.booleans(),
+        policy=st.sampled_from(["fcfs", "predicted"]),
+        seconds_per_token=st.sampled_from(
+            [0.02, 0.5]
+        ),  # 0.5: predicted costs reorder arrivals a second apart
     )
-    def configure(self, block_size, device, host, max_num_seqs, budget, mode, chunked, stateful):
+    def configure(
+        self,
+        block_size,
+        device,
+        host,
+        max_num_seqs,
+        budget,
+        mode,
+        chunked,
+        stateful,
+        policy,
+        seconds_per_token,
+    ):
         self.config = EngineConfig(
             block_size=block_size,
             num_device_blocks=device,
@@ -63,18 +76,24 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_num_batched_tokens=budget,
             preemption_mode=mode,
             enable_chunked_prefill=chunked,
+            scheduling_policy=policy,
+            cost_seconds_per_token=seconds_per_token,
+            aging_seconds=4.0,
+            deadline_margin_seconds=3.0,
         )
         self.bm = BlockManager(device, host, block_size)
         self.stateful = stateful  # a model with state layers: no prompt's last token alone in a chunk
-        self.sched = Scheduler(self.config, self.bm, stateful=stateful)
+        self.sched = Scheduler(self.config, self.bm, stateful=stateful, clock=lambda: self.clock)
 
     @rule(
         priority=st.integers(0, 9),
         prompt=st.integers(1, 20),
         max_tokens=st.integers(1, 8),
         shared=st.integers(0, 20),
+        predicted=st.one_of(st.none(), st.integers(0, 8)),
+        deadline=st.one_of(st.none(), st.floats(-2.0, 10.0)),
     )
-    def add(self, priority, prompt, max_tokens, shared):
+    def add(self, priority, prompt, max_tokens, shared, predicted, deadline):
         """`shared`: how many leading tokens the prompt has in common with every other (prefix hits)."""
         if blocks_for(prompt + max_tokens - 1, self.bm.block_size) > self.bm.num_device_blocks:
             return  # the engine refuses what the pool can never hold
@@ -87,6 +106,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             priority,
             sample_seed=0,
             arrival_time=self.clock,
+            predicted_output_tokens=predicted,
+            deadline=None if deadline is None else self.clock + deadline,
         )
         self.requests[req_id] = seq
         self.sched.add(seq)
@@ -106,7 +127,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         not_running = set(sched.waiting + sched.swapped)
         uncomputed = {s.req_id: s.num_uncomputed_tokens for s in self.requests.values()}
 
+        self.clock += 0.1  # a step's time: the scheduler's step-time estimate and deadlines follow it
         out = sched.schedule()
+        urgency = sched.order.rank  # the order of this step's decisions (its clock reading)
 
         scheduled = dict(zip([s.req_id for s in out.seqs], out.num_scheduled_tokens, strict=True))
         assert len(scheduled) == len(out.seqs), "a sequence was scheduled twice"
