@@ -227,6 +227,7 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, m
                 f"for {', '.join(sorted(attention_classes.TABLES))}: attention_classes.py)",
             ) from exc
     attention_classes.set_attention(model, ATTENTION_NAME)
+    _index_per_layer_attention(model)
     _install_state_layers(model, model_config)
     if dtype == torch.float64:
         use_eager_experts(model)
@@ -238,6 +239,28 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, m
     model = model.eval()
     model.requires_grad_(False)
     return model
+
+
+def _index_per_layer_attention(model) -> None:
+    """Zamba and Zamba2 build an attention block for each of their hybrid layers (the blocks' weights tied) but
+    give it no layer index of its own (Zamba: None, Zamba2: -1): their decoder loop passes the layer's index to
+    the block's forward, and it never reaches the attention function. genq files a layer's KV under its attention
+    module's `layer_idx`: an attention module that one decoder layer alone holds gets that layer's index, the one
+    generate()'s cache uses. One module held by several layers keeps what it has (the probe refuses it)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        return
+    holders: dict[torch.nn.Module, set[int]] = {}
+    for i, layer in enumerate(layers):
+        for module in layer.modules():
+            index = getattr(module, "layer_idx", 0)
+            unindexed = index is None or (isinstance(index, int) and index < 0)
+            if unindexed and type(module).__name__.endswith("Attention"):
+                holders.setdefault(module, set()).add(i)
+    for module, indices in holders.items():
+        if len(indices) == 1:
+            module.layer_idx = indices.pop()  # type: ignore[assignment]  # (nn.Module types attributes as tensors)
 
 
 def _first_line(exc: BaseException) -> str:

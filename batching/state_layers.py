@@ -108,8 +108,8 @@ class StateLayer:
                 f"its state layer {name} returns {shape} for {tuple(hidden.shape)} hidden states, not one "
                 "row per token that genq could split by sequence"
             )
-        elif any(isinstance(r, torch.Tensor) for r in rest):
-            self.unsupported = f"its state layer {name} returns more than one tensor per token"
+        elif any(isinstance(r, torch.Tensor) and tuple(r.shape[:2]) != tuple(hidden.shape[:2]) for r in rest):
+            self.unsupported = f"its state layer {name} returns a tensor that is not one row per token"
         return out
 
     def _check_resume(self, hidden: torch.Tensor, arguments: dict) -> bool:
@@ -121,35 +121,46 @@ class StateLayer:
         others = {k: v for k, v in arguments.items() if _map(v, hidden.shape[1], lambda t: None) is v}
         try:
             _, cache = self._cache(None)
-            whole, _ = _split(self.original(x, **{self.cache_arg: cache}, **others))
+            whole = _tensors(self.original(x, **{self.cache_arg: cache}, **others))
             first, cache = self._cache(None)
-            head, _ = _split(self.original(x[:, :4], **{self.cache_arg: cache}, **others))
+            head = _tensors(self.original(x[:, :4], **{self.cache_arg: cache}, **others))
             states = {("conv", i): t for i, t in first.conv_states.items() if t is not None}
             states |= {("recurrent", i): t for i, t in first.recurrent_states.items() if t is not None}
             _, cache = self._cache(states)
-            tail, _ = _split(self.original(x[:, 4:], **{self.cache_arg: cache}, **others))
+            tail = _tensors(self.original(x[:, 4:], **{self.cache_arg: cache}, **others))
         except Exception:  # noqa: BLE001 - a layer that cannot: one token per call
             return False
-        got = torch.cat([head, tail], dim=1)
-        err = ((got - whole).abs().max() / whole.abs().max().clamp(min=1.0)).item()
-        return err <= RESUME_TOLERANCE.get(hidden.dtype, 2e-2)
+        errors = []
+        for w, h, t in zip(whole, head, tail):  # every per-token output: ZAYA's query, key and value
+            got = torch.cat([h, t], dim=1)
+            errors.append(((got - w).abs().max() / w.abs().max().clamp(min=1.0)).item())
+        return max(errors) <= RESUME_TOLERANCE.get(hidden.dtype, 2e-2)
 
     def _run(self, hidden: torch.Tensor, arguments: dict, step: StateStep):
         total = hidden.shape[1]
         assert hidden.shape[0] == 1 and total == step.num_rows, "a packed step is one row of every token"
-        out: torch.Tensor | None = None
-        rest: tuple = ()
+        outs: list[torch.Tensor] | None = None
+        tupled = False
         chunks = [(start, n, slot, False) for start, n, slot in step.fresh]
         if self.resumes_chunks:
             chunks += [(start, n, slot, True) for start, n, slot in step.chunks]
+
+        def place(result, where) -> None:
+            nonlocal outs, tupled
+            ys = list(result) if isinstance(result, tuple) else [result]
+            tupled = isinstance(result, tuple)
+            if outs is None:
+                outs = [y.new_empty(1, total, *y.shape[2:]) if isinstance(y, torch.Tensor) else y for y in ys]
+            for o, y in zip(outs, ys):
+                if isinstance(o, torch.Tensor) and isinstance(y, torch.Tensor):
+                    where(o, y)
+
         for start, n, slot, resumed in chunks:
             layer, cache = self._cache(self._gather(step.cache, slot) if resumed else None)
             result = self.original(
                 hidden[:, start : start + n], **{self.cache_arg: cache}, **_rows(arguments, total, start, n)
             )
-            y, rest = _split(result)
-            out = out if out is not None else hidden.new_empty(1, total, y.shape[-1], dtype=y.dtype)
-            out[:, start : start + n] = y
+            place(result, lambda o, y, s=start, k=n: o.__setitem__((slice(None), slice(s, s + k)), y))
             self._store(step.cache, layer, slot)
         waves = step.waves if self.resumes_chunks else step.token_waves
         for rows, slots in waves:
@@ -157,12 +168,10 @@ class StateLayer:
             result = self.original(
                 hidden[0, rows].unsqueeze(1), **{self.cache_arg: cache}, **_wave(arguments, total, rows)
             )
-            y, rest = _split(result)
-            out = out if out is not None else hidden.new_empty(1, total, y.shape[-1], dtype=y.dtype)
-            out[0, rows] = y[:, 0]
+            place(result, lambda o, y, r=rows: o[0].__setitem__(r, y[:, 0]))
             self._store(step.cache, layer, slots)
-        assert out is not None, "a step with rows runs at least one call"
-        return (out, *rest) if rest else out
+        assert outs is not None, "a step with rows runs at least one call"
+        return tuple(outs) if tupled else outs[0]
 
     def _gather(self, cache: StateCache, slots: torch.Tensor) -> dict[tuple[str, int], torch.Tensor]:
         found = {}
@@ -204,6 +213,12 @@ class StateLayer:
             layer.has_previous_state.update(self.previous_flags)
         layers: list = [DummyLayer() for _ in range(self.layer_idx)]
         return layer, Cache(layers=[*layers, layer])
+
+
+def _tensors(result) -> list[torch.Tensor]:
+    """The tensors of a layer's output, in order."""
+    items = result if isinstance(result, tuple) else (result,)
+    return [t for t in items if isinstance(t, torch.Tensor)]
 
 
 def _split(result) -> tuple[torch.Tensor, tuple]:

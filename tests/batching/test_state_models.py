@@ -43,8 +43,11 @@ FAMILIES = [
     "qwen3_next",
     "qwen3_5_text",
     "kimi_linear",
+    "zamba",
+    "zamba2",
+    "zaya",
 ]
-REFUSED = ["zamba", "zamba2", "recurrent_gemma", "minimax", "zaya"]
+REFUSED = ["recurrent_gemma", "minimax"]
 MAX_TOKENS = 10
 # (prompt length, priority, step at which it arrives)
 WORKLOAD = [(3, 9, 0), (9, 9, 0), (17, 5, 1), (12, 9, 2), (5, 0, 4), (20, 3, 6)]
@@ -178,7 +181,7 @@ def test_the_families_here_are_the_state_families_the_docs_list_as_running():
 
 def test_prefix_caching_is_off_for_state_models_with_a_log_line(family, caplog):
     path, _ = family("mamba")
-    with caplog.at_level(logging.INFO, logger="batching.engine"):
+    with caplog.at_level(logging.INFO, logger="batching.engine_builder"):
         engine = Engine(EngineConfig(model=path, dtype="float64", device="cpu", max_model_len=128))
     assert not engine.block_manager.enable_prefix_caching
     assert "prefix caching is off" in caplog.text
