@@ -20,7 +20,7 @@ from typing import Protocol
 
 
 class Held(Protocol):
-    """What the rule needs to know of a held job (workers/held_job.py's HeldJob, or a Claim)."""
+    """What the rule needs to know of a held job (workers/held_job.py's HeldJob)."""
 
     @property
     def priority(self) -> int: ...  # 0 most urgent
@@ -28,18 +28,6 @@ class Held(Protocol):
     def created_at(self) -> datetime: ...
     @property
     def handbacks(self) -> int: ...  # times it was handed back for more urgent work so far
-    @property
-    def pinned(self) -> bool: ...  # never handed back
-
-
-@dataclass(frozen=True, slots=True)
-class Claim:
-    """A job being claimed: it counts against capacity, and is never handed back."""
-
-    priority: int
-    created_at: datetime
-    handbacks: int = 0
-    pinned: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +41,22 @@ def admit(held: Iterable[Held], priority: int, *, capacity: int, max_handbacks: 
     counted = [h for h in held if h.handbacks < max_handbacks or h.priority <= priority]
     if len(counted) < capacity:
         return Admission(True)
-    less_urgent = [h for h in counted if h.priority > priority and not h.pinned]  # each below its bound
+    less_urgent = [h for h in counted if h.priority > priority]  # each below its bound
     if not less_urgent:
         return Admission(False)
     return Admission(True, max(less_urgent, key=lambda h: (h.priority, h.created_at)))
+
+
+def admitted_below(held: Iterable[Held], *, capacity: int, max_handbacks: int, levels: int = 10) -> int:
+    """The priorities `admit` takes, in one pass: those below the returned one (of `levels` priorities). A job is
+    taken when fewer than `capacity` held jobs count against it (every movable one, and those at their bound
+    that are at least as urgent as it), or when a movable held job is less urgent than it (to go back)."""
+    movable, bound = [], []
+    for h in held:
+        (movable if h.handbacks < max_handbacks else bound).append(h.priority)
+    below = max(movable, default=0)
+    room = capacity - len(movable)  # for jobs at their bound, counted against the more urgent newcomers
+    if room > 0:
+        bound.sort()
+        below = max(below, bound[room - 1] if len(bound) >= room else levels)
+    return below

@@ -19,7 +19,6 @@ from workers.engine_host import EngineRequest
 
 class HeldJob(EngineRequest):
     __slots__ = ("job", "lease", "key", "kept", "kept_bytes", "claimed_at", "created_at", "handbacks")
-    pinned = False  # admission: a held job may be handed back (a claim in flight may not)
 
     def __init__(self, job: Job, lease: str):
         text = job.output_text or ""

@@ -12,9 +12,9 @@ so no Celery task thread holds a message, and each job is one task in Flower, en
   waits in the engine, ready to start the moment a slot frees): one BLMPOP takes up to `INTAKE_PULL` messages,
   at most the room, from the most urgent non-empty list, waiting up to a second while every list is empty;
 - **full**: every `QUEUE_WATCH_INTERVAL` (and at once when a job leaves the book), one LMPOP looks for a message
-  in the lists more urgent than the least urgent held job that may still be handed back (workers/admission.py).
-  Taking it, the worker hands that job back to the queue (tokens saved, lease dropped, re-sent at its own
-  priority) and holds the urgent one.
+  in the lists of the priorities it would still take (workers/admission.py: those more urgent than a held job
+  that may be handed back, or than the jobs at their hand-back bound). Taking one, the worker hands its least
+  urgent movable job back to the queue (tokens saved, lease dropped, re-sent at its own priority).
 
 A message costs the worker a fraction of the CPU Celery's consumer spends per message (kombu's delivery and
 acknowledgement bookkeeping, the task's trace, a claim of its own). A worker killed between a take and its claim
@@ -133,11 +133,10 @@ class Intake:
         room = self.capacity - len(self._book)
         if room > 0:
             return PRIORITIES, min(self._settings.intake_pull, room), PULL_WAIT
-        movable = [h.priority for h in self._book.held() if h.handbacks < self._settings.max_handbacks]
-        least_urgent = max(movable, default=0)
-        if least_urgent == 0:
-            return None
-        return range(least_urgent), 1, None  # every priority more urgent than a movable job is admitted
+        below = admission.admitted_below(
+            self._book.held(), capacity=self.capacity, max_handbacks=self._settings.max_handbacks
+        )
+        return (range(below), 1, None) if below > 0 else None
 
     def _changed(self) -> None:
         """A job left the book (lock held): there may be room."""

@@ -78,8 +78,8 @@ def test_two_workers_share_a_backlog_urgent_first_and_survive_a_kill_9(
             i for i in ids if seen[i]["started_at"] is None or seen[i]["started_at"] > u["created_at"]
         ]
         assert overtaken, "the backlog ran out before the urgent job: make it longer"
-        # backlog jobs that had not started when the urgent job arrived start after it (a claim already in
-        # flight at that moment, one per intake thread, may still land first)
+        # backlog jobs that had not started when the urgent job arrived start after it (the claims of a pull
+        # already in flight at that moment, one per worker, may still land first)
         late = [
             i
             for i in overtaken

@@ -88,7 +88,7 @@ def worker_stack(
     concurrency: int = 2,
 ) -> Iterator[Stack]:
     """A worker whose engine runs `max_num_seqs` sequences and holds `reserve` jobs more; `concurrency` is
-    its intake threads (messages taken at once)."""
+    its Celery pool's threads (`--concurrency`: no job runs in them, the worker's intake takes jobs)."""
     from webapi import create_app
 
     name = f"w{max_num_seqs}-{uuid.uuid4().hex[:6]}"

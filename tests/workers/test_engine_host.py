@@ -1,4 +1,4 @@
-"""EngineHost with the real tiny-llama engine in its own process: many task threads share it; it survives
+"""EngineHost with the real tiny-llama engine in its own process: many threads share it; it survives
 its engine process dying, and does not outlive its worker."""
 
 from __future__ import annotations

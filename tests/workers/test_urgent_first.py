@@ -58,7 +58,7 @@ def test_urgent_jobs_overtake_a_backlog_ten_times_what_the_worker_holds(
     for job_id in urgent:
         u = seen[job_id]
         # no backlog job waiting in Redis when the urgent one arrived started before it (a claim already in
-        # flight at that moment, one per intake thread, may land first)
+        # flight at that moment, the worker's intake's last pull, may land first)
         late = [
             i
             for i in backlog
