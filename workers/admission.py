@@ -51,7 +51,8 @@ def admitted_below(held: Iterable[Held], *, capacity: int, max_handbacks: int, l
     """The priorities `admit` takes, in one pass: those below the returned one (of `levels` priorities). A job is
     taken when fewer than `capacity` held jobs count against it (every movable one, and those at their bound
     that are at least as urgent as it), or when a movable held job is less urgent than it (to go back)."""
-    movable, bound = [], []
+    movable: list[int] = []
+    bound: list[int] = []
     for h in held:
         (movable if h.handbacks < max_handbacks else bound).append(h.priority)
     below = max(movable, default=0)

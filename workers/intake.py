@@ -64,9 +64,8 @@ class Intake:
         self.capacity = capacity
         self._book, self._sessions, self._settings = book, sessions, settings
         self._worker_id, self._send, self._tasks = worker_id, send, tasks
-        self._wake = threading.Condition(
-            book.lock
-        )  # a job left the book, or the intake was resumed or closed
+        # notified when a job leaves the book, and when the intake is resumed or closed
+        self._wake = threading.Condition(book.lock)
         book.on_change = self._changed
         self._consuming = False  # paused until resumed (the worker is ready)
         self._closing = False
