@@ -51,6 +51,9 @@ class EngineConfig:
     cost_seconds_per_token: float = 0.02
     deadline_margin_seconds: float = 5.0  # a deadline is at risk with less slack than this
     memory_utilization: float = 0.9  # share of free device memory the KV cache may take when sizing
+    # ranks the model is sharded over (attention heads, MLP and KV cache; tensor_parallel.py): 1 runs in this
+    # process alone; N > 1 spawns N - 1 rank processes beside it (one GPU each on CUDA, gloo on the CPU)
+    tensor_parallel_size: int = 1
     seed: int = 0  # base of the random seeds of unseeded sampled requests
     revision: str | None = None  # model revision for HF ids
     trust_remote_code: bool = False
@@ -114,6 +117,12 @@ class EngineConfig:
             or not 0.0 < self.memory_utilization <= 1.0
         ):
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization!r}")
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.tensor_parallel_size > 1 and self.async_scheduling:
+            raise ValueError(
+                "async_scheduling: the ranks of tensor_parallel_size > 1 need each step's input tokens on the "
+                "host (the step's broadcast), so it runs with async_scheduling off (None or False)"
+            )
         _check_int("seed", self.seed, 0)
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
             raise ValueError(f"revision must be a non-empty string or None, got {self.revision!r}")

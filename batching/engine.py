@@ -24,6 +24,7 @@ from batching.cuda_graphs import StepGraphs
 from batching.grammar import Grammars
 from batching.logprobs import token_logprobs
 from batching.outputs import RequestOutput
+from batching.rank_group import RankGroup
 from batching.sampler import Sampler
 from batching.sampling_params import SamplingParams
 from batching.scheduler import SchedulerOutput
@@ -36,15 +37,26 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
-        loaded = engine_builder.load(config)
+        # tensor parallel: the other ranks, started first (they load beside this one); stopped by close()
+        self.ranks = RankGroup.start(config) if config.tensor_parallel_size > 1 else None
+        try:
+            self._build(config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
+        collectives = self.ranks.collectives if self.ranks is not None else None
+        loaded = engine_builder.load(config, collectives)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.device, self.dtype = loaded.device, loaded.dtype
         self.vocab_size, self.max_model_len = loaded.vocab_size, loaded.max_model_len
         self.eos_token_ids = loaded.eos_token_ids
         self.attention_backend, kernel = engine_builder.choose_attention(config, self.device, self.dtype)
-        parts = engine_builder.build(config, loaded, self.attention_backend, kernel)
+        parts = engine_builder.build(config, loaded, self.attention_backend, kernel, collectives)
         self.kv_cache, self.state_cache = parts.kv_cache, parts.state_cache
         self.block_manager, self.scheduler, self.runner = parts.block_manager, parts.scheduler, parts.runner
+        self.runner.followers = self.ranks
         self.activation_bytes = parts.activation_bytes
         # prices the budget from the steps' own times; None while warming up, and with plain token budgets
         self.step_costs: step_cost.StepCostModel | None = None
@@ -56,7 +68,10 @@ class Engine:
         self._pending_outputs: list[RequestOutput] = []  # aborted between steps, reported by the next
         # async scheduling: the step whose tokens are still on their way to the host (step())
         self.async_scheduling = (
-            config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+            config.async_scheduling
+            if config.async_scheduling is not None
+            else self.device.type == "cuda"
+            and self.ranks is None  # (ranks take each step's tokens on the host)
         )
         self._inflight: _Launched | None = None
         self._ids = itertools.count()
@@ -78,10 +93,11 @@ class Engine:
         if self.scheduler.cost_aware:
             self.step_costs = step_cost.StepCostModel()
         log.info(
-            "engine ready: %s on %s/%s, %s attention%s, %d device + %d host KV blocks of %d tokens, "
+            "engine ready: %s on %s%s/%s, %s attention%s, %d device + %d host KV blocks of %d tokens, "
             "max_model_len %d",
             config.model,
             self.device,
+            f" and {config.tensor_parallel_size - 1} more ranks" if self.ranks is not None else "",
             str(self.dtype).removeprefix("torch."),
             self.attention_backend,
             (
@@ -464,6 +480,12 @@ class Engine:
             "num_mixed_graph_steps": self.graphs.num_mixed_replays if self.graphs else 0,
             **self._counters,
         }
+
+    def close(self) -> None:
+        """Stop the engine's other ranks (tensor parallel; done too when the engine is collected). Nothing else
+        needs closing: with one rank this does nothing. The engine cannot step after."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def check_invariants(self) -> None:
         """Assert the block manager's invariants (for tests)."""

@@ -5,6 +5,7 @@ Engine.__init__ calls these and keeps what they return."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -13,8 +14,9 @@ from typing import Any
 
 import torch
 
-from batching import cpu_attention, cpu_linear, model_probe, state_layers
+from batching import cpu_attention, cpu_linear, model_probe, state_layers, tensor_parallel
 from batching.block_manager import BlockManager, blocks_for
+from batching.collectives import Collectives
 from batching.config import EngineConfig
 from batching.cpu_attention import PagedAttentionKernel
 from batching.cuda_graphs import StepGraphs
@@ -56,12 +58,23 @@ class EngineParts:
     num_host_blocks: int
 
 
-def load(config: EngineConfig) -> LoadedModel:
+def load(config: EngineConfig, collectives: Collectives | None = None) -> LoadedModel:
+    """`collectives`: this rank's, with tensor_parallel_size > 1: the model keeps this rank's shard
+    (tensor_parallel.py), on this rank's device."""
     device = resolve_device(config.device)
     model_config = load_model_config(config)
     dtype = resolve_dtype(config.dtype, model_config, device)
     tokenizer = load_tokenizer_for(config)
-    model = load_model(config, device, dtype, model_config)
+    shard = None
+    if collectives is not None:
+        device = tensor_parallel.rank_device(device, collectives.rank)
+        shard = functools.partial(
+            tensor_parallel.shard_model,
+            rank=collectives.rank,
+            world_size=collectives.world_size,
+            all_reduce=collectives.all_reduce,
+        )
+    model = load_model(config, device, dtype, model_config, shard)
     if config.cpu_packed_linears and cpu_linear.available(dtype, device):
         cpu_linear.pack_linears(model)
     elif cpu_linear.lacks_bf16_arithmetic(dtype, device):
@@ -110,10 +123,16 @@ def choose_attention(
 
 
 def build(
-    config: EngineConfig, loaded: LoadedModel, attention_backend: str, kernel: PagedAttentionKernel | None
+    config: EngineConfig,
+    loaded: LoadedModel,
+    attention_backend: str,
+    kernel: PagedAttentionKernel | None,
+    collectives: Collectives | None = None,
 ) -> EngineParts:
     """The caches follow what the attention layers pass, not what the config names (model_probe.py); the
-    device pool takes what the weights and one full step leave (sizing.py)."""
+    device pool takes what the weights and one full step leave (sizing.py). With `collectives` (tensor
+    parallel) every rank builds its own parts here, in step with the others (the shape forward sums over
+    them), and the pools take the sizes every rank can hold (its own heads' KV, under rank 0's block ids)."""
     model, device, dtype = loaded.model, loaded.device, loaded.dtype
     geometry = model_probe.kv_geometry(model, device, loaded.max_model_len)
     state_geometry = state_layers.geometry(model)  # recorded by that forward; None: attention only
@@ -134,6 +153,10 @@ def build(
     num_device_blocks, num_host_blocks = size_pools(
         config, device, block_bytes, loaded.max_model_len, activation_bytes, state_bytes
     )
+    if collectives is not None:
+        num_device_blocks, num_host_blocks = _agree_pool_sizes(
+            config, loaded, collectives, num_device_blocks, num_host_blocks
+        )
     kv_cache = KVCache(geometry.layers, config.block_size, num_device_blocks, num_host_blocks, dtype, device)
     num_host_state_slots = num_state_slots if num_host_blocks else 0
     state_cache = None
@@ -187,6 +210,7 @@ def capture_graphs(
     if not (
         loaded.device.type == "cuda"
         and config.cuda_graphs
+        and config.tensor_parallel_size == 1  # (the all-reduces are not captured)
         and attention_backend == "triton"
         and parts.state_cache is None
     ):
@@ -198,6 +222,21 @@ def capture_graphs(
         config.max_num_batched_tokens,
     )
     return graphs if graphs.capture() else None
+
+
+def _agree_pool_sizes(
+    config: EngineConfig, loaded: LoadedModel, collectives: Collectives, device_blocks: int, host_blocks: int
+) -> tuple[int, int]:
+    """The pool sizes every rank can hold. On the CPU the ranks share one memory that each sized from alone:
+    a pool sized from memory is divided between them."""
+    if loaded.device.type == "cpu":
+        n = collectives.world_size
+        if config.num_device_blocks is None:
+            device_blocks = max(blocks_for(loaded.max_model_len, config.block_size), device_blocks // n)
+        if config.num_host_blocks is None:
+            host_blocks //= n
+    agreed = collectives.agree_min([device_blocks, host_blocks])
+    return agreed[0], agreed[1]
 
 
 def triton_unavailable(device, dtype) -> str | None:

@@ -474,8 +474,8 @@ def _failure(model_type: str, exc: BaseException) -> Refusal:
     """An exception raised in the model's forward under the probe: the device's lack of memory is raised
     as it is; the model computing with the mask (MaskUsed, wherever in the exception's chain) is the
     documented refusal; anything else is unexpected (a genq bug or the model's), logged with its traceback."""
-    if _out_of_memory(exc):  # the device was short of memory, not the model of a feature: say that
-        raise exc
+    if _out_of_memory(exc) or isinstance(exc, torch.distributed.DistBackendError):
+        raise exc  # the device was short of memory, or a rank of a tensor-parallel engine failed: say that
     used = _mask_used(exc)
     if used is not None:
         return refusal(
@@ -623,7 +623,11 @@ def _check_logits(engine, model_type: str, prompts: dict[str, list[int]], rows) 
                     if state_layers.installed(model):  # as generate() runs them: prompt, then token by token
                         reference = _incremental_logits(model, ids, len(prompts[req_id]))
                     else:
+                        if engine.ranks is not None:  # tensor parallel: the other ranks run it too
+                            engine.ranks.send_reference(ids[0].tolist())
                         reference = model(input_ids=ids, use_cache=False).logits[0]  # [n, V]
+                except torch.distributed.DistBackendError:
+                    raise  # a rank of a tensor-parallel engine failed: not the model's
                 except Exception as exc:  # noqa: BLE001 - eager fails where genq ran: no reference
                     log.warning("%s: its eager attention fails (%s); logits not compared", model_type, exc)
                     return

@@ -82,6 +82,19 @@ class StepReplays(Protocol):
         ...
 
 
+class StepFollowers(Protocol):
+    """The other ranks of a tensor-parallel engine (rank_group.RankGroup): each step's swaps and rows reach them
+    before rank 0's forward, which they run with it."""
+
+    def send_step(
+        self,
+        swap_out: list[tuple[int, int]],
+        swap_in: list[tuple[int, int]],
+        rows: StepRows | None,
+        block_tables: np.ndarray | None,
+    ) -> None: ...
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -110,6 +123,7 @@ class ModelRunner:
             else None
         )
         self.graphs: StepReplays | None = None  # captured by the engine at start-up (cuda_graphs.py)
+        self.followers: StepFollowers | None = None  # tensor parallel: the other ranks (set by the engine)
 
     @torch.inference_mode()
     def execute(
@@ -123,9 +137,18 @@ class ModelRunner:
         if self.state_cache is not None:
             self.state_cache.swap(sched.state_swap_out, sched.state_swap_in)
         if not sched.seqs:
+            if self.followers is not None and (sched.swap_out or sched.swap_in):
+                self.followers.send_step(sched.swap_out, sched.swap_in, None, None)
             self.kv_cache.wait_for_copies()
             return None, [], None, []
         rows = self.step_rows(sched)
+        if self.followers is not None:
+            width = max(
+                -(-(seq.num_computed_tokens + n) // self.block_size) for seq, n in zip(rows.seqs, rows.q_lens)
+            )
+            self.followers.send_step(
+                sched.swap_out, sched.swap_in, rows, self.block_tables.gather(rows.seqs, width)
+            )
         if rows.pending_rows:
             assert pending_tokens is not None, "an input token on the device, and no tokens given"
             rows.pending_tokens = pending_tokens
@@ -140,6 +163,18 @@ class ModelRunner:
         self.kv_cache.wait_for_copies()
         logits = self.forward(batch)  # [N + P, V]
         return logits[:n], rows.sample_seqs, logits[n:] if extra else None, rows.logprob_spans
+
+    @torch.inference_mode()
+    def follow(
+        self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], rows: StepRows | None
+    ) -> None:
+        """A tensor-parallel rank's step (rank_group.py): rank 0's swaps on this rank's KV, then the forward of
+        rank 0's rows (no logits: rank 0 samples)."""
+        self.kv_cache.swap(swap_out, swap_in)
+        batch = self._prepare_attention(rows) if rows is not None else None
+        self.kv_cache.wait_for_copies()
+        if batch is not None:
+            self.forward(batch)
 
     def forward(self, batch: ModelInput) -> torch.Tensor:
         with step_context(batch.attn):  # for models that do not pass genq_attn on (attention_classes.py)

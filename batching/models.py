@@ -183,8 +183,9 @@ def uses_alibi(model_config) -> bool:
     return bool(getattr(model_config, "alibi", False) or getattr(attn_config, "alibi", False))
 
 
-def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, model_config):
-    """The causal LM on `device` in `dtype`, in eval mode, with genq's paged attention plugged in."""
+def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, model_config, shard=None):
+    """The causal LM on `device` in `dtype`, in eval mode, with genq's paged attention plugged in. `shard`
+    (tensor parallel: tensor_parallel.shard_model for this rank) cuts the model before it moves to `device`."""
     from transformers import AttentionInterface, AutoModelForCausalLM
 
     AttentionInterface.register(ATTENTION_NAME, paged_attention)
@@ -231,6 +232,8 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, m
     _install_state_layers(model, model_config)
     if dtype == torch.float64:
         use_eager_experts(model)
+    if shard is not None:
+        shard(model)
     if quantization_of(model_config) is None:
         model = model.to(device=device, dtype=dtype)
     else:  # loaded in `dtype` already; quantized weights keep their own (bitsandbytes refuses a cast)
