@@ -70,6 +70,8 @@ class WorkerSettings(StoreSettings):
     # --- engine sizes (None: the engine's own default)
     dtype: str = "auto"
     device: str = "auto"
+    # GPUs one worker's engine spans (tensor parallel: heads, MLP and KV cache split over them; rank r on cuda:r)
+    tensor_parallel_size: int = Field(1, ge=1)
     max_num_seqs: int | None = None  # None: the engine's default (256)
     max_num_batched_tokens: int | None = None
     block_size: int | None = None
@@ -116,6 +118,7 @@ class WorkerSettings(StoreSettings):
             model=self.model,
             dtype=self.dtype,
             device=self.device,
+            tensor_parallel_size=self.tensor_parallel_size,
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens,

@@ -12,12 +12,13 @@ import subprocess
 import time
 
 import pytest
+import torch
 from transformers import AutoConfig
 
 from batching import Engine, EngineConfig
 from batching.collectives import RankFailure
 from batching.tensor_parallel import RowParallelLinear, check_shardable
-from tests.batching.conftest import TINY_CONFIGS, greedy, random_prompts
+from tests.batching.conftest import TINY_CONFIGS, TRITON_PATH, greedy, random_prompts
 from tests.batching.test_preemption import WORKLOAD, run_arrivals
 
 
@@ -79,6 +80,21 @@ def test_token_identical_to_one_process_under_preemption_swap_and_recompute(llam
         engine.close()
     assert wait_exited(processes, 1.0), "close() left a rank running"
     assert [p.returncode for p in processes] == [0]  # it stopped when asked, not killed
+
+
+@pytest.mark.skipif(torch.cuda.device_count() == 1, reason="2 ranks on CUDA need 2 GPUs")
+def test_the_triton_path_runs_per_rank(llama_path, reference):
+    """The step metadata the CUDA path packs (model_runner.MetadataPacker), rebuilt by each rank from rank 0's
+    broadcast; on the CPU under Triton's interpreter (slow: a short run of chunks and decodes)."""
+    engine = tensor_parallel_engine(
+        llama_path, **TRITON_PATH[1], num_device_blocks=32, num_host_blocks=0, max_num_batched_tokens=8
+    )
+    try:
+        prompts = random_prompts(31, [7, 3, 12])
+        outputs = engine.generate(prompts, greedy(5))
+        assert [o.token_ids for o in outputs] == [reference(llama_path, tuple(p), 5) for p in prompts]
+    finally:
+        engine.close()
 
 
 def test_ranks_stop_when_the_engine_is_collected(llama_path):
