@@ -88,6 +88,19 @@ def test_duplicate_request_id(engine, busy):
         (dict(params={"max_tokens": 3}), r"params must be a SamplingParams"),
         (dict(resume_token_ids=[5, 300]), r"resume_token_ids: token id 300 is outside the vocabulary"),
         (dict(resume_token_ids=[5, 6, 7]), r"resume_token_ids: 3 tokens already reach max_tokens \(3\)"),
+        (
+            dict(predicted_output_tokens=-1),
+            r"predicted_output_tokens must be an integer >= 0 or None, got -1",
+        ),
+        (
+            dict(predicted_output_tokens=2.5),
+            r"predicted_output_tokens must be an integer >= 0 or None, got 2.5",
+        ),
+        (
+            dict(deadline=float("nan")),
+            r"deadline must be seconds since the epoch \(a finite number\) or None",
+        ),
+        (dict(deadline="tomorrow"), r"deadline must be seconds since the epoch .* got 'tomorrow'"),
     ],
 )
 def test_bad_request_fields(engine, busy, kwargs, match):
@@ -171,6 +184,13 @@ def test_stop_as_a_single_string_is_accepted():
         (dict(seed=-1), r"seed must be an integer >= 0, got -1"),
         (dict(revision=""), r"revision must be a non-empty string or None"),
         (dict(trust_remote_code="no"), r"trust_remote_code must be True or False"),
+        (
+            dict(scheduling_policy="sjf"),
+            r"scheduling_policy must be one of \('fcfs', 'predicted'\), got 'sjf'",
+        ),
+        (dict(aging_seconds=-1), r"aging_seconds must be a finite number of seconds >= 0, got -1"),
+        (dict(cost_seconds_per_token=float("inf")), r"cost_seconds_per_token must be a finite number"),
+        (dict(deadline_margin_seconds="5"), r"deadline_margin_seconds must be a finite number of seconds"),
     ],
 )
 def test_bad_engine_config(kwargs, match):
