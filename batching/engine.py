@@ -67,11 +67,10 @@ class Engine:
         self.requests: dict[str, Sequence] = {}
         self._pending_outputs: list[RequestOutput] = []  # aborted between steps, reported by the next
         # async scheduling: the step whose tokens are still on their way to the host (step())
+        # (not with tensor-parallel ranks: they take each step's input tokens from the host)
+        default_async = self.device.type == "cuda" and self.ranks is None
         self.async_scheduling = (
-            config.async_scheduling
-            if config.async_scheduling is not None
-            else self.device.type == "cuda"
-            and self.ranks is None  # (ranks take each step's tokens on the host)
+            config.async_scheduling if config.async_scheduling is not None else default_async
         )
         self._inflight: _Launched | None = None
         self._ids = itertools.count()

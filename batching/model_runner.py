@@ -143,12 +143,7 @@ class ModelRunner:
             return None, [], None, []
         rows = self.step_rows(sched)
         if self.followers is not None:
-            width = max(
-                -(-(seq.num_computed_tokens + n) // self.block_size) for seq, n in zip(rows.seqs, rows.q_lens)
-            )
-            self.followers.send_step(
-                sched.swap_out, sched.swap_in, rows, self.block_tables.gather(rows.seqs, width)
-            )
+            self._send_to_followers(sched, rows)
         if rows.pending_rows:
             assert pending_tokens is not None, "an input token on the device, and no tokens given"
             rows.pending_tokens = pending_tokens
@@ -163,6 +158,16 @@ class ModelRunner:
         self.kv_cache.wait_for_copies()
         logits = self.forward(batch)  # [N + P, V]
         return logits[:n], rows.sample_seqs, logits[n:] if extra else None, rows.logprob_spans
+
+    def _send_to_followers(self, sched: SchedulerOutput, rows: StepRows) -> None:
+        """The step to the other ranks (tensor parallel), with its sequences' block tables [S, W] gathered from
+        the persistent array, W the widest context's blocks."""
+        bs = self.block_size
+        width = max(-(-(seq.num_computed_tokens + n) // bs) for seq, n in zip(rows.seqs, rows.q_lens))
+        assert self.followers is not None
+        self.followers.send_step(
+            sched.swap_out, sched.swap_in, rows, self.block_tables.gather(rows.seqs, width)
+        )
 
     @torch.inference_mode()
     def follow(

@@ -19,9 +19,9 @@ once, a hung one after COLLECTIVE_TIMEOUT. Nothing waits forever on rank 0's sid
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -40,8 +40,6 @@ from batching.config import EngineConfig
 from batching.models import load_model_config, resolve_device
 from batching.step_broadcast import Command, StepBroadcast
 from batching.tensor_parallel import rank_device
-
-log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=300)  # rank 0's longest wait on the ranks (their model loads included)
 RANK_TIMEOUT = timedelta(days=365)  # a rank waits for rank 0's next step however long the engine idles
@@ -65,19 +63,15 @@ class RankGroup:
         )
         self.processes = [_start_rank(config, rank, self.store.port) for rank in range(1, n)]
         self._finalizer = weakref.finalize(self, _stop, self.processes)
-        self.describe = functools.partial(_describe_failure, self.store, self.processes)
+        describe = functools.partial(_describe_failure, self.store, self.processes)
         try:
-            self.collectives = _join(self.store, n, device, self.processes, self.describe)
+            self.collectives = _join(self.store, n, device, self.processes, describe)
         except BaseException:
             self._finalizer()
             raise
         self.steps = StepBroadcast(self.collectives.broadcast)
         self.send_step = self.steps.send_step
         self.send_reference = self.steps.send_reference
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
 
     def close(self) -> None:
         """Stop the ranks: asked, then terminated if they have not exited within STOP_GRACE_SECONDS. Idempotent."""
@@ -98,6 +92,7 @@ def _start_rank(config: EngineConfig, rank: int, port: int) -> subprocess.Popen:
         [sys.executable, "-c", "from batching.rank_group import rank_main; rank_main()"],
         stdin=subprocess.PIPE,
         env=env,
+        start_new_session=True,  # a terminal's Ctrl-C reaches rank 0, which decides when the ranks stop
     )
     assert process.stdin is not None
     process.stdin.write(pickle.dumps((config, rank, port, torch.get_num_threads())))
@@ -172,16 +167,21 @@ def _failure_key(rank: int) -> str:
 def rank_main() -> None:
     """A rank's process: its config and place from stdin, then load, build and follow rank 0 until told to stop."""
     config, rank, port, threads = pickle.load(sys.stdin.buffer)
+    # rank 0's stop, even when started by a process that ignores SIGTERM (the worker's engine process)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     torch.set_num_threads(threads)
     _exit_with_parent()
     store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, False, timeout=COLLECTIVE_TIMEOUT)
     try:
         follow(config, rank, store)
+    except RankFailure as exc:  # rank 0 went: nobody to tell
+        print(exc, file=sys.stderr)
+        sys.exit(1)
     except BaseException as exc:
         try:
             store.set(_failure_key(rank), f"{type(exc).__name__}: {exc}")
         except RuntimeError:
-            pass  # rank 0 is gone: nobody to tell
+            pass  # rank 0 went meanwhile
         raise
 
 
@@ -206,6 +206,8 @@ def follow(config: EngineConfig, rank: int, store) -> None:
                 set_attention(model, "eager")
                 try:
                     model(input_ids=torch.tensor([message.token_ids], device=device), use_cache=False)
+                except Exception:  # noqa: BLE001 - rank 0's fails too, and it goes on without the comparison
+                    pass
                 finally:
                     set_attention(model, ATTENTION_NAME)
                 continue
