@@ -65,24 +65,34 @@ class HeldJob(EngineRequest):
             json_schema=options.get("json_schema"),
         )
 
+    def resumable(self) -> Position | None:
+        """How much of its output a later run may resume from: all of it so far, or None once the engine ended
+        it (a stop or its length): its last tokens (an EOS, which a resumed run would go past) belong with its
+        result only."""
+        at = self.transcript.position  # read first: the reader thread sets finish_reason, then position
+        return None if self.transcript.finish_reason in ("stop", "length") else at
+
     def output(self, *, final: bool = False) -> tuple[jobs.Output, Position]:
         """What to write beyond what the row holds (with nothing new, it only renews the lease), and the
-        position the row will then hold."""
+        position the row will then hold. A progress write (not `final`) holds nothing a resumed run could go
+        past: a job the engine ended in the meantime only renews its lease until its result is written."""
         transcript = self.transcript
-        new = transcript.since(self.kept)
+        upto = transcript.position if final else self.resumable() or self.kept
+        token_ids = transcript.token_ids[self.kept.tokens : upto.tokens]
+        text = transcript.text_since(self.kept.chars, upto.chars)
         output = jobs.Output(
             self.job.id,
             self.lease,
             self.kept.tokens,
-            new.token_ids,
+            token_ids,
             self.kept_bytes,
-            new.text.encode(),
+            text.encode(),
             self.first_token_at,
             transcript.finish_reason if final else None,
             len(self.prompt_token_ids) if final else None,
             self.logprobs() if final else None,
         )
-        return output, new.end
+        return output, upto
 
     def saved(self, output: jobs.Output, position: Position) -> None:
         """The row now holds `output` (written by save_progress)."""

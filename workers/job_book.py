@@ -271,12 +271,23 @@ class JobBook:
         return Outcome.FAILED, code
 
     def _write_hand_backs(self, returning: list[tuple[HeldJob, Outcome]]) -> None:
-        """Save each job's tokens, drop its lease, and send it back to the queue at its own priority."""
+        """Save each job's tokens, drop its lease, and send it back to the queue at its own priority. A job the
+        engine ended before the hand-back reached it (its stop or length came first) is not handed back: resumed,
+        it would go on past its end; its result is written instead. Written ones leave `returning`."""
+        kept = []
+        for h, outcome in returning:
+            at = h.resumable()
+            if at is None:
+                with self.lock:
+                    self._ended.append(h)
+                self._wake.set()
+            else:
+                kept.append((h, outcome, at))
+        returning[:] = [(h, outcome) for h, outcome, _ in kept]
         released = []
         with self._sessions() as session:
-            for h, outcome in returning:
+            for h, outcome, at in kept:
                 transcript = h.transcript
-                at = transcript.position
                 tokens, text = transcript.token_ids[: at.tokens], transcript.text_since(0, at.chars)
                 if jobs.release_job(
                     session,
