@@ -191,11 +191,12 @@ def jobs_in_queue(
 
 def queue_key(settings: StoreSettings, queue: str, priority: int) -> str:
     """The Redis list holding `queue`'s messages of `priority` (kombu's naming: the plain name for 0)."""
-    return (
-        f"{settings.redis_key_prefix}{queue}{SEP}{priority}"
-        if priority
-        else f"{settings.redis_key_prefix}{queue}"
-    )
+    return list_name(settings.redis_key_prefix, queue, priority)
+
+
+def list_name(prefix: str, queue: str, priority: int) -> str:
+    """`queue_key` under key prefix `prefix` (Flower's, which it reads from the broker options)."""
+    return f"{prefix}{queue}{SEP}{priority}" if priority else f"{prefix}{queue}"
 
 
 def bounded_redis(url: str, *, timeout: float, max_connections: int = 64) -> redis.Redis:

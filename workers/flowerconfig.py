@@ -3,7 +3,7 @@
 - Basic auth always: FLOWER_BASIC_AUTH=user:password, or a random password printed at start.
 - Queue lengths per priority: Flower's broker page (and /api/queues/length) sums a queue's priority
   lists into one number; here each priority step gets its own row, `generate` (0) to `generate:9`,
-  next to the total, using the same priority_steps / sep / key prefix as the workers.
+  next to the total, the lists named by contract/dispatch.py (the module that knows kombu's naming).
 """
 
 # Tornado reads every top-level name that matches a Flower option (`logging` is one), so modules
@@ -13,6 +13,8 @@ import os as _os
 import secrets as _secrets
 
 from flower.utils.broker import RedisBase as _RedisBase
+
+from contract.dispatch import list_name as _list_name
 
 port = int(_os.environ.get("FLOWER_PORT", "5555"))
 address = _os.environ.get("FLOWER_ADDRESS", "127.0.0.1")
@@ -28,7 +30,7 @@ async def _queues_per_priority(self, names):
     async with self.redis.pipeline() as pipeline:
         for name in names:
             for priority in self.priority_steps:
-                pipeline.llen(self.broker_prefix + self._q_for_pri(name, priority))
+                pipeline.llen(_list_name(self.broker_prefix, name, priority))
         lengths = iter(await pipeline.execute())
     rows = []
     for name in names:
