@@ -213,6 +213,14 @@ class Job(Base):
             "tenant_id",
             postgresql_where=text("status = 'queued' AND batch_id IS NULL"),
         ),
+        # GET /jobs/ended: a tenant's jobs in the order they ended (set once, when the job ends)
+        Index(
+            "ix_jobs_tenant_finished",
+            "tenant_id",
+            "finished_at",
+            "id",
+            postgresql_where=text("finished_at IS NOT NULL"),
+        ),
         # a batch's jobs in input order: its request counts, its output file
         Index("ix_jobs_batch", "batch_id", "batch_index", postgresql_where=text("batch_id IS NOT NULL")),
         # /metrics: the live jobs past or near their deadline (a claim changes status anyway; a progress write

@@ -20,7 +20,18 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
     from flask import Flask
 
     from contract.settings import ApiSettings
-    from webapi import batches, completions, docs, files, jobs, ops, served_models, tokens
+    from webapi import (
+        batches,
+        bulk_jobs,
+        completions,
+        docs,
+        ended_jobs,
+        files,
+        jobs,
+        ops,
+        served_models,
+        tokens,
+    )
     from webapi.cli import keys
     from webapi.errors import init_errors
     from webapi.extensions import init_extensions
@@ -33,6 +44,8 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
     init_extensions(app, settings)
     init_errors(app)
     init_metrics(app)
+    app.register_blueprint(bulk_jobs.bp)  # before jobs': /jobs/bulk and /jobs/ended are not job ids
+    app.register_blueprint(ended_jobs.bp)
     app.register_blueprint(jobs.bp)
     app.register_blueprint(files.bp)
     app.register_blueprint(batches.bp)

@@ -25,6 +25,8 @@ from webapi.sent_marks import SentMarks
 
 LIMITED_BLUEPRINTS = (
     "jobs",
+    "bulk_jobs",  # a bulk submission is one call
+    "ended_jobs",
     "files",
     "batches",
     "completions",

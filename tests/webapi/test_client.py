@@ -1,4 +1,5 @@
-"""The batch client (batchclient/cli.py) against a real stack over HTTP: killed midway, resumed, no duplicates."""
+"""The batch client (batchclient/) against a real stack over HTTP: killed midway, resumed, no duplicates;
+results written as they end, in bulk calls and a listing of what ended, not a call per job."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from werkzeug.serving import make_server
@@ -23,12 +26,40 @@ def served(settings, new_key, tmp_path_factory, redis_client):
     """A worker, and the API on a real HTTP port (werkzeug, threaded) in front of it."""
     settings = settings.replace(rate_limit="2000/second")
     with worker_stack(settings, new_key, tmp_path_factory.mktemp("client"), max_num_seqs=4) as stack:
-        server = make_server("127.0.0.1", 0, stack.client.application, threaded=True)
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
-        yield stack, f"http://127.0.0.1:{server.server_port}"
+        with http_server(stack.client.application) as url:
+            yield stack, url
+
+
+@contextmanager
+def http_server(app) -> Iterator[str]:
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
         server.shutdown()
         thread.join()
+
+
+class CountingCalls:
+    """WSGI middleware: every call's (method, path, status), and each bulk item's status."""
+
+    def __init__(self, app):
+        self.app, self.calls, self.bulk_items = app, [], []
+
+    def __call__(self, environ, start_response):
+        answered = {}
+
+        def start(status, headers, exc_info=None):
+            answered["status"] = int(status.split()[0])
+            return start_response(status, headers, exc_info)
+
+        body = b"".join(self.app(environ, start))
+        self.calls.append((environ["REQUEST_METHOD"], environ["PATH_INFO"], answered["status"]))
+        if environ["PATH_INFO"] == "/jobs/bulk" and answered["status"] == 200:
+            self.bulk_items += [item["status"] for item in json.loads(body)["results"]]
+        return [body]
 
 
 def client_command(url: str, key: str, tmp_path) -> list[str]:
@@ -44,8 +75,8 @@ def client_command(url: str, key: str, tmp_path) -> list[str]:
         key,
         "--out",
         str(tmp_path / "out.jsonl"),
-        "--concurrency",
-        "1",
+        "--bulk-size",
+        "5",
         "--poll-interval",
         "0.1",
         "--no-progress",
@@ -169,3 +200,83 @@ def test_ctrl_c_stops_cleanly_and_says_what_happened_to_the_jobs(app, new_key, t
     assert str(state) in err
     jobs = app.test_client().get("/jobs", headers={"Authorization": f"Bearer {key}"}).json["jobs"]
     assert sorted(job["status"] for job in jobs) == ["queued"] * 5  # still there, still queued
+
+
+def test_results_are_written_as_they_end_in_few_calls_without_a_429(served, tmp_path):
+    """A cap of 40 queued jobs and the default rate limit: 400 requests go in bulk calls that fit the cap,
+    results are followed by GET /jobs/ended (far fewer GETs than jobs), and written while the run goes on."""
+    from webapi import create_app
+
+    stack, _ = served
+    settings = stack.settings.replace(max_queued_per_tenant=40, rate_limit="50/second;2000/minute")
+    app = create_app(settings)
+    counting = CountingCalls(app)
+    n = 400
+    items = [
+        {"custom_id": f"s{i}", "prompt": f"Item {i}", "max_tokens": 2 + i % 4, "temperature": 0.0}
+        for i in range(n)
+    ]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
+    out = tmp_path / "out.jsonl"
+    try:
+        with http_server(counting) as url:
+            command = [*client_command(url, stack.headers["Authorization"][7:], tmp_path)]
+            command[command.index("--bulk-size") + 1] = "1000"
+            command[command.index("--poll-interval") + 1] = "0.5"  # the default
+            with (tmp_path / "client.log").open("w") as log:
+                client = subprocess.Popen(command, cwd=ROOT, stderr=log)
+            counts_seen = set()
+            while client.poll() is None:
+                if out.exists():
+                    counts_seen.add(len(out.read_text().splitlines()))
+                time.sleep(0.05)
+            stderr = (tmp_path / "client.log").read_text()
+    finally:
+        app.extensions["genq"].close()
+    assert client.returncode == 0, stderr
+    assert any(0 < count < n for count in counts_seen)  # rows appeared while it ran, not all at the end
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["custom_id"] for row in rows] == [
+        item["custom_id"] for item in items
+    ]  # input order at the end
+    assert all(row["status"] == "succeeded" for row in rows)
+    statuses = [status for _, _, status in counting.calls]
+    assert 429 not in statuses and 429 not in counting.bulk_items
+    gets = sum(1 for method, _, _ in counting.calls if method == "GET")
+    posts = [path for method, path, _ in counting.calls if method == "POST"]
+    assert gets < n / 4, gets
+    assert set(posts) == {"/jobs/bulk"} and len(posts) >= n / 40  # the cap's room at a time
+
+
+def test_two_files_reusing_custom_ids_get_their_own_jobs(served, tmp_path):
+    stack, url = served
+    key = stack.headers["Authorization"][7:]
+    ids = []
+    for name, prompt in (("one", "First file"), ("two", "Second file")):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "in.jsonl").write_text(
+            json.dumps({"custom_id": "q1", "prompt": prompt, "max_tokens": 3}) + "\n"
+        )
+        done = subprocess.run(
+            client_command(url, key, run), cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        row = json.loads((run / "out.jsonl").read_text())
+        assert row["status"] == "succeeded", row
+        ids.append(row["job_id"])
+    assert ids[0] != ids[1]
+
+
+def test_an_api_that_does_not_answer_is_reported_within_seconds(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"custom_id": "a", "prompt": "x"}\n')
+    started = time.monotonic()
+    r = subprocess.run(
+        client_command("http://127.0.0.1:9", "k", tmp_path),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "the API at http://127.0.0.1:9 does not answer" in r.stderr
+    assert time.monotonic() - started < 15

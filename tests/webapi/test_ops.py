@@ -48,6 +48,8 @@ def test_openapi_is_generated_from_the_schemas(client, app):
     assert doc["openapi"].startswith("3.1")
     assert set(doc["paths"]) == {
         "/jobs",
+        "/jobs/bulk",
+        "/jobs/ended",
         "/jobs/{job_id}",
         "/jobs/{job_id}/events",
         "/jobs/{job_id}/cancel",
