@@ -19,9 +19,7 @@ def test_lists_what_ended_in_order_page_by_page_and_only_the_callers(client, aut
         assert client.post(f"/jobs/{job_id}/cancel", headers=headers).status_code == 200
     first = client.get("/jobs/ended", query_string={"since": start, "limit": 2}, headers=headers).json
     assert [j["id"] for j in first["jobs"]] == ids[:2] and first["more"]
-    rest = client.get(
-        "/jobs/ended", query_string={"since": first["next_cursor"]}, headers=headers
-    ).json
+    rest = client.get("/jobs/ended", query_string={"since": first["next_cursor"]}, headers=headers).json
     assert [j["id"] for j in rest["jobs"]] == ids[2:3] and not rest["more"]
     assert rest["jobs"][0]["status"] == "cancelled"
     assert rest["queue"]["queued"] >= 2  # the caller's own two left queued (counted within a second)
