@@ -1,4 +1,4 @@
-"""Database tables: tenants, their API keys (hashed), jobs, and the Batch API's files and batches."""
+"""Database tables: tenants, their policies and API keys (hashed), jobs, and the Batch API's files and batches."""
 
 from __future__ import annotations
 
@@ -104,6 +104,35 @@ class Tenant(Base):
     id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
     name: Mapped[str] = mapped_column(String(100), unique=True)
     created_at: Mapped[datetime] = _timestamp(server_default=func.now())
+
+
+class TenantPolicy(Base):
+    """A tenant's limits (jobstore/tenant_policy.py); a column left NULL takes the API's default (settings),
+    and a tenant without a row has every default: today's behaviour."""
+
+    __tablename__ = "tenant_policies"
+
+    tenant_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    # the most urgent priority its keys may ask for (0 most urgent): a more urgent one answers 403
+    top_priority: Mapped[int | None] = mapped_column(SmallInteger)
+    # the priority of its synchronous /v1 calls that name none (default 0, never above top_priority)
+    sync_priority: Mapped[int | None] = mapped_column(SmallInteger)
+    max_queued: Mapped[int | None] = mapped_column(Integer)  # MAX_QUEUED_PER_TENANT for this tenant
+    rate_limit: Mapped[str | None] = mapped_column(String(200))  # RATE_LIMIT (per key) for this tenant's keys
+    # tokens (prompt + completion; a live job counts its max_tokens) its jobs may use per period
+    token_budget: Mapped[int | None] = mapped_column(BigInteger)
+    budget_period_seconds: Mapped[int] = mapped_column(Integer, default=86400, server_default=text("86400"))
+    updated_at: Mapped[datetime] = _timestamp(server_default=func.now(), onupdate=func.now())
+
+    __table_args__ = (
+        CheckConstraint("top_priority BETWEEN 0 AND 9", name="top_priority_range"),
+        CheckConstraint("sync_priority BETWEEN 0 AND 9", name="sync_priority_range"),
+        CheckConstraint("max_queued >= 0", name="max_queued_positive"),
+        CheckConstraint("token_budget >= 0", name="token_budget_positive"),
+        CheckConstraint("budget_period_seconds > 0", name="budget_period_positive"),
+    )
 
 
 class ApiKey(Base):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from flask import g, request
 
 from jobstore.keys import hash_key, tenant_for_key_hash
+from jobstore.tenant_policy import stored_policy
 from webapi.errors import APIError
 from webapi.extensions import services
 from webapi.key_cache import Caller
@@ -35,17 +36,21 @@ def require_api_key() -> None:
             "missing API key after `Bearer`: send `Authorization: Bearer <key>`",
             CHALLENGE,
         )
-    key_hash = hash_key(key.strip())
-    caller = services().key_cache.get_or_load(key_hash, lambda: _look_up(key_hash))
+    caller = look_up_caller(hash_key(key.strip()))
     if caller is None:
         raise APIError(401, "unauthorized", "unknown or revoked API key", CHALLENGE)
     g.tenant = caller
 
 
+def look_up_caller(key_hash: str) -> Caller | None:
+    """The caller of the key whose hash is `key_hash` (cached), or None for an unknown or revoked key."""
+    return services().key_cache.get_or_load(key_hash, lambda: _look_up(key_hash))
+
+
 def _look_up(key_hash: str) -> Caller | None:
     with services().sessions() as session:  # its own short session: the connection goes back at once
         tenant = tenant_for_key_hash(session, key_hash)
-        return tenant and Caller(tenant.id, tenant.name)
+        return tenant and Caller(tenant.id, tenant.name, stored_policy(session, tenant.id))
 
 
 def current_tenant() -> Caller:

@@ -31,6 +31,7 @@ from webapi.metrics import JOBS_CANCELLED, JOBS_SUBMITTED
 from webapi.openai_schemas import BatchCreate, BatchListQuery, BatchObject, BatchPage, RequestCounts
 from webapi.prompts import NoChatTemplate, tokenizer_for
 from webapi.spec import endpoint
+from webapi.tenant_limits import check_priority, tenant_policy, token_budget
 
 log = logging.getLogger(__name__)
 bp = Blueprint("batches", __name__, url_prefix="/v1/batches")
@@ -39,7 +40,7 @@ LINES_PER_GROUP = 1000  # lines validated, rendered and COPYed at once
 
 
 @bp.post("")
-@endpoint(body=BatchCreate, responses={200: BatchObject})
+@endpoint(body=BatchCreate, responses={200: BatchObject}, errors=(403,))
 @gc_paused()  # a 10,000-line batch builds ~10^6 objects: webapi/gc_pause.py
 def create_batch(body: BatchCreate):
     """Create a batch from an uploaded file; it is validated whole, then its requests are queued."""
@@ -53,7 +54,13 @@ def create_batch(body: BatchCreate):
             "too_many_batch_requests",
             f"input_file_id: {file.lines:,} requests, more than the {settings.max_batch_requests:,} a batch may hold",
         )
-    priority = int((body.metadata or {}).get("priority", settings.batch_priority))
+    policy = tenant_policy()
+    if "priority" in (body.metadata or {}):
+        priority = int(body.metadata["priority"])
+        check_priority(priority, "metadata.priority")
+    else:  # BATCH_PRIORITY, or the tenant's top_priority if that is less urgent
+        priority = max(settings.batch_priority, policy.top_priority)
+    token_budget().spend(1)  # a tenant at its budget starts no batch (its lines are not counted ahead)
     # the completion window's end: the batch expires then, and its jobs have it as their deadline
     expires_at = datetime.now(timezone.utc) + timedelta(seconds=settings.batch_window_seconds)
     with services().sessions.begin() as session:

@@ -21,6 +21,7 @@ from webapi.jobs import job_request, overloaded_error
 from webapi.metrics import JOBS_SUBMITTED
 from webapi.schemas import ErrorInfo, JobOut, JobSubmit
 from webapi.spec import endpoint, validation_context
+from webapi.tenant_limits import check_priority, tenant_policy, token_budget
 
 log = logging.getLogger(__name__)
 bp = Blueprint("bulk_jobs", __name__, url_prefix="/jobs")
@@ -32,12 +33,16 @@ bp.before_request(require_api_key)
 @gc_paused()
 def submit_jobs(body: BulkSubmit):
     """Submit many jobs at once; each item's result says what POST /jobs would have said for it alone."""
-    tenant_id, cap = current_tenant().id, services().settings.max_queued_per_tenant
+    tenant_id, cap = current_tenant().id, tenant_policy().max_queued
+    budget = token_budget()
     errors: dict[int, APIError] = {}
     items: list[tuple[int, BulkItem]] = []
     for index, raw in enumerate(body.jobs):
         try:
-            items.append((index, bulk_item(raw)))
+            item = bulk_item(raw)
+            check_priority(item.request["priority"])
+            budget.spend(item.prompt_tokens + item.request["max_tokens"])  # a retried key's job spends too
+            items.append((index, item))
         except APIError as exc:
             errors[index] = exc
     overloaded = overloaded_error()

@@ -41,6 +41,7 @@ from webapi.openai_schemas import (
 from webapi.prompts import NoChatTemplate, check_length, prepare_prompt, tokenizer_for
 from webapi.spec import endpoint
 from webapi.sse import FLUSH, HEARTBEAT, Flush
+from webapi.tenant_limits import tenant_policy
 
 bp = Blueprint("completions", __name__, url_prefix="/v1")
 bp.before_request(require_api_key)
@@ -48,14 +49,14 @@ KEEPALIVE_SECONDS = 1.0  # a streamed call with no new text writes a HEARTBEAT (
 
 
 @bp.post("/chat/completions")
-@endpoint(body=ChatCompletionCreate, responses={200: ChatCompletion}, errors=(404, 409))
+@endpoint(body=ChatCompletionCreate, responses={200: ChatCompletion}, errors=(403, 404, 409))
 def chat_completion(body: ChatCompletionCreate):
     """Answer a chat now: waits for its job (priority 0 unless `priority`), or streams it (`stream`)."""
     return complete(body, CHAT_ENDPOINT)
 
 
 @bp.post("/completions")
-@endpoint(body=CompletionCreate, responses={200: Completion}, errors=(404, 409))
+@endpoint(body=CompletionCreate, responses={200: Completion}, errors=(403, 404, 409))
 def text_completion(body: CompletionCreate):
     """Continue a prompt now: waits for its job (priority 0 unless `priority`), or streams it (`stream`)."""
     return complete(body, COMPLETIONS_ENDPOINT)
@@ -126,7 +127,9 @@ def completion_job(
     `choice`-th sample: seed + choice); 400 naming the field when the prompt cannot run."""
     settings = services().settings
     chat = isinstance(body, ChatCompletionCreate)
-    fields = dict(body.sampling(), priority=body.priority or 0)
+    # the tenant's sync_priority (0 unless its policy says) when the call names none
+    priority = body.priority if body.priority is not None else tenant_policy().sync_priority
+    fields = dict(body.sampling(), priority=priority)
     if choice and body.seed is not None:
         fields["seed"] = (body.seed + choice) % 2**63
     try:

@@ -25,6 +25,7 @@ from webapi.errors import APIError
 from webapi.extensions import services
 from webapi.schemas import JobOut
 from webapi.spec import endpoint
+from webapi.tenant_limits import tenant_policy
 
 bp = Blueprint("ended_jobs", __name__, url_prefix="/jobs")
 bp.before_request(require_api_key)
@@ -45,9 +46,7 @@ def ended_jobs(query: EndedQuery):
     last = (page[-1].finished_at, page[-1].id) if page else after
     cursor = encode(last if more else min(last, settled))
     tenant_id = current_tenant().id
-    room = QueueRoom(
-        queued=services().queue_size.of(tenant_id), max_queued=services().settings.max_queued_per_tenant
-    )
+    room = QueueRoom(queued=services().queue_size.of(tenant_id), max_queued=tenant_policy().max_queued)
     return EndedPage(
         jobs=[JobOut.from_job(job) for job in page], next_cursor=cursor, more=more, queue=room
     ).model_dump(mode="json")

@@ -75,7 +75,9 @@ def init_extensions(app: Flask, settings: ApiSettings) -> None:
         app=app,
         storage_uri=settings.redis_url,
         key_prefix=f"{settings.redis_key_prefix}ratelimit",
-        default_limits=[settings.rate_limit],
+        default_limits=[
+            _rate_limit_of_caller
+        ],  # the key's tenant's (webapi/tenant_limits.py), else RATE_LIMIT
         default_limits_exempt_when=lambda: request.blueprint not in LIMITED_BLUEPRINTS,
         # a bounded pool, waited on: a burst of calls shares a few connections (contract.dispatch.bounded_redis)
         storage_options={"connection_pool": bounded_redis(settings.redis_url, timeout=2).connection_pool},
@@ -105,6 +107,12 @@ def init_extensions(app: Flask, settings: ApiSettings) -> None:
     app.register_error_handler(RateLimitExceeded, _rate_limited)
 
 
+def _rate_limit_of_caller() -> str:
+    from webapi.tenant_limits import rate_limit_of_caller  # it imports this module
+
+    return rate_limit_of_caller()
+
+
 def _rate_limited(exc: RateLimitExceeded):
     """429 naming the limit, with Retry-After: the seconds until the limit's window resets."""
     try:
@@ -112,7 +120,10 @@ def _rate_limited(exc: RateLimitExceeded):
     except Exception:  # noqa: BLE001 - Redis just went away: any sensible wait will do
         retry_after = 1
     return error_response(
-        429, "too_many_requests", f"rate limit exceeded: {exc.description}", {"Retry-After": str(retry_after)}
+        429,
+        "too_many_requests",
+        f"rate_limit: exceeded {exc.description} for this key; it resets in {retry_after} s",
+        {"Retry-After": str(retry_after)},
     )
 
 

@@ -27,6 +27,7 @@ from webapi.metrics import JOBS_SUBMITTED
 from webapi.prompts import NoChatTemplate, check_length, prepare_prompt
 from webapi.schemas import JobOut, JobPage, JobQuery, JobSubmit, ListQuery
 from webapi.spec import endpoint
+from webapi.tenant_limits import check_priority, tenant_policy, token_budget
 
 log = logging.getLogger(__name__)
 bp = Blueprint("jobs", __name__, url_prefix="/jobs")
@@ -37,7 +38,9 @@ LAST_EVENT_ID_HELP = "The id of the last event received: the stream goes on afte
 
 
 @bp.post("")
-@endpoint(body=JobSubmit, responses={202: JobOut}, headers={"Idempotency-Key": IDEMPOTENCY_HELP})
+@endpoint(
+    body=JobSubmit, responses={202: JobOut}, errors=(403,), headers={"Idempotency-Key": IDEMPOTENCY_HELP}
+)
 def create_job(body: JobSubmit):
     """Submit a job; it is queued at once and runs in priority order (0 first)."""
     request, prompt_tokens = job_request(body)
@@ -55,7 +58,9 @@ def submit_job(
     """Insert the caller's job (JobCreate's fields) and send it to Redis; 429 over the queued-job caps, 422
     for an Idempotency-Key reused with another body. POST /jobs and /v1's synchronous completions.
     `on_created(job)` runs between the two (a caller following the job subscribes to its events there)."""
-    tenant_id, cap = current_tenant().id, services().settings.max_queued_per_tenant
+    tenant_id, cap = current_tenant().id, tenant_policy().max_queued
+    check_priority(request["priority"])
+    token_budget().spend(prompt_tokens + request["max_tokens"])
     # counted apart (webapi/queue_size.py), before taking a connection: a count never waits on a second one
     near_cap = services().queue_size.of(tenant_id) >= cap // 2  # below: see webapi/queue_size.py
     overloaded = overloaded_error()
@@ -82,7 +87,7 @@ def submit_job(
         raise APIError(
             429,
             "too_many_queued_jobs",
-            f"you have {cap} jobs queued, the most allowed; retry when some have started",
+            f"max_queued: you have {cap} jobs queued, the most allowed; retry when some have started",
             {"Retry-After": "5"},
         )
     if created:

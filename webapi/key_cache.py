@@ -15,12 +15,15 @@ from typing import NamedTuple
 
 from cachetools import TTLCache
 
+from jobstore.tenant_policy import StoredPolicy
+
 
 class Caller(NamedTuple):
-    """The tenant a request acts for."""
+    """The tenant a request acts for, and its stored policy (None: the defaults)."""
 
     id: uuid.UUID
     name: str
+    policy: StoredPolicy | None = None
 
 
 class KeyCache:

@@ -35,13 +35,14 @@ PATH_ARG = re.compile(r"<(?:([^:<>]+):)?([^<>]+)>")  # werkzeug's <converter:nam
 ERROR_STATUSES = {
     400: "Malformed JSON",
     401: "Missing or unknown API key",
+    403: "A priority more urgent than the tenant's top_priority (priority_not_allowed)",
     404: "Not found (or another tenant's); a `model` this server does not serve (model_not_found)",
     409: "Conflict",
     413: "Body too large (over MAX_BODY_BYTES)",
     415: "Body is not JSON",
     422: "Invalid field or limit",
-    429: "Too many requests for this key (RATE_LIMIT), or too many queued jobs (for this tenant or in all); "
-    "retry after Retry-After seconds",
+    429: "Too many requests for this key (the tenant's rate_limit, else RATE_LIMIT), too many queued jobs (for "
+    "this tenant or in all), or the tenant's token_budget spent; retry after Retry-After seconds",
     503: "Postgres or Redis unavailable; retry after Retry-After seconds",
 }
 RETRY_AFTER = {
