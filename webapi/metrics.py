@@ -22,7 +22,7 @@ from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from contract.dispatch import QUEUE
+from contract.dispatch import QUEUE, list_name
 from contract.settings import ApiSettings
 from jobstore.jobs import ACTIVE, live_deadline_counts
 from jobstore.models import Job
@@ -138,7 +138,7 @@ def queue_depth(redis_url: str, key_prefix: str) -> list[GaugeMetricFamily]:
     try:
         with client.pipeline(transaction=False) as pipe:
             for p in PRIORITIES:
-                pipe.llen(f"{key_prefix}{QUEUE}:{p}" if p else f"{key_prefix}{QUEUE}")
+                pipe.llen(list_name(key_prefix, QUEUE, p))
             lengths = pipe.execute()
     except redis.RedisError as exc:  # the rest of /metrics still answers, without the depths
         log.warning("metrics: queue depth unavailable: %s", exc)

@@ -183,6 +183,12 @@ def _step(engine, reporter: Reporter, events: Connection) -> None:
     try:
         outputs = engine.step()
     except Exception as exc:
+        from batching.collectives import RankFailure  # the engine (and torch) is loaded by now
+
+        if isinstance(
+            exc, RankFailure
+        ):  # a rank of a tensor-parallel engine is gone: it can never step again
+            raise  # the process ends, and the engine host starts another (its jobs resume there)
         log.exception("engine step failed; failing its %d requests", len(engine.requests))
         failed = list(engine.requests)
         for request_id in failed:
