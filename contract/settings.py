@@ -158,6 +158,9 @@ class ApiSettings(StoreSettings):
     max_queued_jobs: int = 20000  # all tenants together: beyond this many queued jobs, POST /jobs answers 429
     rate_limit: str = "50/second;2000/minute"  # per API key, Flask-Limiter syntax; counters live in Redis
     auth_cache_seconds: float = 5.0  # an API process trusts a key it looked up for this long (revocation lag)
+    # /metrics' per-tenant gauges: this many tenants by name (the busiest today), the rest as "other"; 0: none
+    usage_metrics_tenants: int = Field(20, ge=0)
+    admin_key: str = ""  # opens the admin page (/admin); empty: the page answers 404
     batch_priority: int = (
         8  # priority of a batch's jobs unless its metadata.priority sets one (0 most urgent)
     )

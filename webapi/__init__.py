@@ -31,6 +31,7 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
         ops,
         served_models,
         tokens,
+        usage,
     )
     from webapi.cli import keys
     from webapi.errors import init_errors
@@ -52,6 +53,7 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
     app.register_blueprint(completions.bp)
     app.register_blueprint(served_models.bp)
     app.register_blueprint(tokens.bp)
+    app.register_blueprint(usage.bp)
     app.register_blueprint(ops.bp)
     app.register_blueprint(docs.bp)
     app.cli.add_command(keys)

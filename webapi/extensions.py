@@ -27,6 +27,7 @@ LIMITED_BLUEPRINTS = (
     "jobs",
     "bulk_jobs",  # a bulk submission is one call
     "ended_jobs",
+    "usage",
     "files",
     "batches",
     "completions",

@@ -26,6 +26,7 @@ from contract.dispatch import QUEUE, list_name
 from contract.settings import ApiSettings
 from jobstore.jobs import ACTIVE, live_deadline_counts
 from jobstore.models import Job
+from webapi.tenant_metrics import tenant_gauges
 
 HTTP_REQUESTS = Counter(
     "genq_http_requests_total", "HTTP requests answered", ["method", "endpoint", "status"]
@@ -92,6 +93,7 @@ class _ReadAtScrape:
         yield from job_gauges(self.session)
         yield deadline_gauge(self.session, self.settings.deadline_margin_seconds)
         yield from queue_depth(self.settings.redis_url, self.settings.redis_key_prefix)
+        yield from tenant_gauges(self.session, self.settings.usage_metrics_tenants)
 
 
 def job_gauges(session: Session) -> list[GaugeMetricFamily]:

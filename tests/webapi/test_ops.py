@@ -50,6 +50,7 @@ def test_openapi_is_generated_from_the_schemas(client, app):
         "/jobs",
         "/jobs/bulk",
         "/jobs/ended",
+        "/usage",
         "/jobs/{job_id}",
         "/jobs/{job_id}/events",
         "/jobs/{job_id}/cancel",
