@@ -60,9 +60,13 @@ os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
 
 def on_starting(server):
     """Check that the deployment's Postgres connections fit the server (a clear error naming the settings
-    rather than "too many clients" under load), then start every count at zero: files left by an earlier
-    run in the same directory would be added in."""
+    rather than "too many clients" under load) and Redis' eviction policy (a warning unless noeviction),
+    then start every count at zero: files left by an earlier run in the same directory would be added in."""
     check_postgres_connections(server)
+    from contract.redis_client import warn_unless_noeviction
+    from contract.settings import StoreSettings
+
+    warn_unless_noeviction(StoreSettings.from_env().redis_url, server.log)
     for path in glob.glob(os.path.join(os.environ["PROMETHEUS_MULTIPROC_DIR"], "*.db")):
         os.remove(path)
 

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import redis
 from celery import Celery
 
+from contract.redis_client import celery_broker, redis_client
 from contract.settings import StoreSettings
 
 QUEUE = "generate"
@@ -36,8 +37,10 @@ def celery_config(settings: StoreSettings) -> dict:
     }
     if settings.redis_key_prefix:
         transport["global_keyprefix"] = settings.redis_key_prefix
+    broker_url, broker_options = celery_broker(settings.redis_url)  # Sentinel, unix://: kombu's spelling
+    transport.update(broker_options)
     return dict(
-        broker_url=settings.redis_url,
+        broker_url=broker_url,
         broker_transport_options=transport,
         broker_connection_retry_on_startup=True,
         task_default_queue=QUEUE,
@@ -204,14 +207,7 @@ def bounded_redis(url: str, *, timeout: float, max_connections: int = 64) -> red
     busy. redis-py's default pool opens one per concurrent caller and keeps it: 1,000 calls arriving at once
     on a gevent API process opened 1,000 connections, each costing more CPU (its handshake, the client's
     driver-info lookup) than the command it ran."""
-    pool = redis.BlockingConnectionPool.from_url(
-        url,
-        max_connections=max_connections,
-        timeout=timeout,
-        socket_timeout=timeout,
-        socket_connect_timeout=timeout,
-    )
-    return redis.Redis(connection_pool=pool)
+    return redis_client(url, timeout=timeout, max_connections=max_connections)
 
 
 class BulkSender:

@@ -19,6 +19,7 @@ The functions below translate, so that a URL one component accepts works in all 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
@@ -176,3 +177,35 @@ def _userinfo(username: str | None, password: str | None) -> str:
     if not username and not password:
         return ""
     return f"{quote(username or '', safe='')}:{quote(password or '', safe='')}@"
+
+
+def eviction_policy(client: redis.Redis) -> str | None:
+    """Redis' maxmemory-policy, None when the server does not say (CONFIG renamed or refused, as managed
+    Redis services do, or Redis down). genq needs `noeviction`: an evicted queue list loses its jobs' messages
+    until the reconciler sends them again, and an evicted key of a job's events or of a rate limit is lost."""
+    try:
+        reply = client.config_get("maxmemory-policy")
+    except redis.RedisError:
+        return None
+    return reply.get("maxmemory-policy") or None
+
+
+def warn_unless_noeviction(url: str, log: logging.Logger) -> str | None:
+    """Log a warning when REDIS_URL's server may evict keys (maxmemory-policy other than noeviction); a
+    server that does not tell is only noted. Returns the policy. Every process calls it when it starts."""
+    client = redis_client(url, timeout=2)
+    try:
+        policy = eviction_policy(client)
+    finally:
+        client.close()
+    if policy is None:
+        log.info(
+            "Redis' maxmemory-policy not checked (CONFIG GET refused or Redis not answering): it must be noeviction"
+        )
+    elif policy != "noeviction":
+        log.warning(
+            "Redis' maxmemory-policy is %s: under memory pressure it drops keys (queued jobs' messages, token "
+            "events, rate limits); set maxmemory-policy noeviction",
+            policy,
+        )
+    return policy

@@ -15,8 +15,9 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.dispatch import BulkSender, bounded_redis, make_celery
+from contract.redis_client import limiter_storage
 from contract.settings import ApiSettings
-from jobstore.db import make_engine, make_session_factory
+from jobstore.db import API_MAX_OVERFLOW, make_engine, make_session_factory
 from webapi.errors import error_response
 from webapi.hub import Hub
 from webapi.key_cache import KeyCache
@@ -67,21 +68,23 @@ def init_extensions(app: Flask, settings: ApiSettings) -> None:
         settings.database_url,
         settings.db_connect_timeout,
         pool_size=settings.db_pool_size,
-        max_overflow=0,
+        max_overflow=API_MAX_OVERFLOW,  # what jobstore.db's connection plan counts
         pool_timeout=120,
         ping_idle_seconds=1.0,
     )
-    limiter = Limiter(
+    storage_uri, storage_options = limiter_storage(settings.redis_url)
+    if not storage_options:  # a bounded pool, waited on: a burst of calls shares a few connections
+        storage_options = {"connection_pool": bounded_redis(settings.redis_url, timeout=2).connection_pool}
+    limiter = Limiter(  # Sentinel: limits' own Sentinel storage, which takes no connection_pool
         rate_limit_key,
         app=app,
-        storage_uri=settings.redis_url,
+        storage_uri=storage_uri,
         key_prefix=f"{settings.redis_key_prefix}ratelimit",
         default_limits=[
             _rate_limit_of_caller
         ],  # the key's tenant's (webapi/tenant_limits.py), else RATE_LIMIT
         default_limits_exempt_when=lambda: request.blueprint not in LIMITED_BLUEPRINTS,
-        # a bounded pool, waited on: a burst of calls shares a few connections (contract.dispatch.bounded_redis)
-        storage_options={"connection_pool": bounded_redis(settings.redis_url, timeout=2).connection_pool},
+        storage_options=storage_options,
         headers_enabled=False,  # X-RateLimit-* on every answer would cost a second Redis call per request
         swallow_errors=True,
         in_memory_fallback_enabled=True,  # Redis down: count in memory, never a 500

@@ -22,6 +22,7 @@ from collections import deque
 
 import redis
 
+from contract.redis_client import redis_client
 from contract.token_events import LOST_FIELD, decode, publish_status, stream_key
 
 try:  # gunicorn's gevent workers (the api extra); importing it patches nothing
@@ -141,7 +142,7 @@ class Hub:
         retention_seconds: float = 60.0,
         inbox_type: type[Inbox] | None = None,
     ):
-        self._client = redis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=10)
+        self._client = redis_client(redis_url, timeout=10, connect_timeout=2)
         self._prefix, self._key = prefix, stream_key(prefix)
         self._idle_seconds = idle_seconds
         # a read this long after the one before may have missed entries trimmed meanwhile (EVENTS_RETENTION)

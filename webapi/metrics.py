@@ -23,6 +23,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from contract.dispatch import QUEUE, list_name
+from contract.redis_client import redis_client
 from contract.settings import ApiSettings
 from jobstore.jobs import ACTIVE, live_deadline_counts
 from jobstore.models import Job
@@ -136,7 +137,7 @@ def deadline_gauge(session: Session, margin_seconds: float) -> GaugeMetricFamily
 
 def queue_depth(redis_url: str, key_prefix: str) -> list[GaugeMetricFamily]:
     """genq_queue_depth{priority}: the length of each kombu priority list (`generate`, `generate:1`, ...)."""
-    client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+    client = redis_client(redis_url, timeout=2)
     try:
         with client.pipeline(transaction=False) as pipe:
             for p in PRIORITIES:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 
-import redis
 from flask import Blueprint, Response, current_app
 from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy import text
 
+from contract.redis_client import redis_client
 from webapi.errors import APIError
 from webapi.extensions import db, services
 from webapi.metrics import exposition
@@ -76,7 +76,7 @@ def check_database() -> None:
 
 
 def check_broker() -> None:
-    client = redis.Redis.from_url(services().settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    client = redis_client(services().settings.redis_url, timeout=2)
     try:
         client.ping()
     finally:

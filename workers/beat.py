@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from jobstore.db import make_engine, make_session_factory
 from workers import reconciler
 from workers.celery import app, settings
+from workers.startup import check_services
 
 log = logging.getLogger(__name__)
 UNAVAILABLE = (OperationalError, InterfaceError, redis.RedisError)  # Postgres or Redis down: next turn
@@ -50,6 +51,7 @@ class RecoveryScheduler(Scheduler):
     """Celery's in-memory scheduler, running the entries of LOCAL in this process instead of sending them."""
 
     def __init__(self, *args, **kwargs):
+        check_services("beat")  # exits, naming the settings, when Postgres cannot hold the plan
         self._threads: dict[str, threading.Thread] = {}
         super().__init__(*args, **kwargs)
 

@@ -38,6 +38,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from tenacity import Retrying, before_sleep_log, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from contract.dispatch import PRIORITIES, take_messages
+from contract.redis_client import redis_client
 from contract.settings import WorkerSettings
 from jobstore import jobs
 from jobstore.models import Job
@@ -69,7 +70,7 @@ class Intake:
         book.on_change = self._changed
         self._consuming = False  # paused until resumed (the worker is ready)
         self._closing = False
-        self._redis = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        self._redis = redis_client(settings.redis_url, timeout=5)
         self._thread = threading.Thread(target=self._run, name="intake", daemon=True)
 
     def start(self) -> Intake:

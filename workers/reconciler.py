@@ -35,6 +35,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from batching.tokenizer import load_tokenizer  # no model code: names the tokens of log probabilities
 from contract.dispatch import send_job, send_to_head
+from contract.redis_client import redis_client
 from contract.settings import WorkerSettings
 from jobstore import batches, jobs
 from workers.unclaimed import unclaimed_jobs
@@ -187,7 +188,7 @@ def marker_key(settings: WorkerSettings) -> str:
 
 
 def _redis(settings: WorkerSettings) -> redis.Redis:
-    return redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+    return redis_client(settings.redis_url, timeout=5)
 
 
 def _purge_key(settings: WorkerSettings) -> str:

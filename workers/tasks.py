@@ -26,6 +26,7 @@ from celery.signals import worker_init, worker_ready, worker_shutdown, worker_sh
 from sqlalchemy import Connection
 
 from contract.dispatch import QUEUE, send_to_head
+from contract.redis_client import redis_client
 from contract.token_events import EventPublisher
 from jobstore.db import make_engine
 from workers.celery import app, settings
@@ -33,6 +34,7 @@ from workers.engine_host import EngineHost
 from workers.intake import Intake
 from workers.job_book import JobBook
 from workers.job_tasks import JobTasks
+from workers.startup import check_services
 
 log = logging.getLogger(__name__)
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -53,7 +55,7 @@ def send_back(job_id: uuid.UUID, priority: int) -> None:
 
 @cache
 def _redis() -> redis.Redis:
-    return redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+    return redis_client(settings.redis_url, timeout=5)
 
 
 @cache
@@ -111,6 +113,7 @@ def _build_engine_before_taking_jobs(sender=None, **_) -> None:
     Celery's consumer consumes (`sender`, the WorkController, selected them from -Q) before that consumer
     starts."""
     global _takes_generate
+    check_services("worker")  # exits, naming the settings, before the engine is built
     intake()
     queues = sender.app.amqp.queues if sender is not None else None
     if queues is not None and QUEUE in queues.consume_from:
