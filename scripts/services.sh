@@ -19,6 +19,10 @@ missing=()
 [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
 command -v redis-sentinel >/dev/null || missing+=(redis-sentinel)
 command -v openssl >/dev/null || missing+=(openssl)  # the same test's TLS certificates
+# Debian's chromium and its chromedriver: the admin page and /docs in a real headless browser
+# (tests/webapi/test_admin.py through selenium, tests/webapi/test_docs.py)
+command -v chromium >/dev/null || missing+=(chromium)
+command -v chromedriver >/dev/null || missing+=(chromium-driver)
 if [ ${#missing[@]} -gt 0 ]; then
     echo "installing ${missing[*]}"
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}") >/dev/null

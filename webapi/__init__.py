@@ -21,6 +21,7 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
 
     from contract.settings import ApiSettings
     from webapi import (
+        admin,
         batches,
         bulk_jobs,
         completions,
@@ -54,6 +55,7 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
     app.register_blueprint(served_models.bp)
     app.register_blueprint(tokens.bp)
     app.register_blueprint(usage.bp)
+    app.register_blueprint(admin.bp)
     app.register_blueprint(ops.bp)
     app.register_blueprint(docs.bp)
     app.cli.add_command(keys)

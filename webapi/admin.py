@@ -1,0 +1,215 @@
+"""/admin: the operator's page, server-rendered (Jinja, no front-end build). Jobs across tenants with filters
+(status, priority, model, tenant), a job's timeline from what its row records, cancel; tenants with their
+policy (editable) and today's usage. Opened with ADMIN_KEY (empty: /admin answers 404): the login form sets a
+cookie holding an HMAC of the key (HttpOnly, SameSite=Strict, so another site cannot post a cancel), or a
+script sends `Authorization: Bearer <ADMIN_KEY>`."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import uuid
+from collections import defaultdict
+from datetime import datetime, timezone
+
+from flask import Blueprint, abort, redirect, render_template, request, url_for
+
+from jobstore.job_search import search_jobs
+from jobstore.jobs import get_job
+from jobstore.models import JobStatus
+from jobstore.tenant_policy import POLICY_FIELDS, Policy, list_policies, set_policy
+from jobstore.usage import usage_rows
+from webapi.cancels import cancel
+from webapi.extensions import db, services
+
+bp = Blueprint("admin", __name__, url_prefix="/admin", template_folder="templates")
+COOKIE = "genq_admin"
+STATUSES = [s.value for s in JobStatus]
+
+
+def _token(key: str) -> str:
+    return hmac.new(key.encode(), b"genq admin page", hashlib.sha256).hexdigest()
+
+
+@bp.before_request
+def require_admin():
+    """404 while ADMIN_KEY is unset; the login form unless the cookie or the Bearer header holds the key."""
+    key = services().settings.admin_key
+    if not key:
+        abort(404)
+    if request.endpoint == "admin.login":
+        return None
+    sent = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+    if sent and hmac.compare_digest(sent, key):
+        return None
+    if hmac.compare_digest(request.cookies.get(COOKIE, ""), _token(key)):
+        return None
+    return redirect(url_for("admin.login", next=request.full_path))
+
+
+@bp.route("/login", methods=["GET", "POST"])
+def login():
+    """The admin key, asked once; a cookie remembers it."""
+    error = None
+    if request.method == "POST":
+        key = services().settings.admin_key
+        if hmac.compare_digest(request.form.get("key", ""), key):
+            target = request.args.get("next") or url_for("admin.jobs")
+            response = redirect(target if target.startswith("/admin") else url_for("admin.jobs"))
+            response.set_cookie(COOKIE, _token(key), httponly=True, samesite="Strict", path="/admin")
+            return response
+        error = "That is not the admin key."
+    return render_template("admin/login.html", error=error), 401 if error else 200
+
+
+@bp.get("")
+def index():
+    return redirect(url_for("admin.jobs"))
+
+
+@bp.get("/jobs")
+def jobs():
+    """Jobs of every tenant, newest first, filtered."""
+    args = request.args
+    status = args.get("status") or None
+    priority = args.get("priority") or None
+    model = args.get("model") or None
+    tenant = args.get("tenant") or None
+    default_model = services().settings.model
+    found = []
+    if (status is None or status in STATUSES) and (priority is None or priority.isdigit()):
+        found = search_jobs(
+            db(),
+            status=status and JobStatus(status),
+            priority=None if priority is None else int(priority),
+            tenant=tenant,
+            limit=200,
+        )
+    if model is not None and model != default_model:  # jobs do not record a model yet: all run on MODEL
+        found = []
+    tenants = [name for _, name, _ in list_policies(db())]
+    return render_template(
+        "admin/jobs.html",
+        jobs=found,
+        filters=dict(status=status, priority=priority, model=model, tenant=tenant),
+        statuses=STATUSES,
+        tenants=tenants,
+        models=[default_model],
+        model=default_model,
+        now=datetime.now(timezone.utc),
+    )
+
+
+@bp.get("/jobs/<uuid:job_id>")
+def job(job_id: uuid.UUID):
+    """One job's timeline, from what its row records."""
+    found = get_job(db(), job_id)
+    if found is None:
+        abort(404)
+    tenant = next((name for tid, name, _ in list_policies(db()) if tid == found.tenant_id), "?")
+    return render_template(
+        "admin/job.html",
+        job=found,
+        tenant=tenant,
+        timeline=timeline(found),
+        live=not JobStatus(found.status).finished,
+        model=services().settings.model,
+        cancelled=request.args.get("cancelled"),
+    )
+
+
+@bp.post("/jobs/<uuid:job_id>/cancel")
+def cancel_job(job_id: uuid.UUID):
+    """Cancel a queued or running job of any tenant (as its owner's cancel does)."""
+    found = get_job(db(), job_id)
+    if found is None:
+        abort(404)
+    _, cancelled = cancel(services(), job_id, found.tenant_id)
+    return redirect(url_for("admin.job", job_id=job_id, cancelled="1" if cancelled else "0"))
+
+
+@bp.get("/tenants")
+def tenants():
+    """Tenants with their policy in force and what their jobs used today (UTC)."""
+    settings = services().settings
+    now = datetime.now(timezone.utc)
+    today = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    used: dict[uuid.UUID, dict] = defaultdict(
+        lambda: {"prompt": 0, "completion": 0, "jobs": defaultdict(int)}
+    )
+    for row in usage_rows(db(), today, now):
+        used[row.tenant_id]["prompt"] += row.prompt_tokens
+        used[row.tenant_id]["completion"] += row.completion_tokens
+        used[row.tenant_id]["jobs"][JobStatus(row.status).value] += row.jobs
+    rows = [
+        dict(
+            id=tenant_id,
+            name=name,
+            stored=stored,
+            policy=Policy.resolve(
+                stored, max_queued=settings.max_queued_per_tenant, rate_limit=settings.rate_limit
+            ),
+            usage=used[tenant_id],
+        )
+        for tenant_id, name, stored in list_policies(db())
+    ]
+    return render_template(
+        "admin/tenants.html",
+        tenants=rows,
+        fields=POLICY_FIELDS,
+        statuses=STATUSES,
+        error=request.args.get("error"),
+    )
+
+
+@bp.post("/tenants/<name>/policy")
+def update_policy(name: str):
+    """Store the form's policy for tenant `name` (an empty field: the API's default)."""
+    values = {}
+    for field in POLICY_FIELDS:
+        text = request.form.get(field, "").strip()
+        if field == "rate_limit":
+            values[field] = text or None
+        elif text:
+            if not text.lstrip("-").isdigit():
+                return redirect(url_for("admin.tenants", error=f"{name}: {field}: give a whole number"))
+            values[field] = int(text)
+        else:
+            values[field] = None
+    try:
+        with services().sessions.begin() as session:
+            set_policy(session, name, values)
+    except (LookupError, ValueError) as exc:
+        return redirect(url_for("admin.tenants", error=f"{name}: {exc}"))
+    return redirect(url_for("admin.tenants"))
+
+
+def timeline(job) -> list[tuple[str, datetime | None, str]]:
+    """(event, when, what the row says of it), in the order a job lives them. The row keeps the times of
+    creation, its last send to Redis, its first claim, its first token and its end; preemptions and hand-backs
+    (a full worker giving it back for more urgent work) and claims are counts."""
+    waited = (job.started_at - job.created_at).total_seconds() if job.started_at else None
+    events = [
+        ("created", job.created_at, f"priority {job.priority}"),
+        ("queued (sent to Redis)", job.enqueued_at, "the last send; a job handed back is sent again"),
+        (
+            "claimed",
+            job.started_at,
+            f"by {job.worker_id or '-'}; {job.attempts} claim(s)"
+            + (f"; waited {waited:.2f} s" if waited is not None else ""),
+        ),
+        ("first token", job.first_token_at, ""),
+        (
+            "preemptions and hand-backs",
+            None,
+            f"{job.handbacks} hand-back(s) to the queue for more urgent work; {max(0, job.attempts - 1)} re-claim(s)",
+        ),
+        (
+            JobStatus(job.status).value if JobStatus(job.status).finished else "finished",
+            job.finished_at,
+            " ".join(
+                filter(None, [job.finish_reason and f"finish_reason {job.finish_reason}", job.error_code])
+            ),
+        ),
+    ]
+    return events
