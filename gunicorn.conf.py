@@ -42,7 +42,27 @@ worker_connections = int(os.environ.get("API_WORKER_CONNECTIONS", 10000))  # gev
 # the rest kept for quick calls; gthread: all threads but two; sync: none (a wait would hold the process)
 _slots = {"gevent": max(0, worker_connections - 1000), "gthread": max(0, threads - 2)}
 os.environ.setdefault("COMPLETION_SLOTS", str(_slots.get(worker_kind, 0)))
-accesslog = os.environ.get("API_ACCESS_LOG", "-") or None  # "" turns the access log off
+# "" turns the access log off; with LOG_FORMAT=json it is off unless set: the app logs each request as JSON
+# (webapi/request_log.py), with its request id, tenant and job
+_json_logs = (os.environ.get("LOG_FORMAT") or "text").strip().lower() == "json"
+accesslog = os.environ.get("API_ACCESS_LOG", "" if _json_logs else "-") or None
+if _json_logs:  # gunicorn's own lines as JSON from its first ("Starting gunicorn"), and the app's (root)
+    _handler = {"formatter": "json", "filters": ["context"], "class": "logging.StreamHandler"}
+    logconfig_dict = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "root": {"level": "WARNING", "handlers": ["error_console"]},  # as in text mode: webapi logs INFO
+        "loggers": {
+            "gunicorn.error": {"level": "INFO", "handlers": ["error_console"], "propagate": False},
+            "gunicorn.access": {"level": "INFO", "handlers": ["console"], "propagate": False},
+        },
+        "filters": {"context": {"()": "contract.log_setup.ContextFilter"}},
+        "formatters": {"json": {"()": "contract.log_setup.json_formatter", "process": "api"}},
+        "handlers": {
+            "console": {**_handler, "stream": "ext://sys.stdout"},
+            "error_console": {**_handler, "stream": "ext://sys.stderr"},
+        },
+    }
 preload_app = False  # each worker builds its own app: no database or Redis connection crosses a fork
 # SIGTERM (a redeploy): each process stops accepting and lets the calls in flight, streams included, go on
 # for this long before they are cut (a cut stream resumes with Last-Event-ID). docker-compose.yml's

@@ -38,6 +38,10 @@ class StoreSettings(BaseSettings):
     worker_instances: int = Field(1, ge=0)
     db_check_connections: bool = True  # false: start without comparing them to the server's max_connections
 
+    # --- logs of every process (contract/log_setup.py): text, or one JSON object a line with request_id,
+    # job_id and tenant where known
+    log_format: Literal["text", "json"] = "text"
+
     # --- the model (read by the API for its limits and by the worker for its engine)
     model: str = "tiny-llama"
     # prompt tokens + max_tokens must fit (also the engine's limit); tiny-llama's own is 2048

@@ -38,14 +38,16 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
     from webapi.errors import init_errors
     from webapi.extensions import init_extensions
     from webapi.metrics import init_metrics
+    from webapi.request_log import init_request_log
 
     settings = settings or ApiSettings.from_env()
     app = Flask(__name__)
     app.config.update(MAX_CONTENT_LENGTH=settings.max_body_bytes)
-    _init_logging(settings.log_level)
+    _init_logging(settings.log_level, settings.log_format)
     init_extensions(app, settings)
     init_errors(app)
     init_metrics(app)
+    init_request_log(app, settings.log_format)
     app.register_blueprint(bulk_jobs.bp)  # before jobs': /jobs/bulk and /jobs/ended are not job ids
     app.register_blueprint(ended_jobs.bp)
     app.register_blueprint(jobs.bp)
@@ -62,8 +64,10 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
     return app
 
 
-def _init_logging(level: str) -> None:
-    """Log our own messages at `level` to stderr, next to gunicorn's, unless logging is set up already."""
-    if not logging.getLogger().handlers:
-        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _init_logging(level: str, fmt: str) -> None:
+    """Log our own messages at `level` to stderr, next to gunicorn's, unless logging is set up already; in
+    format `fmt` (LOG_FORMAT), with the request's context (contract/log_setup.py), gunicorn's lines too."""
+    from contract.log_setup import configure
+
+    configure("api", fmt, loggers=("", "gunicorn.error", "gunicorn.access"))
     logging.getLogger("webapi").setLevel(level.upper())

@@ -13,10 +13,13 @@ messages. This module imports no torch: beat and Flower load it too.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from celery import Celery
+from celery.signals import after_setup_logger, after_setup_task_logger
 
+from contract import log_setup
 from contract.dispatch import celery_config
 from contract.settings import WorkerSettings
 
@@ -41,3 +44,17 @@ app.conf.update(
         "maintain": {"task": "genq.maintain", "schedule": settings.reconcile_interval},
     },
 )
+
+
+if settings.log_format == "json":  # lines logged before Celery sets up logging (worker_init's) too
+    log_setup.configure("beat" if "beat" in sys.argv else "worker", "json")
+
+
+@after_setup_logger.connect
+@after_setup_task_logger.connect
+def _log_format(logger=None, **_) -> None:
+    """Celery's handlers (worker and beat) get the job context filter and, with LOG_FORMAT=json, JSON lines
+    (contract/log_setup.py)."""
+    service = "beat" if "beat" in sys.argv else "worker"
+    for handler in logger.handlers if logger is not None else ():
+        log_setup.install(handler, service, settings.log_format)

@@ -29,6 +29,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from contract.deltas import Position
+from contract.log_setup import configure
 from workers.engine_protocol import (
     AbortRequest,
     AddRequest,
@@ -130,6 +131,7 @@ def serve(
     try:
         import torch
 
+        configure("engine")  # LOG_FORMAT=json: JSON lines (contract/log_setup.py), torch's own handlers too
         from batching import Engine
         from workers import process_tuning
 

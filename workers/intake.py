@@ -38,6 +38,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from tenacity import Retrying, before_sleep_log, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from contract.dispatch import PRIORITIES, take_messages
+from contract.log_setup import job_fields
 from contract.redis_client import redis_client
 from contract.settings import WorkerSettings
 from jobstore import jobs
@@ -171,7 +172,7 @@ class Intake:
         for job_id, (lease, priority) in claims.items():
             job = found.get(job_id)
             if job is None or job.worker_id != lease:
-                log.info("job %s dropped (not queued)", job_id)
+                log.info("job %s dropped (not queued)", job_id, extra={"job_id": str(job_id)})
                 metrics.JOBS.labels(str(priority), Outcome.DROPPED.value).inc()
                 continue
             self._tasks.started(job)
@@ -214,6 +215,7 @@ class Intake:
                 job.priority,
                 moved.job.id,
                 moved.job.priority,
+                extra=job_fields(job),
             )
         metrics.set_intake(len(self._book), self.capacity)
 
@@ -229,7 +231,7 @@ class Intake:
         try:
             jobs.check_job_row(job, self._settings.max_model_len)
         except ValueError as exc:
-            log.error("job %s has an invalid row; failing it: %s", job.id, exc)
+            log.error("job %s has an invalid row; failing it: %s", job.id, exc, extra=job_fields(job))
             self._write(
                 jobs.fail_job,
                 job.id,
@@ -250,7 +252,7 @@ class Intake:
                 finish_reason="length",
                 prompt_tokens=job.prompt_tokens or 0,
             )
-            log.info("job %s succeeded (every token was saved before)", job.id)
+            log.info("job %s succeeded (every token was saved before)", job.id, extra=job_fields(job))
             metrics.job_done(job, None, Outcome.SUCCEEDED)
             self._tasks.ended(job, Outcome.SUCCEEDED)
             return Outcome.SUCCEEDED
@@ -285,4 +287,5 @@ def _log_claim(job: Job) -> None:
         job.priority,
         job.attempts,
         f", resuming after {len(job.output_token_ids)} tokens" if job.output_token_ids else "",
+        extra=job_fields(job),
     )

@@ -34,6 +34,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.deltas import Delta
+from contract.log_setup import job_fields
 from contract.settings import WorkerSettings
 from contract.token_events import EventPublisher
 from jobstore import jobs
@@ -211,7 +212,11 @@ class JobBook:
                     continue
                 self._host.abort(h.request_id)
                 self.on_change()
-            log.info("job %s stopped: cancelled or no longer leased by this worker", h.job.id)
+            log.info(
+                "job %s stopped: cancelled or no longer leased by this worker",
+                h.job.id,
+                extra=job_fields(h.job),
+            )
             self._done(h, Outcome.STOPPED)
             stopped.append(h)
         # followers read the row on an ended status (cancelled here or by a batch's cancel or expiry, which
@@ -236,10 +241,15 @@ class JobBook:
                         h.transcript.finish_reason,
                         time.monotonic() - h.claimed_at,
                         h.num_preemptions,
+                        extra=job_fields(h.job),
                     )
                     self._done(h, Outcome.SUCCEEDED)
                 else:
-                    log.info("job %s finished, but was no longer this worker's; result discarded", h.job.id)
+                    log.info(
+                        "job %s finished, but was no longer this worker's; result discarded",
+                        h.job.id,
+                        extra=job_fields(h.job),
+                    )
                     self._done(h, Outcome.DISCARDED)
             self._status([(h, JobStatus.SUCCEEDED) for h in done if (h.job.id, h.lease) in ours])
         if ended:
@@ -253,7 +263,11 @@ class JobBook:
         """Write a request the engine failed as a failed job; the outcome and the error code."""
         error = held.error
         if isinstance(error, HostStopped):
-            log.info("job %s left running; its lease lapses and the reconciler re-dispatches it", held.job.id)
+            log.info(
+                "job %s left running; its lease lapses and the reconciler re-dispatches it",
+                held.job.id,
+                extra=job_fields(held.job),
+            )
             return Outcome.LEFT, None
         # the engine refusing a request outright (ValueError, no output): the stored row is one the API would
         # have refused (e.g. a prompt over max_model_len written behind its back)
@@ -267,7 +281,7 @@ class JobBook:
         )
         if not jobs.fail_job(session, held.job.id, held.lease, code=code, message=str(error)):
             return Outcome.DISCARDED, None
-        log.info("job %s failed (%s: %s)", held.job.id, code, error)
+        log.info("job %s failed (%s: %s)", held.job.id, code, error, extra=job_fields(held.job))
         return Outcome.FAILED, code
 
     def _write_hand_backs(self, returning: list[tuple[HeldJob, Outcome]]) -> None:
@@ -299,7 +313,11 @@ class JobBook:
                 ):
                     released.append((h, outcome, len(tokens)))
                 else:
-                    log.info("job %s stopped while being handed back (no longer this worker's)", h.job.id)
+                    log.info(
+                        "job %s stopped while being handed back (no longer this worker's)",
+                        h.job.id,
+                        extra=job_fields(h.job),
+                    )
                     self._done(h, Outcome.STOPPED)
         self._status([(h, JobStatus.QUEUED) for h, _, _ in released])
         sent = []
@@ -308,8 +326,15 @@ class JobBook:
                 self._send(h.job.id, h.job.priority)
                 sent.append(h.job.id)
             except Exception as exc:  # queued and unsent in Postgres: the reconciler sends it
-                log.warning("job %s handed back but not sent (the reconciler will): %s", h.job.id, exc)
-            log.info("job %s handed back (%s) after %d tokens", h.job.id, outcome.value, n)
+                log.warning(
+                    "job %s handed back but not sent (the reconciler will): %s",
+                    h.job.id,
+                    exc,
+                    extra=job_fields(h.job),
+                )
+            log.info(
+                "job %s handed back (%s) after %d tokens", h.job.id, outcome.value, n, extra=job_fields(h.job)
+            )
             self._done(h, outcome)
         if sent:
             with self._sessions() as session:

@@ -6,6 +6,7 @@ other run of the same greedy request gives."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -19,11 +20,11 @@ import requests
 from redis.sentinel import Sentinel
 from sqlalchemy import select
 
-from contract.settings import Settings
 from jobstore.keys import create_key
 from jobstore.models import Job
 from tests.conftest import BIN, ROOT, serve_api, settings_env, worker_command
-from tests.contract.test_redis_client import SERVICE, sentinel_set, wait_for  # noqa: F401 - a fixture
+from tests.contract.test_redis_client import SERVICE, wait_for
+from tests.contract.test_redis_client import sentinel_set as sentinel_set  # a fixture
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +34,14 @@ BODY = {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0.0}
 
 @contextmanager
 def process(
-    argv: list, env: dict[str, str], log: Path, ready: str | None = None
+    argv: list, env: dict[str, str], log: Path, ready: str | None = None, stdout: Path | None = None
 ) -> Iterator[subprocess.Popen]:
-    """`argv` running with `env`, its output in `log`; waits for `ready` in the log; SIGTERM, then kill."""
-    with log.open("w") as out:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    """`argv` running with `env`, its output in `log` (its stdout in `stdout` if given); waits for `ready` in
+    the log; SIGTERM (a worker: SIGQUIT), then kill."""
+    with log.open("w") as out, (stdout or Path(os.devnull)).open("w") as printed:
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=out if stdout is None else printed, stderr=out
+        )
     try:
         deadline = time.monotonic() + 120
         while ready is not None and ready not in log.read_text():
