@@ -94,6 +94,7 @@ def test_no_job_is_lost_or_run_twice_when_the_redis_master_fails_over(
         live = statuses()
         assert "queued" in live, f"every job ran before the failover: {live}"
 
+        killed = time.monotonic()
         sentinel_set["master"].kill()
         sentinels = Sentinel([("127.0.0.1", sentinel_set["sentinel_port"])])
         wait_for(
@@ -101,11 +102,17 @@ def test_no_job_is_lost_or_run_twice_when_the_redis_master_fails_over(
             seconds=30,
             what="Sentinel promotes the replica",
         )
+        promoted = time.monotonic() - killed
         log = (tmp_path / "worker.log").read_text
         wait_for(
             lambda: statuses().count("succeeded") == JOBS,
             seconds=60,
-            what=f"every job succeeds after the failover: {statuses()}\n{log()[-3000:]}",
+            what=f"every job succeeds after the failover:\n{log()[-3000:]}",
+        )
+        print(  # RELIABILITY.md's figures
+            f"at the kill: {live.count('running')} running, {live.count('queued')} queued, "
+            f"{live.count('succeeded')} succeeded; replica promoted after {promoted:.2f} s, "
+            f"every job succeeded {time.monotonic() - killed:.2f} s after the kill"
         )
         for job_id in ids:  # the API, through the promoted master's Sentinel, answers too
             assert (
