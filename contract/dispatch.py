@@ -4,11 +4,17 @@ The API (sending) and the workers (consuming) must agree on the Redis priority e
 keeps one Redis list per priority step, `generate` for 0 and `generate:N` for N, and a worker's BRPOP
 lists them in `priority_steps` order, so priority 0 is taken first. A sender with other
 `priority_steps` would file messages under the wrong list, hence one configuration for both.
+
+Queues per model: the fleet's default model (DEFAULT_MODEL, or the process's MODEL_NAME) keeps the queue
+`generate`, so a stack with one model has the lists it always had; another model's queue is
+`generate.<name>` (`model_queue`), with the same ten priority lists. Every function here that reads or writes
+a list takes the queue (default `generate`).
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import itertools
 import json
 import re
@@ -17,6 +23,7 @@ from collections.abc import Iterable
 
 import redis
 from celery import Celery
+from kombu import Exchange, Queue
 
 from contract.redis_client import celery_broker, redis_client
 from contract.settings import StoreSettings
@@ -26,6 +33,20 @@ TASK = "generate"
 DEFAULT_PRIORITY = 5  # 0 is the most urgent, 9 the least
 PRIORITIES = range(10)
 SEP = ":"
+MODEL_SEP = "."  # `generate.<model name>`: another model's queue
+
+
+def model_queue(settings: StoreSettings, model: str | None) -> str:
+    """The queue of jobs for the model named `model` (None: the fleet's default, as a job row written before
+    jobs named their model): `generate` for the fleet's default model, `generate.<name>` for any other."""
+    if model is None or model == settings.fleet_default_model():
+        return QUEUE
+    return f"{QUEUE}{MODEL_SEP}{model}"
+
+
+def is_job_queue(queue: str) -> bool:
+    """Whether `queue` is a model's job queue (`generate`, `generate.<name>`), which a worker's intake takes."""
+    return queue == QUEUE or queue.startswith(QUEUE + MODEL_SEP)
 
 
 def celery_config(settings: StoreSettings) -> dict:
@@ -56,25 +77,38 @@ def make_celery(settings: StoreSettings, name: str = "genq") -> Celery:
     return app
 
 
-def send_job(app: Celery, job_id: uuid.UUID, priority: int) -> None:
+def send_job(app: Celery, job_id: uuid.UUID, priority: int, queue: str = QUEUE) -> None:
     """Put "run job `job_id`" on the `generate` queue with the job's priority. The message's task id is the job's
     id: however often a job is sent (handed back, recovered), it is one task (workers/job_tasks.py).
 
     Sent through the default exchange straight to the queue: kombu's Redis transport then needs no
     lookup of the `generate` exchange's bindings (a Redis round trip per message)."""
     job = str(job_id)
-    app.send_task(TASK, args=[job], task_id=job, exchange="", routing_key=QUEUE, priority=priority)
+    app.send_task(TASK, args=[job], task_id=job, queue=_direct(queue), priority=priority)
+
+
+@functools.cache
+def _direct(queue: str) -> Queue:
+    """`queue` reached through the default exchange (""): Celery takes a Queue's exchange and routing key as
+    they are, where `exchange=""` alone would be taken for "none given" and routed through the default
+    queue's exchange (`generate`), whatever the routing key."""
+    return Queue(queue, Exchange(""), routing_key=queue)
 
 
 def send_to_head(
-    app: Celery, client: redis.Redis, settings: StoreSettings, job_id: uuid.UUID, priority: int
+    app: Celery,
+    client: redis.Redis,
+    settings: StoreSettings,
+    job_id: uuid.UUID,
+    priority: int,
+    queue: str = QUEUE,
 ) -> bool:
     """Send job `job_id` and put its message at the head of its priority's list (`move_to_head`): a job taken
     from the queue before and back in it (handed back, declined, or recovered from a dead worker) is taken
     before the jobs of its priority that waited behind it. False if Redis failed the move (it waits at the tail)."""
-    send_job(app, job_id, priority)
+    send_job(app, job_id, priority, queue)
     try:
-        move_to_head(client, settings, job_id, priority)  # False: a worker took it already
+        move_to_head(client, settings, job_id, priority, queue)  # False: a worker took it already
     except redis.RedisError:
         return False
     return True
@@ -97,11 +131,13 @@ return 0
 """
 
 
-def move_to_head(client: redis.Redis, settings: StoreSettings, job_id: uuid.UUID, priority: int) -> bool:
+def move_to_head(
+    client: redis.Redis, settings: StoreSettings, job_id: uuid.UUID, priority: int, queue: str = QUEUE
+) -> bool:
     """Move the message just sent for `job_id` to the head of its priority's list, so it is taken next
     among equals: a job handed back, or a message a full worker declined, keeps its place ahead of the
     jobs of its priority that came after it. False if it was not near the tail (taken already)."""
-    return bool(client.eval(_TO_HEAD, 1, queue_key(settings, QUEUE, priority), str(job_id), 64))
+    return bool(client.eval(_TO_HEAD, 1, queue_key(settings, queue, priority), str(job_id), 64))
 
 
 # the job id in a message's headers, where Celery (and BulkSender) put the task's args: "argsrepr": "['<id>']"
@@ -109,13 +145,18 @@ _ARGSREPR = re.compile(rb'"argsrepr": "\[\'([0-9a-f-]{36})\'\]"')
 
 
 def take_messages(
-    client: redis.Redis, settings: StoreSettings, priorities: Iterable[int], count: int, wait: float | None
+    client: redis.Redis,
+    settings: StoreSettings,
+    priorities: Iterable[int],
+    count: int,
+    wait: float | None,
+    queue: str = QUEUE,
 ) -> list[tuple[uuid.UUID | None, int]]:
     """Take up to `count` messages from the most urgent non-empty list of `priorities`, at its head, as kombu's
     consumer would: one LMPOP, or with `wait` one BLMPOP, which waits up to `wait` seconds for a message while
     those lists are empty. (job id, priority) of each, in the order they were sent; a message naming no job gives
     None. A worker's intake takes its jobs this way (workers/intake.py)."""
-    keys = [queue_key(settings, QUEUE, p) for p in priorities]
+    keys = [queue_key(settings, queue, p) for p in priorities]
     if wait is None:
         reply = client.lmpop(len(keys), *keys, direction="RIGHT", count=count)
     else:
@@ -134,13 +175,13 @@ def job_of(message: bytes) -> uuid.UUID | None:
 
 
 def waiting_jobs(
-    client: redis.Redis, settings: StoreSettings, limit: int
+    client: redis.Redis, settings: StoreSettings, limit: int, queue: str = QUEUE
 ) -> dict[int, tuple[int, list[uuid.UUID]]]:
     """For each priority: how many messages wait in its list, and the jobs named by the `limit` messages at
     its head (the next to be taken, next first), all read in one MULTI, so the lists are seen at one moment."""
     with client.pipeline(transaction=True) as pipe:
         for p in PRIORITIES:
-            key = queue_key(settings, QUEUE, p)
+            key = queue_key(settings, queue, p)
             pipe.llen(key)
             pipe.lrange(key, -limit, -1)
         replies = pipe.execute()
@@ -178,18 +219,32 @@ def jobs_in_queue(
     priority: int,
     job_ids: Iterable[uuid.UUID],
     chunk: int = 1000,
+    queue: str = QUEUE,
 ) -> set[uuid.UUID]:
     """Which of `job_ids` a message waiting in `priority`'s list names. The list is read `chunk` messages per
     call (each a short script in Redis, so a long list never blocks Redis for long), from its tail: a message
     pushed meanwhile shifts the rest towards the head, where they are still read."""
     sought = {str(job_id) for job_id in job_ids}
-    key, found, first = queue_key(settings, QUEUE, priority), set(), 0
+    key, found, first = queue_key(settings, queue, priority), set(), 0
     while sought and first < client.llen(key):
         hits = {hit.decode() for hit in client.eval(_FIND, 1, key, first, chunk, *sought)}
         found |= hits
         sought -= hits
         first += chunk
     return {uuid.UUID(job_id) for job_id in found}
+
+
+def queue_lengths(
+    client: redis.Redis, settings: StoreSettings, queues: Iterable[str]
+) -> dict[str, list[int]]:
+    """Messages waiting in each priority's list of each of `queues` (index: priority), read in one MULTI."""
+    queues = list(queues)
+    with client.pipeline(transaction=True) as pipe:
+        for queue in queues:
+            for p in PRIORITIES:
+                pipe.llen(queue_key(settings, queue, p))
+        lengths = iter(pipe.execute())
+    return {queue: [next(lengths) for _ in PRIORITIES] for queue in queues}
 
 
 def queue_key(settings: StoreSettings, queue: str, priority: int) -> str:
@@ -225,7 +280,7 @@ class BulkSender:
         self._embed = json.dumps(template.body[2])
         # the message as JSON once, with a {slot} where each message differs (json.dumps of the whole
         # dict per message cost more than the rest of a batch's sending)
-        slots = {name: f"\x00{name}\x00" for name in ("task", "argsrepr", "body", "priority", "tag")}
+        slots = {name: f"\x00{name}\x00" for name in ("task", "argsrepr", "body", "priority", "tag", "queue")}
         message = {
             "body": slots["body"],
             "content-encoding": "utf-8",
@@ -238,7 +293,7 @@ class BulkSender:
                 reply_to=app.thread_oid,
                 delivery_mode=2,
                 correlation_id=slots["task"],
-                delivery_info={"exchange": "", "routing_key": QUEUE},
+                delivery_info={"exchange": "", "routing_key": slots["queue"]},
                 priority=slots["priority"],
                 body_encoding="base64",
                 delivery_tag=slots["tag"],
@@ -251,8 +306,8 @@ class BulkSender:
             text = text.replace(quoted, placeholder if name == "priority" else f'"{placeholder}"')
         self._template = text
 
-    def message(self, job_id: uuid.UUID, priority: int) -> str:
-        """The message Celery would send for `generate(job_id)` at `priority`, as kombu stores it in Redis."""
+    def message(self, job_id: uuid.UUID, priority: int, queue: str = QUEUE) -> str:
+        """The message Celery would send for `generate(job_id)` at `priority` on `queue`, as kombu stores it."""
         job = str(job_id)  # a uuid's text needs no JSON escaping
         body = f'[["{job}"], {{}}, {self._embed}]'.encode()
         return self._template.format(
@@ -261,24 +316,25 @@ class BulkSender:
             body=base64.b64encode(body).decode(),
             priority=int(priority),
             tag=uuid.uuid4(),
+            queue=json.dumps(queue)[1:-1],
         )
 
-    def send_one(self, job_id: uuid.UUID, priority: int) -> None:
+    def send_one(self, job_id: uuid.UUID, priority: int, queue: str = QUEUE) -> None:
         """Send "run job `job_id`" at `priority`: one LPUSH of the message `send_job` would send, built from
         the template (Celery's send_task costs ~10x the CPU: a third of POST /jobs' in the API)."""
-        self.redis.lpush(queue_key(self.settings, QUEUE, priority), self.message(job_id, priority))
+        self.redis.lpush(queue_key(self.settings, queue, priority), self.message(job_id, priority, queue))
 
-    def send(self, jobs: Iterable[tuple[uuid.UUID, int]]) -> int:
-        """Send every (job id, priority), in order; returns how many were sent. Consecutive jobs of one
+    def send(self, jobs: Iterable[tuple[uuid.UUID, int]], queue: str = QUEUE) -> int:
+        """Send every (job id, priority) to `queue`, in order; returns how many were sent. Consecutive jobs of one
         priority go in one LPUSH of many values (Redis pushes them one after another, as as many LPUSHes
         would: the first is taken first), `pipeline_size` messages per round trip. A failure part way
         leaves the rest unsent, their rows queued with enqueued_at NULL: the reconciler sends them."""
         sent = pending = 0
         with self.redis.pipeline(transaction=False) as pipe:
             for priority, run in itertools.groupby(jobs, key=lambda job: job[1]):
-                key = queue_key(self.settings, QUEUE, priority)
+                key = queue_key(self.settings, queue, priority)
                 while chunk := list(itertools.islice(run, self.pipeline_size - pending)):
-                    pipe.lpush(key, *(self.message(job_id, priority) for job_id, _ in chunk))
+                    pipe.lpush(key, *(self.message(job_id, priority, queue) for job_id, _ in chunk))
                     pending += len(chunk)
                     if pending >= self.pipeline_size:
                         pipe.execute()

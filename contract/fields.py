@@ -68,7 +68,7 @@ def _as_list(value: str | list[str]) -> list[str]:
 
 
 def _served(value: str, info: ValidationInfo) -> str:
-    """The model must be one this server serves (its MODEL, or one of MODEL_ALIASES), when the caller's
+    """The model must be one the fleet serves (webapi/fleet.py), when the caller's
     validation context says which (the API always does); 404 model_not_found otherwise (webapi/validation.py)."""
     served = (info.context or {}).get(SERVED_MODELS)
     if served is not None and value not in served:
@@ -217,5 +217,8 @@ ModelName = Annotated[
     str,
     StringConstraints(max_length=256),
     AfterValidator(_served),
-    Field(description="The served model: MODEL, or a name in MODEL_ALIASES; another answers 404."),
+    Field(
+        description="A served model: one a live worker serves, MODEL, a name in MODEL_ALIASES or SERVED_MODELS; "
+        "another answers 404."
+    ),
 ]

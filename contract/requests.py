@@ -19,6 +19,7 @@ from contract.fields import (
     MetadataValue,
     MinP,
     MinTokens,
+    ModelName,
     Penalty,
     Priority,
     PromptText,
@@ -82,6 +83,9 @@ class JobCreate(RequestBody):
         False,
         description="/v1/completions' echo with max_tokens 0: the reply is the prompt alone (the job draws one "
         "token, as vLLM does, and the reply leaves it out).",
+    )
+    model: ModelName | None = Field(
+        None, description="The served model to run on (GET /models lists them); absent: the fleet's default."
     )
     priority: Priority = DEFAULT_PRIORITY
     deadline: Deadline | None = None

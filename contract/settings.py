@@ -41,11 +41,22 @@ class StoreSettings(BaseSettings):
     # --- logs of every process (contract/log_setup.py): text, or one JSON object a line with request_id,
     # job_id and tenant where known
     log_format: Literal["text", "json"] = "text"
+    # OpenTelemetry traces (contract/tracing.py, the `otel` extra); also on when OTEL_EXPORTER_OTLP_ENDPOINT is set
+    tracing: bool = False
 
     # --- the model (read by the API for its limits and by the worker for its engine)
     model: str = "tiny-llama"
+    # the name jobs give for MODEL (vLLM's --served-model-name); empty: MODEL itself
+    model_name: str = Field("", max_length=200, pattern=r"^[^\s:,=]*$")
+    # the fleet's default model, whose queue is plain `generate` (contract/dispatch.py): the name a job without
+    # `model` gets. Empty: this process's MODEL_NAME (one model: nothing to set). A worker serving another model
+    # than the default sets it to the default's name, so that it takes `generate.<its name>` and no other queue
+    default_model: str = Field("", max_length=200, pattern=r"^[^\s:,=]*$")
     # prompt tokens + max_tokens must fit (also the engine's limit); tiny-llama's own is 2048
     max_model_len: int = 2048
+    # --- the fleet (contract/fleet.py): each worker announces what it serves this often; a worker not heard
+    # from for three of these is taken as gone
+    fleet_heartbeat_seconds: float = Field(5.0, gt=0)
 
     # --- token events (contract/token_events.py): seconds of live output Redis keeps for streaming readers
     events_retention_seconds: float = Field(60.0, gt=0)
@@ -53,6 +64,15 @@ class StoreSettings(BaseSettings):
     # --- deadlines (issue 44): a job's deadline is at risk with less slack than this; the engine then runs it
     # ahead of its class (batching/admission_order.py), and its status says so (deadline_status)
     deadline_margin_seconds: float = Field(5.0, ge=0)
+
+    def served_model_name(self) -> str:
+        """The name jobs give for this process's MODEL: MODEL_NAME, or MODEL itself."""
+        return self.model_name or self.model
+
+    def fleet_default_model(self) -> str:
+        """The name of the fleet's default model (a job that names none runs on it): DEFAULT_MODEL, or this
+        process's own served name."""
+        return self.default_model or self.served_model_name()
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Self:
@@ -157,6 +177,10 @@ class ApiSettings(StoreSettings):
     # other names a /v1 request's `model` may give for MODEL (comma-separated); any other name answers 404
     # model_not_found. Replies name MODEL.
     model_aliases: str = ""
+    # models the fleet serves besides MODEL (comma-separated `name=model` pairs, `model` a Hugging Face id or a
+    # path; or a bare name when both are the same): a job for one is accepted while no worker of it is live, and
+    # waits. Any model a live worker announces is served too (webapi/fleet.py)
+    served_models: str = ""
     max_body_bytes: int = 1 << 20  # larger request bodies answer 413
     max_queued_per_tenant: int = 1000  # a tenant with this many queued jobs gets 429 on POST /jobs
     max_queued_jobs: int = 20000  # all tenants together: beyond this many queued jobs, POST /jobs answers 429
@@ -186,11 +210,17 @@ class ApiSettings(StoreSettings):
     db_pool_size: int = Field(10, ge=1)
     log_level: str = "INFO"
 
-    def served_models(self) -> frozenset[str]:
-        """The names a request's `model` may give: MODEL and its MODEL_ALIASES."""
-        return frozenset(
-            [self.model, *(name.strip() for name in self.model_aliases.split(",") if name.strip())]
-        )
+    def alias_names(self) -> frozenset[str]:
+        """MODEL_ALIASES: other names for the fleet's default model."""
+        return frozenset(name.strip() for name in self.model_aliases.split(",") if name.strip())
+
+    def configured_models(self) -> dict[str, str]:
+        """SERVED_MODELS as {name: model}, with the default model (MODEL under its served name) first."""
+        configured = {self.fleet_default_model(): self.model}
+        for entry in filter(None, (part.strip() for part in self.served_models.split(","))):
+            name, _, model = entry.partition("=")
+            configured.setdefault(name.strip(), model.strip() or name.strip())
+        return configured
 
 
 class Settings(WorkerSettings, ApiSettings):

@@ -234,18 +234,41 @@ def mark_enqueued(db: Session | Connection, job_ids: Sequence[uuid.UUID]) -> Non
     )
 
 
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """The model a worker serves, as a claim checks it: its served name, and whether it is the fleet's default
+    (whose jobs include the rows that name no model)."""
+
+    name: str
+    is_default: bool
+
+
 def claim_job(
-    db: Session | Connection, job_id: uuid.UUID, worker_id: str, lease_seconds: float
+    db: Session | Connection,
+    job_id: uuid.UUID,
+    worker_id: str,
+    lease_seconds: float,
+    model: ServedModel | None = None,
 ) -> Job | None:
-    """queued → running for `worker_id` with a fresh lease; the job (a plain Job), or None if it is not queued."""
+    """queued → running for `worker_id` with a fresh lease; the job (a plain Job), or None if it is not queued
+    (or, with `model`, is another model's: a message filed under the wrong queue never runs on the wrong model)."""
     row = db.execute(
-        _claim_statement(), {"job": job_id, "worker": worker_id, "lease": timedelta(seconds=lease_seconds)}
+        _claim_statement(),
+        {
+            "job": job_id,
+            "worker": worker_id,
+            "lease": timedelta(seconds=lease_seconds),
+            **_model_params(model),
+        },
     ).one_or_none()
     return None if row is None else _job_from_row(row)
 
 
 def claim_jobs(
-    db: Session | Connection, claims: Sequence[tuple[uuid.UUID, str]], lease_seconds: float
+    db: Session | Connection,
+    claims: Sequence[tuple[uuid.UUID, str]],
+    lease_seconds: float,
+    model: ServedModel | None = None,
 ) -> list[Job]:
     """claim_job for many jobs in one statement: each (job id, worker_id) whose job is queued becomes running
     under that lease; the claimed jobs (plain Jobs, in no particular order). A worker's intake claims what
@@ -254,9 +277,29 @@ def claim_jobs(
         return []
     rows = db.execute(
         _CLAIM_MANY,
-        {"ids": [c[0] for c in claims], "workers": [c[1] for c in claims], "lease": lease_seconds},
+        {
+            "ids": [c[0] for c in claims],
+            "workers": [c[1] for c in claims],
+            "lease": lease_seconds,
+            **_model_params(model),
+        },
     )
     return [_job_from_row(row) for row in rows]
+
+
+def _model_params(model: ServedModel | None) -> dict:
+    """The claim's model parameters: no model, any job; else the model's jobs (NULL ones for the default)."""
+    return {
+        "served_model": None if model is None else model.name,
+        "served_is_default": model is None or model.is_default,
+    }
+
+
+# a job's model matches the claim's (no model given: any job; the default model: NULL too)
+_MODEL_MATCHES = (
+    "(CAST(:served_model AS varchar) IS NULL OR j.model = CAST(:served_model AS varchar) "
+    "OR (CAST(:served_is_default AS boolean) AND j.model IS NULL))"
+)
 
 
 _CLAIM_MANY = text(
@@ -264,7 +307,7 @@ _CLAIM_MANY = text(
     "lease_expires_at = now() + make_interval(secs => CAST(:lease AS double precision)), "
     "started_at = coalesce(j.started_at, now()), attempts = j.attempts + 1 "
     "FROM unnest(CAST(:ids AS uuid[]), CAST(:workers AS varchar[])) AS v(id, worker) "
-    "WHERE j.id = v.id AND j.status = 'queued' "
+    "WHERE j.id = v.id AND j.status = 'queued' AND " + _MODEL_MATCHES + " "
     # the columns by name, in the model's order: `.columns()` maps them by position, and a table grown by
     # migrations (ADD COLUMN goes last) has another physical order than the model declares
     "RETURNING " + ", ".join(f'j."{c.name}"' for c in JOBS.c)
@@ -276,7 +319,11 @@ def _claim_statement():
     """Built once: the claim is on every job's path from the queue to the engine."""
     return (
         update(JOBS)
-        .where(JOBS.c.id == bindparam("job"), JOBS.c.status == JobStatus.QUEUED)
+        .where(
+            JOBS.c.id == bindparam("job"),
+            JOBS.c.status == JobStatus.QUEUED,
+            text(_MODEL_MATCHES.replace("j.model", "jobs.model")),
+        )
         .values(
             status=JobStatus.RUNNING,
             worker_id=bindparam("worker"),
@@ -564,9 +611,10 @@ def sent_before(
     cutoffs: Mapping[int, datetime | None],
     excluded: Collection[uuid.UUID] = (),
     limit: int = 1000,
+    model: ServedModel | None = None,
 ) -> list[tuple[uuid.UUID, int]]:
     """(id, priority) of queued jobs of each priority in `cutoffs` recorded as sent before its cutoff (None:
-    before this transaction began), leaving out `excluded`; the longest sent first."""
+    before this transaction began), leaving out `excluded`, of `model` only when given; the longest sent first."""
     if not cutoffs:
         return []
     before = [
@@ -578,7 +626,26 @@ def sent_before(
     )
     if excluded:
         stmt = stmt.where(JOBS.c.id.not_in(excluded))
+    if model is not None:
+        stmt = stmt.where(_of_model(model))
     return [(row.id, row.priority) for row in db.execute(stmt.order_by(JOBS.c.enqueued_at).limit(limit))]
+
+
+def _of_model(model: ServedModel):
+    same = JOBS.c.model == model.name
+    return or_(same, JOBS.c.model.is_(None)) if model.is_default else same
+
+
+def queued_models(db: Session | Connection) -> set[str | None]:
+    """The models of the queued jobs (None: rows that name none, the fleet's default model's)."""
+    return set(db.scalars(select(JOBS.c.model).where(JOBS.c.status == JobStatus.QUEUED).distinct()))
+
+
+def models_of(db: Session | Connection, job_ids: Collection[uuid.UUID]) -> dict[uuid.UUID, str | None]:
+    """The model each of these jobs names (None: the fleet's default), to send it to its model's queue."""
+    if not job_ids:
+        return {}
+    return dict(db.execute(select(JOBS.c.id, JOBS.c.model).where(JOBS.c.id.in_(list(job_ids)))).all())
 
 
 def try_reconciler_lock(session: Session) -> bool:

@@ -155,6 +155,9 @@ class Job(Base):
     tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     status: Mapped[JobStatus] = mapped_column(_status_enum(JobStatus, "status"), default=JobStatus.QUEUED)
     priority: Mapped[int] = mapped_column(SmallInteger)
+    # the served name of the model it runs on (a worker of that model takes it); NULL: the fleet's default model
+    # (rows written before jobs named their model)
+    model: Mapped[str | None] = mapped_column(String(200))
 
     # the request, as validated by the API
     prompt: Mapped[str | None] = mapped_column(Utf8Text)

@@ -125,7 +125,8 @@ def validate_and_insert(session, batch: Batch, file_id: str, deadline: datetime)
         settings.model,
         settings.max_model_len,
         tokenizer,
-        settings.served_models(),
+        # the default model's names only: a batch's jobs run on the default model (lines naming others: 404)
+        frozenset([settings.fleet_default_model(), settings.model]) | settings.alias_names(),
         deadline,
     )
     savepoint = session.begin_nested()

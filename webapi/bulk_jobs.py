@@ -11,6 +11,7 @@ from kombu.exceptions import KombuError
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
+from contract.dispatch import model_queue
 from jobstore.bulk_jobs import BulkItem, BulkResult, Outcome, create_jobs
 from webapi.auth import current_tenant, require_api_key
 from webapi.bulk_schemas import BulkItemResult, BulkResults, BulkSubmit, QueueRoom
@@ -104,8 +105,12 @@ def send(jobs) -> None:
     if not jobs:
         return
     ordered = sorted(jobs, key=lambda job: job.priority)
+    by_queue: dict[str, list] = {}  # each model's jobs to its own queue
+    for job in ordered:
+        by_queue.setdefault(model_queue(services().settings, job.model), []).append(job)
     try:
-        services().bulk_sender.send((job.id, job.priority) for job in ordered)
+        for queue, group in by_queue.items():
+            services().bulk_sender.send(((job.id, job.priority) for job in group), queue)
     except (KombuError, RedisError, OSError) as exc:
         log.warning("%d jobs stay queued unsent (the reconciler will send them): %s", len(jobs), exc)
         return

@@ -29,13 +29,23 @@ class Chunks:
     """The events of one choice of a streamed completion (its `index`: several choices of a call share the
     `id` of the first's job), in OpenAI's chunk shapes."""
 
-    def __init__(self, endpoint: str, model: str, job_id: uuid.UUID, job: Job, index: int = 0):
+    def __init__(
+        self,
+        endpoint: str,
+        model: str,
+        job_id: uuid.UUID,
+        job: Job,
+        index: int = 0,
+        checkpoint: str | None = None,
+    ):
+        """`model`: the name replies give; `checkpoint`: what its tokenizer is loaded from (None: `model`)."""
         self.chat = endpoint == CHAT_ENDPOINT
-        self.model, self.job, self.index = model, job, index
+        self.job, self.index = job, index
+        self.model = checkpoint or model  # tokenizer_for's key
         self.text_offset = 0  # completions' logprobs: characters of the token strings sent
         options = job.options or {}
         self.echo, self.alone = options.get("echo", False), options.get("echo_only", False)
-        self.tokenizer = tokenizer_for(model) if options.get("logprobs") is not None else None
+        self.tokenizer = tokenizer_for(self.model) if options.get("logprobs") is not None else None
         self.base = {
             "id": ("chatcmpl-" if self.chat else "cmpl-") + job_id.hex,
             "object": "chat.completion.chunk" if self.chat else "text_completion",

@@ -28,8 +28,9 @@ from webapi.auth import require_api_key
 from webapi.completion_chunks import DONE, Chunks
 from webapi.errors import APIError, from_validation_error
 from webapi.extensions import services
+from webapi.fleet import FleetModel
 from webapi.following import Ended, JobFollower, Tick
-from webapi.jobs import submit_job
+from webapi.jobs import served_model, submit_job
 from webapi.openai_schemas import (
     CHAT_ENDPOINT,
     COMPLETIONS_ENDPOINT,
@@ -66,7 +67,8 @@ def complete(body: ChatCompletionCreate | CompletionCreate, endpoint: str):
     """Submit a job per choice (choice i * n + j: prompt i's j-th, seed + j when seeded), each followed from
     before it is sent, then answer once all have succeeded, or stream them (`stream`)."""
     prompts = body.prompts() if isinstance(body, CompletionCreate) else [None]
-    requests = [completion_job(body, prompt, j) for prompt in prompts for j in range(body.choices())]
+    served = served_model(body.model)
+    requests = [completion_job(body, served, prompt, j) for prompt in prompts for j in range(body.choices())]
     found = services()
     timeout = found.settings.completion_timeout_seconds
     with JobFollower(
@@ -76,9 +78,9 @@ def complete(body: ChatCompletionCreate | CompletionCreate, endpoint: str):
             submit_job(request, tokens, on_created=follower.follow_created) for request, tokens in requests
         ]
         if body.stream:
-            return stream(follower, body, endpoint, jobs, sum(tokens for _, tokens in requests))
+            return stream(follower, body, endpoint, jobs, sum(tokens for _, tokens in requests), served)
         succeeded = [succeeded_job(follower, index) for index in range(len(jobs))]
-    return reply(succeeded, endpoint, found.settings.model)
+    return reply(succeeded, endpoint, served)
 
 
 def succeeded_job(follower: JobFollower, index: int) -> Job:
@@ -98,20 +100,20 @@ def stream(
     endpoint: str,
     jobs: list[Job],
     prompt_tokens: int,
+    served: FleetModel,
 ) -> Response:
     """The choices' chunks as server-sent events; one choice's plain steps written by the hub as they come
     (gevent worker)."""
-    model = services().settings.model
-    chunks = [Chunks(endpoint, model, jobs[0].id, job, i) for i, job in enumerate(jobs)]
+    chunks = [Chunks(endpoint, served.name, jobs[0].id, job, i, served.model) for i, job in enumerate(jobs)]
     usage = body.stream_options is not None and bool(body.stream_options.include_usage)
     if len(chunks) == 1:
         return follower.stream(chunk_pieces(follower, chunks[0], usage, prompt_tokens), chunks[0].plain_step)
     return follower.stream(merged_chunk_pieces(follower, chunks, usage, prompt_tokens))
 
 
-def reply(ended: list[Job], endpoint: str, model: str) -> dict:
+def reply(ended: list[Job], endpoint: str, served: FleetModel) -> dict:
     """The endpoint's response body for the call's succeeded jobs: a choice per job, in order."""
-    answers = [answer(job, endpoint, model) for job in ended]
+    answers = [answer(job, endpoint, served) for job in ended]
     if len(answers) == 1:
         return answers[0]
     reply = answers[0]
@@ -121,25 +123,24 @@ def reply(ended: list[Job], endpoint: str, model: str) -> dict:
 
 
 def completion_job(
-    body: ChatCompletionCreate | CompletionCreate, prompt=None, choice: int = 0
+    body: ChatCompletionCreate | CompletionCreate, served: FleetModel, prompt=None, choice: int = 0
 ) -> tuple[dict, int]:
-    """The job's fields (JobCreate's) and its prompt token count (for `prompt`, one of a completion's, and its
-    `choice`-th sample: seed + choice); 400 naming the field when the prompt cannot run."""
-    settings = services().settings
+    """The job's fields (JobCreate's) and its prompt token count on the `served` model (for `prompt`, one of a
+    completion's, and its `choice`-th sample: seed + choice); 400 naming the field when the prompt cannot run."""
     chat = isinstance(body, ChatCompletionCreate)
     # the tenant's sync_priority (0 unless its policy says) when the call names none
     priority = body.priority if body.priority is not None else tenant_policy().sync_priority
-    fields = dict(body.sampling(), priority=priority)
+    fields = dict(body.sampling(), priority=priority, model=served.name)
     if choice and body.seed is not None:
         fields["seed"] = (body.seed + choice) % 2**63
     try:
         if isinstance(body, ChatCompletionCreate):
             messages = [m.for_template() for m in body.messages]
-            ids, prompt_tokens, error = prepare_prompt(settings.model, messages=messages)
+            ids, prompt_tokens, error = prepare_prompt(served.model, messages=messages)
         elif isinstance(prompt, list):
-            ids, prompt_tokens, error = prepare_prompt(settings.model, input_ids=prompt)
+            ids, prompt_tokens, error = prepare_prompt(served.model, input_ids=prompt)
         else:
-            ids, prompt_tokens, error = prepare_prompt(settings.model, text=prompt)
+            ids, prompt_tokens, error = prepare_prompt(served.model, text=prompt)
     except NoChatTemplate as exc:
         raise APIError(422, "invalid_request", str(exc)) from None
     if error is not None:  # OpenAI's field for token ids is `prompt`
@@ -150,11 +151,11 @@ def completion_job(
         fields["prompt"] = prompt
     max_tokens = body.requested_max_tokens()
     if max_tokens is None:  # OpenAI's chat default: as much as the context leaves
-        max_tokens = max(1, settings.max_model_len - prompt_tokens)
+        max_tokens = max(1, served.max_model_len - prompt_tokens)
     error = check_length(
         prompt_tokens,
         max_tokens,
-        settings.max_model_len,
+        served.max_model_len,
         "messages" if chat else "prompt",
         body.max_tokens_field(),
         defaulted=getattr(body, body.max_tokens_field()) is None,
@@ -168,9 +169,9 @@ def completion_job(
         raise from_validation_error(exc, document=fields) from None
 
 
-def answer(job: Job, endpoint: str, model: str) -> dict:
+def answer(job: Job, endpoint: str, served: FleetModel) -> dict:
     """The endpoint's response body for a succeeded job (the Batch API's output lines hold the same)."""
-    body = response_body(_row(job), endpoint, model, tokenizer_for(model))
+    body = response_body(_row(job), endpoint, served.name, tokenizer_for(served.model))
     return (ChatCompletion if endpoint == CHAT_ENDPOINT else Completion).model_validate(body).model_dump()
 
 

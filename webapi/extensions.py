@@ -17,8 +17,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from contract.dispatch import BulkSender, bounded_redis, make_celery
 from contract.redis_client import limiter_storage
 from contract.settings import ApiSettings
+from contract.tracing import instrument_engine
 from jobstore.db import API_MAX_OVERFLOW, make_engine, make_session_factory
 from webapi.errors import error_response
+from webapi.fleet import Fleet
 from webapi.hub import Hub
 from webapi.key_cache import KeyCache
 from webapi.queue_size import QueueSize
@@ -49,6 +51,7 @@ class Services:
     bulk_sender: BulkSender  # jobs to Redis: one LPUSH for POST /jobs, pipelines for a batch's
     completion_slots: threading.BoundedSemaphore | None  # calls waiting on a job in this process
     hub: Hub  # this process's reader of token events (webapi/hub.py)
+    fleet: Fleet  # the models the fleet serves, read from the workers' announcements (webapi/fleet.py)
 
     def close(self) -> None:
         """Record the pending "sent" marks, then close every database connection (tests, shutdown)."""
@@ -72,6 +75,7 @@ def init_extensions(app: Flask, settings: ApiSettings) -> None:
         pool_timeout=120,
         ping_idle_seconds=1.0,
     )
+    instrument_engine(engine)  # TRACING: its statements' spans (contract/tracing.py)
     storage_uri, storage_options = limiter_storage(settings.redis_url)
     if not storage_options:  # a bounded pool, waited on: a burst of calls shares a few connections
         storage_options = {"connection_pool": bounded_redis(settings.redis_url, timeout=2).connection_pool}
@@ -106,6 +110,7 @@ def init_extensions(app: Flask, settings: ApiSettings) -> None:
         Hub(
             settings.redis_url, settings.redis_key_prefix, retention_seconds=settings.events_retention_seconds
         ),
+        Fleet(settings, bounded_redis(settings.redis_url, timeout=2, max_connections=4)),
     )
     app.teardown_appcontext(_close_session)
     app.register_error_handler(RateLimitExceeded, _rate_limited)

@@ -15,12 +15,14 @@ from kombu.exceptions import KombuError
 from redis.exceptions import RedisError
 
 from contract.deltas import Position
+from contract.dispatch import model_queue
 from jobstore import jobs
 from jobstore.models import Job, JobStatus
 from webapi.auth import current_tenant, require_api_key
 from webapi.cancels import cancel
 from webapi.errors import APIError
 from webapi.extensions import db, services
+from webapi.fleet import FleetModel, ModelNotServed
 from webapi.following import JobFollower
 from webapi.job_stream import delta_event, job_event_pieces
 from webapi.metrics import JOBS_SUBMITTED
@@ -191,11 +193,12 @@ def overloaded_error() -> APIError | None:
 def job_request(body: JobSubmit) -> tuple[dict, int]:
     """The job's stored fields (chat messages rendered into input_ids) and its prompt token count; 422 when
     the prompt cannot run on the model (no chat template, unknown token ids, too long)."""
-    settings = services().settings
+    served = served_model(body.model)
     request = body.model_dump(exclude={"messages"})
+    request["model"] = served.name
     messages = None if body.messages is None else [m.for_template() for m in body.messages]
     try:
-        ids, prompt_tokens, error = prepare_prompt(settings.model, messages, body.input_ids, body.prompt)
+        ids, prompt_tokens, error = prepare_prompt(served.model, messages, body.input_ids, body.prompt)
     except NoChatTemplate as exc:
         raise APIError(422, "invalid_request", str(exc)) from None
     if messages is not None and error is None:
@@ -203,11 +206,19 @@ def job_request(body: JobSubmit) -> tuple[dict, int]:
     field = "messages" if body.messages is not None else "prompt" if body.prompt is not None else "input_ids"
     defaulted = "max_tokens" not in body.model_fields_set
     error = error or check_length(
-        prompt_tokens, body.max_tokens, settings.max_model_len, field, defaulted=defaulted
+        prompt_tokens, body.max_tokens, served.max_model_len, field, defaulted=defaulted
     )
     if error is not None:
         raise APIError(422, "invalid_request", str(error))
     return request, prompt_tokens
+
+
+def served_model(name: str | None) -> FleetModel:
+    """The served model a request's `model` names (None: the fleet's default); 404 model_not_found otherwise."""
+    try:
+        return services().fleet.resolve(name)
+    except ModelNotServed as exc:
+        raise APIError(404, "model_not_found", str(exc)) from None
 
 
 def enqueue(job: Job) -> None:
@@ -215,7 +226,7 @@ def enqueue(job: Job) -> None:
 
     The send is recorded (enqueued_at) in batches, off the request path: webapi/sent_marks.py."""
     try:
-        services().bulk_sender.send_one(job.id, job.priority)
+        services().bulk_sender.send_one(job.id, job.priority, model_queue(services().settings, job.model))
     except (KombuError, RedisError, OSError) as exc:
         log.warning("job %s stays queued unsent (the reconciler will send it): %s", job.id, exc)
         return

@@ -22,8 +22,7 @@ from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from contract.dispatch import QUEUE, list_name
-from contract.redis_client import redis_client
+from contract.dispatch import model_queue, queue_lengths
 from contract.settings import ApiSettings
 from jobstore.jobs import ACTIVE, live_deadline_counts
 from jobstore.models import Job
@@ -93,7 +92,7 @@ class _ReadAtScrape:
     def collect(self):
         yield from job_gauges(self.session)
         yield deadline_gauge(self.session, self.settings.deadline_margin_seconds)
-        yield from queue_depth(self.settings.redis_url, self.settings.redis_key_prefix)
+        yield from fleet_gauges(self.settings)
         yield from tenant_gauges(self.session, self.settings.usage_metrics_tenants)
 
 
@@ -135,22 +134,32 @@ def deadline_gauge(session: Session, margin_seconds: float) -> GaugeMetricFamily
     return gauge
 
 
-def queue_depth(redis_url: str, key_prefix: str) -> list[GaugeMetricFamily]:
-    """genq_queue_depth{priority}: the length of each kombu priority list (`generate`, `generate:1`, ...)."""
-    client = redis_client(redis_url, timeout=2)
+def fleet_gauges(settings: ApiSettings) -> list[GaugeMetricFamily]:
+    """genq_queue_depth{model, priority}: the length of each served model's kombu priority lists (`generate`,
+    `generate:1`, ... for the default model; `generate.<name>`, ... for another), and genq_model_live_workers{model}
+    (0: a model configured in SERVED_MODELS whose jobs wait for a worker), read at scrape time."""
+    from webapi.extensions import services  # it imports this module
+
+    fleet = services().fleet
     try:
-        with client.pipeline(transaction=False) as pipe:
-            for p in PRIORITIES:
-                pipe.llen(list_name(key_prefix, QUEUE, p))
-            lengths = pipe.execute()
+        models = fleet.models()
+        queues = {name: model_queue(settings, name) for name in models}
+        lengths = queue_lengths(fleet.redis, settings, queues.values())
     except redis.RedisError as exc:  # the rest of /metrics still answers, without the depths
         log.warning("metrics: queue depth unavailable: %s", exc)
         return []
-    finally:
-        client.close()
     depth = GaugeMetricFamily(
-        "genq_queue_depth", "Messages waiting in Redis per priority (at scrape time)", labels=["priority"]
+        "genq_queue_depth",
+        "Messages waiting in Redis per model and priority (at scrape time)",
+        labels=["model", "priority"],
     )
-    for p, n in zip(PRIORITIES, lengths, strict=True):
-        depth.add_metric([str(p)], n)
-    return [depth]
+    live = GaugeMetricFamily(
+        "genq_model_live_workers",
+        "Live workers per served model (0: its jobs wait for one)",
+        labels=["model"],
+    )
+    for name, model in models.items():
+        for p, n in zip(PRIORITIES, lengths[queues[name]], strict=True):
+            depth.add_metric([name, str(p)], n)
+        live.add_metric([name], len(model.workers))
+    return [depth, live]

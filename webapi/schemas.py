@@ -111,6 +111,7 @@ class JobOut(BaseModel):
     id: uuid.UUID
     status: Status
     priority: int
+    model: str | None = Field(None, description="The served model it runs on (null: the fleet's default).")
     created_at: datetime
     started_at: datetime | None
     first_token_at: datetime | None
@@ -138,6 +139,7 @@ class JobOut(BaseModel):
             id=job.id,
             status=JobStatus(job.status).value,
             priority=job.priority,
+            model=job.model,
             created_at=job.created_at,
             started_at=job.started_at,
             first_token_at=job.first_token_at,

@@ -122,10 +122,10 @@ def parse_body(model: type[BaseModel]) -> BaseModel:
 
 
 def validation_context() -> dict:
-    """What request bodies are checked against beyond their schema: the models this server serves, and the
-    vocabulary of its model (logit_bias's token ids)."""
-    settings = services().settings
-    return {SERVED_MODELS: settings.served_models(), VOCAB_SIZE: vocab_size(settings.model)}
+    """What request bodies are checked against beyond their schema: the models the fleet serves, and the
+    vocabulary of its default model (logit_bias's token ids)."""
+    fleet = services().fleet
+    return {SERVED_MODELS: fleet.names(), VOCAB_SIZE: vocab_size(fleet.default().model)}
 
 
 def parse_query(model: type[BaseModel]) -> BaseModel:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from celery.worker import control as celery_control
 from celery.worker.control import control_command, inspect_command, ok
 
-from contract.dispatch import QUEUE
+from contract.dispatch import is_job_queue
 
 
 @inspect_command()
@@ -34,7 +34,7 @@ def engine_stats(state) -> dict:
 )
 def add_consumer(state, queue, exchange=None, exchange_type=None, routing_key=None, **options):
     """Tell worker(s) to consume from task queue by name (`generate`: the intake takes jobs again)."""
-    if queue != QUEUE:
+    if not is_job_queue(queue):
         return celery_control.add_consumer(state, queue, exchange, exchange_type, routing_key, **options)
     from workers.tasks import consume_generate
 
@@ -45,7 +45,7 @@ def add_consumer(state, queue, exchange=None, exchange_type=None, routing_key=No
 @control_command(args=[("queue", str)], signature="<queue>")
 def cancel_consumer(state, queue, **options):
     """Tell worker(s) to stop consuming from task queue by name (`generate`: the intake takes no more jobs)."""
-    if queue != QUEUE:
+    if not is_job_queue(queue):
         return celery_control.cancel_consumer(state, queue, **options)
     from workers.tasks import consume_generate
 
@@ -60,5 +60,9 @@ def active_queues(state) -> list:
 
     queues = celery_control.active_queues(state)
     if consumes_generate():
-        queues.append(dict(state.consumer.app.amqp.queues[QUEUE].as_dict(recurse=True)))
+        from workers.tasks import JOB_QUEUE
+
+        amqp_queues = state.consumer.app.amqp.queues
+        queue = amqp_queues[JOB_QUEUE] if JOB_QUEUE in amqp_queues else amqp_queues.add(JOB_QUEUE)
+        queues.append(dict(queue.as_dict(recurse=True)))
     return queues

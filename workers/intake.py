@@ -1,8 +1,9 @@
 """Intake: the one way a worker takes jobs from Redis. As many as its engine can use, and never less urgent ones
 while more urgent ones wait.
 
-One thread takes messages from the `generate` queue's priority lists (contract/dispatch.py, which alone knows
-kombu's lists and message format), claims their jobs in Postgres in one statement and adds them to the job book,
+One thread takes messages from its model's queue's priority lists (`generate` for the fleet's default model,
+`generate.<name>` for another; contract/dispatch.py alone knows kombu's lists and message format), claims their
+jobs (its model's only) in Postgres in one statement and adds them to the job book,
 which submits them to the engine. Celery's own consumer does not consume `generate` (workers/tasks.py gives the
 queue to the intake; workers/control.py makes `add_consumer` / `cancel_consumer generate` resume and pause it),
 so no Celery task thread holds a message, and each job is one task in Flower, ended as the job ended
@@ -37,7 +38,7 @@ import redis
 from sqlalchemy.orm import Session, sessionmaker
 from tenacity import Retrying, before_sleep_log, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from contract.dispatch import PRIORITIES, take_messages
+from contract.dispatch import PRIORITIES, model_queue, take_messages
 from contract.log_setup import job_fields
 from contract.redis_client import redis_client
 from contract.settings import WorkerSettings
@@ -72,6 +73,10 @@ class Intake:
         self._consuming = False  # paused until resumed (the worker is ready)
         self._closing = False
         self._redis = redis_client(settings.redis_url, timeout=5)
+        # the worker's model's queue (`generate` for the fleet's default model), and what its claims check
+        served = settings.served_model_name()
+        self.queue = model_queue(settings, served)
+        self._model = jobs.ServedModel(served, is_default=served == settings.fleet_default_model())
         self._thread = threading.Thread(target=self._run, name="intake", daemon=True)
 
     def start(self) -> Intake:
@@ -111,7 +116,7 @@ class Intake:
                     return
             priorities, count, wait = plan
             try:
-                taken = take_messages(self._redis, self._settings, priorities, count, wait)
+                taken = take_messages(self._redis, self._settings, priorities, count, wait, self.queue)
             except redis.RedisError as exc:
                 log.warning("intake: Redis unavailable (%s)", exc.__class__.__name__)
                 time.sleep(1.0)
@@ -196,10 +201,11 @@ class Intake:
         """The claimed jobs by id (one statement: one job's claim is the cheaper one for a trickle)."""
         if len(claims) == 1:
             ((job_id, (lease, _)),) = claims.items()
-            one = self._write(jobs.claim_job, job_id, lease, self._settings.lease_seconds)
+            one = self._write(jobs.claim_job, job_id, lease, self._settings.lease_seconds, self._model)
             return {} if one is None else {one.id: one}
         pairs = [(job_id, lease) for job_id, (lease, _) in claims.items()]
-        return {job.id: job for job in self._write(jobs.claim_jobs, pairs, self._settings.lease_seconds)}
+        claimed = self._write(jobs.claim_jobs, pairs, self._settings.lease_seconds, self._model)
+        return {job.id: job for job in claimed}
 
     def _hold(self, job: Job, lease: str) -> None:
         """(lock held) Hold a claimed job. Admission is decided again with the row's own priority (the message's

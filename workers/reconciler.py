@@ -34,7 +34,7 @@ from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
 
 from batching.tokenizer import load_tokenizer  # no model code: names the tokens of log probabilities
-from contract.dispatch import send_job, send_to_head
+from contract.dispatch import model_queue, send_job, send_to_head
 from contract.redis_client import redis_client
 from contract.settings import WorkerSettings
 from jobstore import batches, jobs
@@ -74,14 +74,17 @@ def recover(sessions: sessionmaker[Session], celery: Celery, settings: WorkerSet
             requeued = jobs.requeue_expired(session)
             unclaimed = [] if redis_lost else unclaimed_jobs(session, client, settings)
             unsent = jobs.unsent_jobs(session, 0.0 if redis_lost else settings.enqueue_grace_seconds)
+            # each job goes to its model's queue (`generate` for the fleet's default model)
+            models = jobs.models_of(session, [job_id for job_id, _ in requeued + unclaimed + unsent])
+        queue = {job_id: model_queue(settings, model) for job_id, model in models.items()}
         # sent only once committed: a worker taking a message at once must find the job queued. Jobs taken
         # from the queue before go back to the head of their priority, new ones to the tail.
         recovered = dict(requeued + unclaimed)
         for job_id, priority in recovered.items():
-            send_to_head(celery, client, settings, job_id, priority)
+            send_to_head(celery, client, settings, job_id, priority, queue[job_id])
         for job_id, priority in unsent:
             if job_id not in recovered:
-                send_job(celery, job_id, priority)
+                send_job(celery, job_id, priority, queue[job_id])
         sent = recovered.keys() | {job_id for job_id, _ in unsent}
         with sessions.begin() as session:
             jobs.mark_enqueued(session, list(sent))

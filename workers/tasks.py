@@ -25,10 +25,12 @@ import redis
 from celery.signals import worker_init, worker_ready, worker_shutdown, worker_shutting_down
 from sqlalchemy import Connection
 
-from contract.dispatch import QUEUE, send_to_head
+from contract.dispatch import QUEUE, model_queue, send_to_head
 from contract.redis_client import redis_client
 from contract.token_events import EventPublisher
+from contract.tracing import instrument_engine
 from jobstore.db import make_engine
+from workers.announce import Announcer
 from workers.celery import app, settings
 from workers.engine_host import EngineHost
 from workers.intake import Intake
@@ -42,6 +44,10 @@ _lock = threading.Lock()
 _host: EngineHost | None = None
 _book: JobBook | None = None
 _intake: Intake | None = None
+_announcer: Announcer | None = None
+# this worker's model's queue (`generate` for the fleet's default model, else `generate.<MODEL_NAME>`): its
+# intake takes it, and its hand-backs go back to it. `-Q generate` or `-Q <this queue>` gives it to the intake
+JOB_QUEUE = model_queue(settings, settings.served_model_name())
 _tasks = JobTasks()
 _takes_generate = False  # the worker was told to consume `generate` (-Q): its intake does, once it is ready
 
@@ -49,7 +55,7 @@ _takes_generate = False  # the worker was told to consume `generate` (-Q): its i
 def send_back(job_id: uuid.UUID, priority: int) -> None:
     """Send a job to the queue at its priority (a hand-back or a declined message), at the head of its
     priority's list: it was taken before the jobs of its priority still waiting, and stays ahead of them."""
-    if not send_to_head(app, _redis(), settings, job_id, priority):
+    if not send_to_head(app, _redis(), settings, job_id, priority, JOB_QUEUE):
         log.warning("job %s sent back to the tail of its queue (Redis failed to move it)", job_id)
 
 
@@ -65,6 +71,7 @@ def job_sessions() -> Callable[[], Connection]:
     claim and a result write each cost one statement): a connection Postgres dropped fails its statement,
     the pool is emptied, and the write is retried (intake's and the job book's retries)."""
     engine = make_engine(settings.database_url, settings.db_connect_timeout, pool_pre_ping=False)
+    instrument_engine(engine)  # TRACING: its statements' spans (contract/tracing.py)
     return engine.execution_options(isolation_level="AUTOCOMMIT").connect
 
 
@@ -90,7 +97,7 @@ def _shut_down() -> None:
 
 def intake() -> Intake:
     """This process's intake and job book, built (with the engine) on first use."""
-    global _book, _intake
+    global _book, _intake, _announcer
     host = engine_host()
     with _lock:
         if _intake is None:
@@ -98,6 +105,9 @@ def intake() -> Intake:
             _book = JobBook(host, job_sessions(), settings, send_back, events.start(), _tasks).start()
             capacity = settings.worker_capacity(host.config.max_num_seqs)
             _intake = Intake(_book, job_sessions(), settings, WORKER_ID, send_back, capacity, _tasks).start()
+            _announcer = Announcer(
+                _redis(), settings, WORKER_ID, host.config.max_model_len, capacity, lambda: len(_book)
+            ).start()
             log.info(
                 "worker %s holds up to %d jobs (engine max_num_seqs %d)",
                 WORKER_ID,
@@ -116,9 +126,10 @@ def _build_engine_before_taking_jobs(sender=None, **_) -> None:
     check_services("worker")  # exits, naming the settings, before the engine is built
     intake()
     queues = sender.app.amqp.queues if sender is not None else None
-    if queues is not None and QUEUE in queues.consume_from:
-        queues.deselect(QUEUE)
-        _takes_generate = True
+    for name in {QUEUE, JOB_QUEUE}:
+        if queues is not None and name in queues.consume_from:
+            queues.deselect(name)
+            _takes_generate = True
 
 
 @worker_ready.connect
@@ -127,7 +138,14 @@ def _start_taking_jobs(sender=None, **_) -> None:
     say here, once the log works, what this worker runs. Then the intake takes jobs, and their task events go
     through Celery's consumer (`sender`)."""
     if _host is not None and _intake is not None:
-        log.info("worker %s runs %s; holds up to %d jobs", WORKER_ID, _host.describe(), _intake.capacity)
+        log.info(
+            "worker %s runs %s as model %r from queue %s; holds up to %d jobs",
+            WORKER_ID,
+            _host.describe(),
+            settings.served_model_name(),
+            JOB_QUEUE,
+            _intake.capacity,
+        )
         _tasks.consumer = sender
         if _takes_generate:
             _intake.resume()
@@ -153,6 +171,8 @@ def consumes_generate() -> bool:
 def _hand_back_held_jobs(**_) -> None:
     """Warm shutdown: take no more jobs, and hand each held job back (tokens saved) to the queue."""
     log.info("worker %s shutting down: handing held jobs back", WORKER_ID)
+    if _announcer is not None:
+        _announcer.close()
     if _intake is not None:
         _intake.close()
         _book.close()

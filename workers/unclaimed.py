@@ -42,11 +42,26 @@ MARK_SLACK = timedelta(seconds=2)  # how far a job's recorded send time may trai
 def unclaimed_jobs(
     session: Session, client: redis.Redis, settings: WorkerSettings
 ) -> list[tuple[uuid.UUID, int]]:
-    """(id, priority) of the queued jobs taken from Redis and left unclaimed for a lease: to be sent again.
+    """(id, priority) of the queued jobs taken from Redis and left unclaimed for a lease: to be sent again. Each
+    model's queue is looked at apart (the models of the queued jobs; the fleet's default always).
 
     Call it in the reconciler's transaction: the lists are read after it began (SQL `now()`), so a job
     recorded as sent before then was in its list when it was read, unless a worker had taken it."""
-    waiting = dispatch.waiting_jobs(client, settings, HEAD)
+    default = settings.fleet_default_model()
+    models = {default} | {model or default for model in jobs.queued_models(session)}
+    found: list[tuple[uuid.UUID, int]] = []
+    for model in sorted(models):
+        served = jobs.ServedModel(model, is_default=model == default)
+        found += _unclaimed_of(session, client, settings, served)
+    return found
+
+
+def _unclaimed_of(
+    session: Session, client: redis.Redis, settings: WorkerSettings, model: jobs.ServedModel
+) -> list[tuple[uuid.UUID, int]]:
+    """unclaimed_jobs for one model's queue."""
+    queue = dispatch.model_queue(settings, model.name)
+    waiting = dispatch.waiting_jobs(client, settings, HEAD, queue)
     named = {job_id for _, ids in waiting.values() for job_id in ids}
     sent = jobs.sent_at(
         session, [job_id for length, ids in waiting.values() if length > HEAD for job_id in ids]
@@ -58,21 +73,30 @@ def unclaimed_jobs(
         elif times := [sent[job_id] for job_id in ids if job_id in sent]:
             cutoffs[priority] = min(times) - MARK_SLACK
         # else: the head names no queued job (stale duplicates); nothing is known of the order this run
-    found = jobs.sent_before(session, cutoffs, excluded=named)
-    return _past_grace(client, settings, found, {p for p, (length, _) in waiting.items() if length > HEAD})
+    found = jobs.sent_before(session, cutoffs, excluded=named, model=model)
+    long_lists = {p for p, (length, _) in waiting.items() if length > HEAD}
+    return _past_grace(client, settings, found, long_lists, queue)
 
 
 def _past_grace(
-    client: redis.Redis, settings: WorkerSettings, found: list[tuple[uuid.UUID, int]], long_lists: set[int]
+    client: redis.Redis,
+    settings: WorkerSettings,
+    found: list[tuple[uuid.UUID, int]],
+    long_lists: set[int],
+    queue: str = dispatch.QUEUE,
 ) -> list[tuple[uuid.UUID, int]]:
     """The jobs of `found` first found unclaimed a lease ago or more, and in no list; remembers the others."""
-    key, now = f"{settings.redis_key_prefix}genq:unclaimed", time.time()
+    # one hash per queue: each model's run keeps its own jobs' first sightings
+    suffix = "" if queue == dispatch.QUEUE else f":{queue}"
+    key, now = f"{settings.redis_key_prefix}genq:unclaimed{suffix}", time.time()
     seen = {uuid.UUID(job.decode()): float(at) for job, at in client.hgetall(key).items()}
     first = {job_id: seen.get(job_id, now) for job_id, _ in found}
     due = [(job_id, p) for job_id, p in found if now - first[job_id] >= settings.lease_seconds]
     waiting: set[uuid.UUID] = set()
     for p in {p for _, p in due} & long_lists:
-        waiting |= dispatch.jobs_in_queue(client, settings, p, [job_id for job_id, q in due if q == p])
+        waiting |= dispatch.jobs_in_queue(
+            client, settings, p, [job_id for job_id, q in due if q == p], queue=queue
+        )
     for job_id in waiting:  # in its list after all: watched again from now
         first[job_id] = now
     due = [(job_id, p) for job_id, p in due if job_id not in waiting]

@@ -12,9 +12,12 @@ from contract.dispatch import (
     BulkSender,
     jobs_in_queue,
     make_celery,
+    model_queue,
     move_to_head,
     queue_key,
+    queue_lengths,
     send_job,
+    send_to_head,
     take_messages,
     waiting_jobs,
 )
@@ -145,3 +148,40 @@ def test_messages_are_taken_most_urgent_first_and_in_order_within_a_priority(set
         sender.close()
         app.close()
         redis_client.delete(*(queue_key(settings, QUEUE, p) for p in PRIORITIES))
+
+
+def test_each_model_has_its_own_queue_and_the_default_keeps_generate(settings, redis_client):
+    """The fleet's default model's queue is `generate` (one model: the lists of old); another model's is
+    `generate.<name>`, written by Celery's send, the bulk sender and a send to the head alike, taken apart."""
+    settings = settings.replace(redis_key_prefix=f"{settings.redis_key_prefix}models-{uuid.uuid4().hex[:6]}:")
+    assert model_queue(settings, None) == model_queue(settings, settings.model) == QUEUE == "generate"
+    assert model_queue(settings, "small") == "generate.small"
+    worker_of_small = settings.replace(
+        model="/models/small", model_name="small", default_model=settings.model
+    )
+    assert model_queue(worker_of_small, worker_of_small.served_model_name()) == "generate.small"
+    assert model_queue(worker_of_small, None) == QUEUE  # a row naming no model is the default's
+    app, small = make_celery(settings), "generate.small"
+    sender = BulkSender(app, settings)
+    try:
+        celery_sent, bulk_sent, back, default = uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+        send_job(app, celery_sent, 3, small)
+        sender.send_one(bulk_sent, 3, small)
+        send_to_head(app, redis_client, settings, back, 3, small)
+        sender.send([(default, 3)])
+        assert queue_lengths(redis_client, settings, [QUEUE, small]) == {
+            QUEUE: [0, 0, 0, 1, 0, 0, 0, 0, 0, 0],
+            small: [0, 0, 0, 3, 0, 0, 0, 0, 0, 0],
+        }
+        message = json.loads(redis_client.lindex(queue_key(settings, small, 3), 0))
+        assert message["properties"]["delivery_info"] == {"exchange": "", "routing_key": small}
+        assert take_messages(redis_client, settings, PRIORITIES, 9, None, small) == [
+            (back, 3),
+            (celery_sent, 3),
+            (bulk_sent, 3),
+        ]
+        assert take_messages(redis_client, settings, PRIORITIES, 9, None) == [(default, 3)]
+    finally:
+        sender.close()
+        app.close()
+        redis_client.delete(*(queue_key(settings, q, p) for q in (QUEUE, small) for p in PRIORITIES))

@@ -61,6 +61,8 @@ def test_openapi_is_generated_from_the_schemas(client, app):
         "/detokenize",
         "/tokenizer_info",
         "/v1/models",
+        "/v1/models/{model_id}",
+        "/models",
         "/v1/files",
         "/v1/files/{file_id}",
         "/v1/files/{file_id}/content",
