@@ -20,6 +20,7 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
     from flask import Flask
 
     from contract.settings import ApiSettings
+    from contract.tracing import instrument_flask, setup_tracing
     from webapi import (
         admin,
         batches,
@@ -43,6 +44,8 @@ def create_app(settings: ApiSettings | None = None) -> Flask:
     settings = settings or ApiSettings.from_env()
     app = Flask(__name__)
     app.config.update(MAX_CONTENT_LENGTH=settings.max_body_bytes)
+    if setup_tracing("api", settings) is not None:  # TRACING: before the database engine is made
+        instrument_flask(app)
     _init_logging(settings.log_level, settings.log_format)
     init_extensions(app, settings)
     init_errors(app)

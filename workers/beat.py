@@ -27,6 +27,7 @@ from celery.beat import ScheduleEntry, Scheduler
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from contract.tracing import instrument_engine
 from jobstore.db import make_engine, make_session_factory
 from workers import reconciler
 from workers.celery import app, settings
@@ -38,7 +39,9 @@ UNAVAILABLE = (OperationalError, InterfaceError, redis.RedisError)  # Postgres o
 
 @cache
 def _sessions() -> sessionmaker[Session]:
-    return make_session_factory(make_engine(settings.database_url, settings.db_connect_timeout))
+    engine = make_engine(settings.database_url, settings.db_connect_timeout)
+    instrument_engine(engine)  # TRACING: its statements' spans (contract/tracing.py)
+    return make_session_factory(engine)
 
 
 LOCAL: dict[str, Callable[[], dict[str, int]]] = {

@@ -22,6 +22,8 @@ from celery.signals import after_setup_logger, after_setup_task_logger
 from contract import log_setup
 from contract.dispatch import celery_config
 from contract.settings import WorkerSettings
+from contract.tracing import setup_tracing, tracer
+from workers import job_spans
 
 settings = WorkerSettings.from_env()  # the worker's settings, read once for the process
 
@@ -48,6 +50,9 @@ app.conf.update(
 
 if settings.log_format == "json":  # lines logged before Celery sets up logging (worker_init's) too
     log_setup.configure("beat" if "beat" in sys.argv else "worker", "json")
+# TRACING / OTEL_EXPORTER_OTLP_ENDPOINT: Celery, SQLAlchemy and Redis spans, and each job's (workers/job_spans.py)
+if setup_tracing("beat" if "beat" in sys.argv else "worker", settings) is not None:
+    job_spans.start(tracer("genq.worker"))
 
 
 @after_setup_logger.connect

@@ -39,7 +39,7 @@ from contract.settings import WorkerSettings
 from contract.token_events import EventPublisher
 from jobstore import jobs
 from jobstore.models import Job, JobStatus
-from workers import metrics
+from workers import job_spans, metrics
 from workers.engine_host import EngineHost, EngineLost, HostStopped
 from workers.held_job import HeldJob
 from workers.job_tasks import JobTasks
@@ -95,6 +95,7 @@ class JobBook:
         held = HeldJob(job, lease)
         with self.lock:
             self._held[lease] = held
+            job_spans.claimed(held)  # traces (workers/job_spans.py), before its first step can be reported
             self._host.submit(held, held.prompt, held.sampling_params(), held.resume_token_ids)
         if self._events is not None:  # goes with the next step's events (the engine steps for it soon)
             self._events.status([(held.key, JobStatus.RUNNING.value)], wake=False)
@@ -127,11 +128,13 @@ class JobBook:
 
     def _stepped(self, added: list[tuple[HeldJob, Delta]]) -> None:
         """On the host's reader thread: one engine step's new output of each job, sent as token events."""
+        job_spans.stepped(added)
         if self._events is not None:
             self._events.step([(held.key, held.event(delta)) for held, delta in added])
 
     def _done(self, held: HeldJob, outcome: Outcome, error_code: str | None = None) -> None:
         """The worker's hold on a job ended: counted, and its task ended in Flower."""
+        job_spans.done(held, outcome)
         metrics.job_done(held.job, held.first_token_at, outcome, error_code=error_code)
         self._tasks.ended(held.job, outcome, error_code, time.monotonic() - held.claimed_at)
 
