@@ -189,6 +189,10 @@ def test_two_models_on_two_workers(settings, sessions, new_key, tmp_path, small_
             "/jobs", json={"prompt": "Once upon", "model": SMALL, "max_tokens": 1020}, headers=headers
         )
         assert too_long.status_code == 422 and "max_model_len 1024" in too_long.json["error"]["message"]
+        counted = client.post("/tokenize", json={"prompt": "Once upon", "model": SMALL}, headers=headers).json
+        assert counted["max_model_len"] == SMALL_LEN
+        assert counted["tokens"] == merged_tokenizer()("Once upon")["input_ids"]
+        assert len(counted["tokens"]) < 1 + len(b"Once upon")  # tiny-llama's: BOS and a token a byte
         fits = client.post("/jobs", json={"prompt": "Once upon", "max_tokens": 1020}, headers=headers)
         assert fits.status_code == 202 and fits.json["model"] == "tiny-llama"  # tiny-llama's context: 2048
         assert client.post(f"/jobs/{fits.json['id']}/cancel", headers=headers).status_code == 200
