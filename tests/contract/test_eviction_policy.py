@@ -27,7 +27,8 @@ def test_a_server_that_may_evict_keys_is_named_at_start(tmp_path, caplog, args, 
     port = free_port()
     proc = redis_server(tmp_path, port, *args)
     try:
-        wait_for(lambda: redis.Redis(port=port).ping(), what="redis-server")
+        with redis.Redis(port=port) as client:
+            wait_for(client.ping, what="redis-server")
         with caplog.at_level(logging.INFO, logger=LOG.name):
             assert warn_unless_noeviction(f"redis://127.0.0.1:{port}/0", LOG) == policy
     finally:
