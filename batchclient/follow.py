@@ -23,6 +23,7 @@ class Follower:
         self.ended_unknown: dict[str, dict] = {}  # ended jobs seen before their submission was recorded
         self.failed = sum(1 for row in results.rows.values() if row["status"] in FAILED)
         self._room: int | None = None  # None until the API said
+        self._fill = 0
         started = [e for e in state.entries.values() if e["custom_id"] not in results.rows]
         self.submitted(started)
         times = [e["created_at"] for e in started if e.get("job_id") and e.get("created_at")]
@@ -34,10 +35,16 @@ class Follower:
         with self._lock:
             return self._room or 0
 
+    def fill(self) -> int:
+        """How many of the key's queued jobs this client fills the cap up to (0 until the API said)."""
+        with self._lock:
+            return self._fill
+
     def queue_seen(self, queue: dict) -> None:
         """The API's count of the key's queued jobs, against its cap."""
         with self._lock:
-            self._room = int(queue["max_queued"] * CAP_SHARE) - queue["queued"]
+            self._fill = int(queue["max_queued"] * CAP_SHARE)
+            self._room = self._fill - queue["queued"]
 
     def submitted(self, entries: list[dict]) -> None:
         """Recorded submissions: their jobs are followed; a request the API refused is a result at once."""

@@ -14,6 +14,9 @@ from batchclient.run_state import State
 
 MAX_BULK_BYTES = 900_000  # of a bulk call's body: under the API's MAX_BODY_BYTES default (1 MiB)
 RETRIED_CODES = ("too_many_queued_jobs", "overloaded")  # an item refused for now: sent again later
+# a call waits until the cap has room for this many (or all that is left, or a quarter of what the client
+# fills of the cap): at the cap, room frees a few jobs at a time, and a call per few jobs cost the API more
+MIN_BULK = 100
 
 
 def read_requests(path: Path) -> list[dict]:
@@ -50,7 +53,7 @@ class Submitter:
         try:
             while self.todo and not self.client.stopping.is_set():
                 room = self.follower.room()
-                if room <= 0:
+                if room < min(MIN_BULK, self.bulk_size, len(self.todo), max(1, self.follower.fill() // 4)):
                     self.client.stopping.wait(0.2)
                     continue
                 self.send(self.take(min(room, self.bulk_size)))

@@ -3,8 +3,8 @@ an Idempotency-Key used before answers its job (or a conflict when the body diff
 queued-job cap admits only as many new jobs as it has room for.
 
 One transaction: the tenant's advisory lock (the one POST /jobs takes near its cap, so the two paths count
-one after the other), the tenant's queued count, the known keys in one SELECT, then one multi-row INSERT
-of the new jobs, ON CONFLICT DO NOTHING on the key (a key inserted meanwhile by a racing call is then read
+one after the other), the tenant's queued count, the known keys in one SELECT, then the new jobs' INSERT
+(one statement, compiled once, sent with many rows a round trip), ON CONFLICT DO NOTHING on the key (a key inserted meanwhile by a racing call is then read
 back, as create_job does). The caller owns the transaction.
 """
 
@@ -89,17 +89,10 @@ def create_jobs(
             )
             results[index] = BulkResult(Outcome.CREATED)  # its job filled in below
     inserted = {}
-    if rows:
-        stmt = (
-            insert(JOBS)
-            .values(rows)
-            .on_conflict_do_nothing(
-                index_elements=["tenant_id", "idempotency_key"],
-                index_where=text("idempotency_key IS NOT NULL"),
-            )
-            .returning(*JOBS.c)
-        )
-        inserted = {row.id: _job_from_row(row) for row in conn.execute(stmt)}
+    if (
+        rows
+    ):  # executemany: one statement compiled once (cached), sent as multi-row INSERTs ("insertmanyvalues")
+        inserted = {row.id: _job_from_row(row) for row in conn.execute(_INSERT_JOBS, rows)}
     raced = {row["idempotency_key"] for row in rows if row["id"] not in inserted}
     known.update(_jobs_for_keys(conn, tenant_id, raced))
     row_of = iter(rows)
@@ -124,6 +117,15 @@ def create_jobs(
                 Outcome.EXISTING if same else Outcome.KEY_CONFLICT, job if same else None
             )
     return results, queued + len(inserted)
+
+
+_INSERT_JOBS = (
+    insert(JOBS)
+    .on_conflict_do_nothing(
+        index_elements=["tenant_id", "idempotency_key"], index_where=text("idempotency_key IS NOT NULL")
+    )
+    .returning(*JOBS.c)
+)
 
 
 def _jobs_for_keys(conn: Connection, tenant_id: uuid.UUID, keys: set[str]) -> dict[str, Job]:
