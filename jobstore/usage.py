@@ -18,6 +18,7 @@ from jobstore.models import Job, JobStatus, Tenant
 class UsageRow:
     tenant_id: uuid.UUID
     tenant: str
+    model: str
     status: JobStatus
     jobs: int
     prompt_tokens: int
@@ -25,13 +26,21 @@ class UsageRow:
 
 
 def usage_rows(
-    db: Session | Connection, since: datetime, until: datetime, tenant_id: uuid.UUID | None = None
+    db: Session | Connection,
+    since: datetime,
+    until: datetime,
+    tenant_id: uuid.UUID | None = None,
+    *,
+    default_model: str,
 ) -> list[UsageRow]:
-    """Per tenant and status: jobs created in [since, until), and their tokens (one GROUP BY)."""
+    """Per tenant, model and status: jobs created in [since, until), and their tokens (one GROUP BY). A job
+    that names no model (one written before jobs did) counts under `default_model`, the fleet's default."""
+    model = func.coalesce(Job.model, default_model)
     stmt = (
         select(
             Job.tenant_id,
             Tenant.name,
+            model,
             Job.status,
             func.count(),
             func.coalesce(func.sum(func.coalesce(Job.prompt_tokens, 0)), 0),
@@ -39,10 +48,11 @@ def usage_rows(
         )
         .join(Tenant, Tenant.id == Job.tenant_id)
         .where(Job.created_at >= since, Job.created_at < until)
-        .group_by(Job.tenant_id, Tenant.name, Job.status)
+        .group_by(Job.tenant_id, Tenant.name, model, Job.status)
     )
     if tenant_id is not None:
         stmt = stmt.where(Job.tenant_id == tenant_id)
     return [
-        UsageRow(t, name, JobStatus(s), int(n), int(p), int(c)) for t, name, s, n, p, c in db.execute(stmt)
+        UsageRow(t, name, m, JobStatus(s), int(n), int(p), int(c))
+        for t, name, m, s, n, p, c in db.execute(stmt)
     ]

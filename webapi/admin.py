@@ -75,7 +75,8 @@ def jobs():
     priority = args.get("priority") or None
     model = args.get("model") or None
     tenant = args.get("tenant") or None
-    default_model = services().settings.model
+    settings = services().settings
+    default_model = settings.fleet_default_model()
     found = []
     if (status is None or status in STATUSES) and (priority is None or priority.isdigit()):
         found = search_jobs(
@@ -83,10 +84,10 @@ def jobs():
             status=status and JobStatus(status),
             priority=None if priority is None else int(priority),
             tenant=tenant,
+            model=model,
+            default_model=default_model,
             limit=200,
         )
-    if model is not None and model != default_model:  # jobs do not record a model yet: all run on MODEL
-        found = []
     tenants = [name for _, name, _ in list_policies(db())]
     return render_template(
         "admin/jobs.html",
@@ -94,8 +95,8 @@ def jobs():
         filters=dict(status=status, priority=priority, model=model, tenant=tenant),
         statuses=STATUSES,
         tenants=tenants,
-        models=[default_model],
-        model=default_model,
+        models=sorted(set(settings.configured_models()) | set(services().fleet.names())),
+        default_model=default_model,
         now=datetime.now(timezone.utc),
     )
 
@@ -113,7 +114,7 @@ def job(job_id: uuid.UUID):
         tenant=tenant,
         timeline=timeline(found),
         live=not JobStatus(found.status).finished,
-        model=services().settings.model,
+        model=found.model or services().settings.fleet_default_model(),
         cancelled=request.args.get("cancelled"),
     )
 
@@ -137,7 +138,7 @@ def tenants():
     used: dict[uuid.UUID, dict] = defaultdict(
         lambda: {"prompt": 0, "completion": 0, "jobs": defaultdict(int)}
     )
-    for row in usage_rows(db(), today, now):
+    for row in usage_rows(db(), today, now, default_model=settings.fleet_default_model()):
         used[row.tenant_id]["prompt"] += row.prompt_tokens
         used[row.tenant_id]["completion"] += row.completion_tokens
         used[row.tenant_id]["jobs"][JobStatus(row.status).value] += row.jobs

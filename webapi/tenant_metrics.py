@@ -22,7 +22,7 @@ def tenant_gauges(session: Session, named_tenants: int) -> list[GaugeMetricFamil
         return []
     now = datetime.now(timezone.utc)
     today = now.replace(hour=0, minute=0, second=0, microsecond=0)
-    rows = usage_rows(session, today, now + timedelta(days=1))
+    rows = usage_rows(session, today, now + timedelta(days=1), default_model="")  # models summed here
     tokens: dict[str, int] = defaultdict(int)
     for row in rows:
         tokens[row.tenant] += row.prompt_tokens + row.completion_tokens

@@ -35,7 +35,9 @@ def get_usage(query: UsageQuery):
         since, until = query.since or period_start, query.until or now
         if until <= since:
             raise APIError(422, "invalid_request", "until: must be after since")
-        rows = usage_rows(conn, since, until, tenant.id)
+        rows = usage_rows(
+            conn, since, until, tenant.id, default_model=services().settings.fleet_default_model()
+        )
         budget = None
         if policy.token_budget is not None:
             used = tokens_used(conn, tenant.id, period_start)
@@ -43,7 +45,7 @@ def get_usage(query: UsageQuery):
                 budget=policy.token_budget, used=used, period_start=period_start, resets_at=resets_at
             )
     totals = UsageTotals.of(rows)
-    model = services().settings.model
+    models = sorted({row.model for row in rows})
     return UsageOut(
         tenant=tenant.name,
         since=since,
@@ -51,6 +53,9 @@ def get_usage(query: UsageQuery):
         prompt_tokens=totals.prompt_tokens,
         completion_tokens=totals.completion_tokens,
         jobs=totals.jobs,
-        models=[ModelUsage(model=model, **totals.model_dump())] if rows else [],
+        models=[
+            ModelUsage(model=model, **UsageTotals.of([r for r in rows if r.model == model]).model_dump())
+            for model in models
+        ],
         token_budget=budget,
     ).model_dump(mode="json")

@@ -70,6 +70,6 @@ class UsageOut(BaseModel):
     completion_tokens: int
     jobs: JobCounts
     models: list[ModelUsage] = Field(
-        description="Per model. Jobs do not record their model yet: every job is counted under MODEL."
+        description="Per model, by name (a job that named none: the fleet's default model's)."
     )
     token_budget: BudgetState | None

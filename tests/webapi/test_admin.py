@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def admin_server(settings, database, redis_client):
-    with serve_api(settings.replace(admin_key=ADMIN_KEY)) as url:
+    with serve_api(settings.replace(admin_key=ADMIN_KEY, served_models="spare=tiny-llama")) as url:
         yield url
 
 
@@ -67,7 +67,10 @@ def rows(browser) -> list[dict]:
     from selenium.webdriver.common.by import By
 
     return [
-        {name: row.get_attribute(f"data-{name}") for name in ("job-id", "status", "priority", "tenant")}
+        {
+            name: row.get_attribute(f"data-{name}")
+            for name in ("job-id", "status", "priority", "tenant", "model")
+        }
         for row in browser.find_elements(By.CSS_SELECTOR, "#jobs tbody tr[data-job-id]")
     ]
 
@@ -80,6 +83,7 @@ def test_login_filters_and_a_cancel_that_takes_effect(admin_server, browser, new
     alpha_key, beta_key = new_key(alpha), new_key(beta)
     alpha_jobs = [submit(admin_server, alpha_key, priority=p) for p in (2, 7)]
     beta_job = submit(admin_server, beta_key, priority=7)
+    spare_job = submit(admin_server, beta_key, priority=7, model="spare")
 
     browser.get(f"{admin_server}/admin/jobs")
     assert "/admin/login" in browser.current_url  # the key first
@@ -99,9 +103,13 @@ def test_login_filters_and_a_cancel_that_takes_effect(admin_server, browser, new
     Select(browser.find_element(By.NAME, "priority")).select_by_visible_text("7")
     click_and_wait(browser, browser.find_element(By.ID, "apply"))
     assert [row["job-id"] for row in rows(browser)] == [alpha_jobs[1]]
-    Select(browser.find_element(By.NAME, "model")).select_by_index(1)  # the one model served
+    Select(browser.find_element(By.NAME, "model")).select_by_visible_text(settings_model := "tiny-llama")
     click_and_wait(browser, browser.find_element(By.ID, "apply"))
     assert [row["job-id"] for row in rows(browser)] == [alpha_jobs[1]]
+    assert rows(browser)[0]["model"] == settings_model
+    browser.get(f"{admin_server}/admin/jobs?model=spare")  # the second model's: beta's one job
+    assert [row["job-id"] for row in rows(browser)] == [spare_job]
+    browser.get(f"{admin_server}/admin/jobs?tenant={alpha}&priority=7")
 
     # the job's page, its timeline, and a cancel that the tenant's API sees
     click_and_wait(browser, browser.find_element(By.CSS_SELECTOR, f'tr[data-job-id="{alpha_jobs[1]}"] a'))

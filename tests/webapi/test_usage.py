@@ -14,6 +14,7 @@ from jobstore.tenant_policy import set_policy
 def ran(settings, new_key, tmp_path_factory, redis_client, sessions):
     """A worker, a tenant whose 6 jobs ended (one cancelled before it could start, maybe), and another's."""
     from tests.workers.conftest import worker_stack
+    from webapi import create_app
 
     with worker_stack(settings, new_key, tmp_path_factory.mktemp("usage"), max_num_seqs=4) as stack:
         client = stack.client
@@ -26,6 +27,14 @@ def ran(settings, new_key, tmp_path_factory, redis_client, sessions):
         answer = client.post("/jobs/bulk", json={"jobs": jobs}, headers=headers).json
         ids = [r["job"]["id"] for r in answer["results"]]
         client.post(f"/jobs/{ids[-1]}/cancel", headers=headers)
+        # a job for a second model the fleet serves (no worker of it here: cancelled while queued)
+        spare_app = create_app(stack.settings.replace(served_models="spare=tiny-llama"))
+        spare = spare_app.test_client().post(
+            "/jobs", json={"prompt": "Spare", "max_tokens": 3, "model": "spare"}, headers=headers
+        )
+        assert spare.status_code == 202, spare.json
+        client.post(f"/jobs/{spare.json['id']}/cancel", headers=headers)
+        spare_app.extensions["genq"].close()
         client.post("/jobs", json={"prompt": "someone else", "max_tokens": 3}, headers=other)
         deadline = time.monotonic() + 120
         while True:
@@ -48,8 +57,11 @@ def test_usage_is_the_sum_of_the_tenants_jobs(ran):
     assert usage["jobs"] == {
         s: counted.get(s, 0) for s in ("queued", "running", "succeeded", "failed", "cancelled")
     }
-    [model] = usage["models"]
-    assert model["model"] == stack.settings.model and model["prompt_tokens"] == usage["prompt_tokens"]
+    models = {m["model"]: m for m in usage["models"]}
+    assert set(models) == {stack.settings.fleet_default_model(), "spare"}
+    assert models["spare"]["jobs"]["cancelled"] == 1 and models["spare"]["prompt_tokens"] == len("Spare") + 1
+    assert sum(m["prompt_tokens"] for m in models.values()) == usage["prompt_tokens"]
+    assert sum(sum(m["jobs"].values()) for m in models.values()) == len(jobs)
     budget = usage["token_budget"]
     assert (
         budget["budget"] == 100_000 and budget["used"] == usage["prompt_tokens"] + usage["completion_tokens"]
