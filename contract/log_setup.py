@@ -146,5 +146,5 @@ def configure(
             name for name, lg in logging.Logger.manager.loggerDict.items() if getattr(lg, "handlers", None)
         }
     for name in names:
-        for handler in logging.getLogger(name).handlers:
-            install(handler, process, fmt)
+        for each in logging.getLogger(name).handlers:
+            install(each, process, fmt)

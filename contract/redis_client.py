@@ -184,7 +184,7 @@ def eviction_policy(client: redis.Redis) -> str | None:
     Redis services do, or Redis down). genq needs `noeviction`: an evicted queue list loses its jobs' messages
     until the reconciler sends them again, and an evicted key of a job's events or of a rate limit is lost."""
     try:
-        reply = client.config_get("maxmemory-policy")
+        reply: dict = client.config_get("maxmemory-policy")  # type: ignore[assignment]
     except redis.RedisError:
         return None
     return reply.get("maxmemory-policy") or None
