@@ -3,9 +3,9 @@
 The engine orders the waiting jobs of one priority by predicted cost (batching/admission_order.py); the
 output length is the part of the cost a job does not state. Tenants differ far more than their jobs do
 (a chat client asks for tens of tokens, a summarizer for hundreds, a writer for thousands), so the
-statistic is per tenant:
+statistic is per tenant, and per model (two models answer the same prompt at different lengths):
 
-    predicted = min(max_tokens, mean output tokens of the tenant's last RECENT_JOBS succeeded jobs)
+    predicted = min(max_tokens, mean output tokens of the tenant's last RECENT_JOBS succeeded jobs on the model)
 
 and max_tokens with no history. It is bounded (RECENT_JOBS rows, read through the index of a tenant's
 jobs by status and creation time) and cheap: one query for any number of jobs.
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import Connection, Integer, bindparam, text
+from sqlalchemy import Connection, Integer, Text, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY, TIMESTAMP, UUID
 from sqlalchemy.orm import Session
 
@@ -31,11 +31,13 @@ RECENT_JOBS = 32  # the history of a prediction: enough for a stable mean, few e
 
 @dataclass(frozen=True, slots=True)
 class JobShape:
-    """What a prediction needs of a job: its tenant, when it was created, its max_tokens."""
+    """What a prediction needs of a job: its tenant, when it was created, its max_tokens, its model (None:
+    the fleet's default, as the job's row holds it)."""
 
     tenant_id: uuid.UUID
     created_at: datetime
     max_tokens: int
+    model: str | None = None
 
 
 def predict_output_tokens(max_tokens: int, recent_outputs: Sequence[int]) -> int:
@@ -55,6 +57,7 @@ def predicted_output_tokens(db: Session | Connection, jobs: Sequence[JobShape]) 
         {
             "tenants": [j.tenant_id for j in jobs],
             "created": [j.created_at for j in jobs],
+            "models": [j.model for j in jobs],
             "limit": RECENT_JOBS,
         },
     ).all()
@@ -72,14 +75,16 @@ _HISTORY = text(
     SELECT asked.i, array(
         SELECT cardinality(j.output_token_ids) FROM jobs j
         WHERE j.tenant_id = asked.tenant_id AND j.status = 'succeeded'
+          AND j.model IS NOT DISTINCT FROM asked.model
           AND j.created_at < asked.created AND j.finished_at < asked.created
         ORDER BY j.created_at DESC, j.id DESC
         LIMIT :limit
     )
-    FROM unnest(:tenants, :created) WITH ORDINALITY AS asked(tenant_id, created, i)
+    FROM unnest(:tenants, :created, :models) WITH ORDINALITY AS asked(tenant_id, created, model, i)
     """
 ).bindparams(
     bindparam("tenants", type_=ARRAY(UUID(as_uuid=True))),
     bindparam("created", type_=ARRAY(TIMESTAMP(timezone=True))),
+    bindparam("models", type_=ARRAY(Text())),
     bindparam("limit", type_=Integer),
 )

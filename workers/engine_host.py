@@ -172,8 +172,13 @@ class EngineHost:
         prompt: str | list[int],
         params: SamplingParams,
         resume_token_ids: list[int] | None = None,
+        *,
+        arrival_time: float | None = None,
+        predicted_output_tokens: int | None = None,
+        deadline: float | None = None,
     ) -> None:
-        """Send a request to the engine; `on_end(request)` is called when it finishes or fails."""
+        """Send a request to the engine; `on_end(request)` is called when it finishes or fails. The keywords
+        place it within its priority class (Engine.add_request)."""
         with self._lock:
             stopped = self._stopping
             if not stopped:
@@ -181,7 +186,16 @@ class EngineHost:
         if stopped:
             self._fail([request], HostStopped("the engine is stopping or cannot run"))
             return
-        add = AddRequest(request.request_id, prompt, params, request.priority, resume_token_ids)
+        add = AddRequest(
+            request.request_id,
+            prompt,
+            params,
+            request.priority,
+            resume_token_ids,
+            arrival_time,
+            predicted_output_tokens,
+            deadline,
+        )
         self._command(add, request)
 
     def abort(self, request_id: str) -> None:

@@ -167,7 +167,14 @@ def _apply_commands(engine, commands: Connection, events: Connection, block: boo
                 add.params.output_kind = "delta"  # the reports are deltas (Reporter)
                 try:
                     engine.add_request(
-                        add.request_id, add.prompt, add.params, add.priority, add.resume_token_ids
+                        add.request_id,
+                        add.prompt,
+                        add.params,
+                        add.priority,
+                        add.resume_token_ids,
+                        add.arrival_time,
+                        predicted_output_tokens=add.predicted_output_tokens,
+                        deadline=add.deadline,
                     )
                 except ValueError as exc:
                     events.send(Refused(add.request_id, str(exc)))

@@ -50,6 +50,11 @@ class AddRequest(NamedTuple):
     params: Any  # batching.SamplingParams
     priority: int
     resume_token_ids: list[int] | None
+    # its place within its priority class (batching/admission_order.py): when its job was created, the
+    # output its tenant's recent jobs predict for it, and its deadline (seconds since the epoch)
+    arrival_time: float | None = None
+    predicted_output_tokens: int | None = None
+    deadline: float | None = None
 
     @property
     def kind(self) -> Kind:

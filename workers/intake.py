@@ -44,6 +44,7 @@ from contract.redis_client import redis_client
 from contract.settings import WorkerSettings
 from jobstore import jobs
 from jobstore.models import Job
+from jobstore.output_length import JobShape, predicted_output_tokens
 from workers import admission, metrics
 from workers.job_book import DB_DOWN, JobBook
 from workers.job_tasks import JobTasks
@@ -183,10 +184,11 @@ class Intake:
             self._tasks.started(job)
             if self._finish_without_engine(job, lease) is None:
                 ready.append((job, lease))
+        predictions = self._predict([job for job, _ in ready])
         with self._wake:
-            for job, lease in ready:
+            for (job, lease), predicted in zip(ready, predictions, strict=True):
                 _log_claim(job)
-                self._hold(job, lease)
+                self._hold(job, lease, predicted)
 
     def _send_back_unclaimed(self, taken: list[tuple[uuid.UUID | None, int]]) -> None:
         """Messages taken while the intake stopped go back to the head of their lists, the last first
@@ -207,11 +209,24 @@ class Intake:
         claimed = self._write(jobs.claim_jobs, pairs, self._settings.lease_seconds, self._model)
         return {job.id: job for job in claimed}
 
-    def _hold(self, job: Job, lease: str) -> None:
+    def _predict(self, claimed: list[Job]) -> list[int | None]:
+        """Each claimed job's predicted output (jobstore/output_length.py: one query), which places it within
+        its priority class in the engine under SCHEDULING_POLICY=predicted; None under fcfs. Advisory: a
+        failed prediction leaves the jobs to max_tokens."""
+        if self._settings.scheduling_policy != "predicted" or not claimed:
+            return [None] * len(claimed)
+        shapes = [JobShape(job.tenant_id, job.created_at, job.max_tokens, job.model) for job in claimed]
+        try:
+            return list(self._write(predicted_output_tokens, shapes))
+        except Exception:  # noqa: BLE001 - the jobs run all the same, placed by max_tokens
+            log.warning("intake: no output predictions for %d jobs", len(claimed), exc_info=True)
+            return [None] * len(claimed)
+
+    def _hold(self, job: Job, lease: str, predicted_output_tokens: int | None = None) -> None:
         """(lock held) Hold a claimed job. Admission is decided again with the row's own priority (the message's
         may differ) and what is held now: the least urgent held job may have to go back to the queue."""
         victim = self._admit(job.priority).victim
-        self._book.add(job, lease)
+        self._book.add(job, lease, predicted_output_tokens)
         if self._closing:  # closed while it was claimed: back to the queue with the rest
             self._book.hand_back(lease, Outcome.HANDED_BACK)
         elif victim is not None and (moved := self._book.hand_back(victim.lease)) is not None:

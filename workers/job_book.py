@@ -90,13 +90,23 @@ class JobBook:
 
     # --- changes -------------------------------------------------------------------------------------
 
-    def add(self, job: Job, lease: str) -> None:
-        """Hold a claimed job and submit it to the engine, resuming after the tokens its row holds."""
+    def add(self, job: Job, lease: str, predicted_output_tokens: int | None = None) -> None:
+        """Hold a claimed job and submit it to the engine, resuming after the tokens its row holds. Its place
+        within its priority class comes from its row (creation time, deadline) and `predicted_output_tokens`,
+        so it is the same after a restart or a hand-back."""
         held = HeldJob(job, lease)
         with self.lock:
             self._held[lease] = held
             job_spans.claimed(held)  # traces (workers/job_spans.py), before its first step can be reported
-            self._host.submit(held, held.prompt, held.sampling_params(), held.resume_token_ids)
+            self._host.submit(
+                held,
+                held.prompt,
+                held.sampling_params(),
+                held.resume_token_ids,
+                arrival_time=job.created_at.timestamp(),
+                predicted_output_tokens=predicted_output_tokens,
+                deadline=job.deadline.timestamp() if job.deadline is not None else None,
+            )
         if self._events is not None:  # goes with the next step's events (the engine steps for it soon)
             self._events.status([(held.key, JobStatus.RUNNING.value)], wake=False)
 

@@ -22,27 +22,31 @@ def tenant(sessions):
         return tenant_for_key(s, create_key(s, f"t-{uuid.uuid4().hex[:8]}")).id
 
 
-def finished_job(sessions, tenant_id, created: float, finished: float, tokens: int, status="succeeded"):
-    """A job of `tenant_id` created and finished at T0 + those seconds, with `tokens` output tokens."""
+def finished_job(
+    sessions, tenant_id, created: float, finished: float, tokens: int, status="succeeded", model=None
+):
+    """A job of `tenant_id` (on `model`; None: the default) created and finished at T0 + those seconds, with
+    `tokens` output tokens."""
     with sessions.begin() as s:
         job, _ = jobs.create_job(s, tenant_id, job_request(max_tokens=4000), prompt_tokens=3)
         s.execute(
             sql(
                 "UPDATE jobs SET status = :status, created_at = :created, finished_at = :finished, "
-                "output_token_ids = array_fill(7, ARRAY[:n]) WHERE id = :id"
+                "output_token_ids = array_fill(7, ARRAY[:n]), model = :model WHERE id = :id"
             ),
             dict(
                 status=status,
                 created=T0 + timedelta(seconds=created),
                 finished=T0 + timedelta(seconds=finished),
                 n=tokens,
+                model=model,
                 id=job.id,
             ),
         )
 
 
-def shape(tenant_id, at: float, max_tokens: int = 4000) -> JobShape:
-    return JobShape(tenant_id, T0 + timedelta(seconds=at), max_tokens)
+def shape(tenant_id, at: float, max_tokens: int = 4000, model=None) -> JobShape:
+    return JobShape(tenant_id, T0 + timedelta(seconds=at), max_tokens, model)
 
 
 def test_the_statistic_is_the_mean_capped_by_max_tokens_and_max_tokens_without_history():
@@ -93,3 +97,14 @@ def test_the_same_job_gets_the_same_prediction_after_more_jobs_finish(sessions, 
     finished_job(sessions, tenant, 5, 6, 4000)  # created after it
     with sessions() as s:
         assert predicted_output_tokens(s, [shape(tenant, 2)]) == before == [40]
+
+
+def test_a_models_history_predicts_its_jobs_only(sessions, tenant):
+    """The same tenant's jobs on another model answer at other lengths: each model's jobs predict its own."""
+    finished_job(sessions, tenant, 0, 10, 100)  # the default model
+    finished_job(sessions, tenant, 1, 11, 900, model="big")
+    with sessions() as s:
+        got = predicted_output_tokens(
+            s, [shape(tenant, 20), shape(tenant, 20, model="big"), shape(tenant, 20, 64, "x")]
+        )
+    assert got == [100, 900, 64]
