@@ -152,3 +152,23 @@ def test_the_commits_the_docs_name_exist():
         if subprocess.run(["git", "cat-file", "-e", f"{c}^{{commit}}"], cwd=ROOT).returncode
     ]
     assert missing == [], "commits named in the docs that this repository does not have"
+
+
+# a file of the repository a page names by its path (bench/out/ holds what the benches write: not in git)
+REPO_PATH = re.compile(
+    r"\b((?:batching|batchclient|bench|contract|deploy|jobstore|migrations|scripts|tests|tools|webapi|workers)"
+    r"/[\w./-]*\w\.(?:py|md|sh|ya?ml|json|cpp|h))\b"
+)
+
+
+def test_the_files_the_docs_name_exist():
+    """Modules move (contract/ out of jobstore/, the hub and the follower out of webapi/events.py): a page
+    that names a file names one that is there."""
+    named = {(page.relative_to(ROOT), path) for page in PAGES for path in REPO_PATH.findall(page.read_text())}
+    assert len(named) > 50, "the pattern finds the paths the pages name"
+    missing = sorted(
+        f"{page}: {path}"
+        for page, path in named
+        if not path.startswith("bench/out/") and not (ROOT / path).exists()
+    )
+    assert not missing, "pages name files that are not there:\n" + "\n".join(missing)
