@@ -107,7 +107,7 @@ def test_login_filters_and_a_cancel_that_takes_effect(admin_server, browser, new
     click_and_wait(browser, browser.find_element(By.ID, "apply"))
     assert [row["job-id"] for row in rows(browser)] == [alpha_jobs[1]]
     assert rows(browser)[0]["model"] == settings_model
-    browser.get(f"{admin_server}/admin/jobs?model=spare")  # the second model's: beta's one job
+    browser.get(f"{admin_server}/admin/jobs?model=spare&tenant={beta}")  # the second model's: beta's one job
     assert [row["job-id"] for row in rows(browser)] == [spare_job]
     browser.get(f"{admin_server}/admin/jobs?tenant={alpha}&priority=7")
 
