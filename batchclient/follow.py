@@ -35,6 +35,11 @@ class Follower:
         with self._lock:
             return self._room or 0
 
+    def no_room_ever(self) -> bool:
+        """The API said the key's queued-job cap is 0: nothing can be submitted."""
+        with self._lock:
+            return self._room is not None and self._fill == 0
+
     def fill(self) -> int:
         """How many of the key's queued jobs this client fills the cap up to (0 until the API said)."""
         with self._lock:

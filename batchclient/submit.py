@@ -52,6 +52,8 @@ class Submitter:
     def run(self) -> None:
         try:
             while self.todo and not self.client.stopping.is_set():
+                if self.follower.no_room_ever():
+                    raise BatchError("the API allows this key no queued job (its tenant's max_queued is 0)")
                 room = self.follower.room()
                 if room < min(MIN_BULK, self.bulk_size, len(self.todo), max(1, self.follower.fill() // 4)):
                     self.client.stopping.wait(0.2)

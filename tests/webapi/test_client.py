@@ -280,3 +280,18 @@ def test_an_api_that_does_not_answer_is_reported_within_seconds(tmp_path):
     )
     assert r.returncode == 2 and "the API at http://127.0.0.1:9 does not answer" in r.stderr
     assert time.monotonic() - started < 15
+
+
+def test_a_key_allowed_no_queued_job_is_told_so(served, tmp_path, new_key, sessions):
+    from jobstore.tenant_policy import set_policy
+
+    stack, url = served
+    name = f"capped-{time.monotonic_ns()}"
+    key = new_key(name)
+    with sessions.begin() as session:
+        set_policy(session, name, {"max_queued": 0})
+    (tmp_path / "in.jsonl").write_text('{"custom_id": "a", "prompt": "x", "max_tokens": 2}\n')
+    r = subprocess.run(
+        client_command(url, key, tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and "its tenant's max_queued is 0" in r.stderr
