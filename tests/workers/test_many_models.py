@@ -171,6 +171,12 @@ def test_two_models_on_two_workers(settings, sessions, new_key, tmp_path, small_
         assert models[SMALL]["root"] == small_model and models[SMALL]["max_model_len"] == SMALL_LEN
         assert models["tiny-llama"]["default"] and len(models[SMALL]["workers"]) == 1
         assert models[SMALL]["capacity"] == 2
+        # each worker's intake consumes its model's queue (`celery inspect active_queues`, Flower's queue list)
+        for worker, queue in ((small, "generate.small"), (tiny, "generate")):
+            inspected = reconciler.celery.control.inspect(
+                destination=[worker.node], timeout=5
+            ).active_queues()
+            assert [q["name"] for q in inspected[worker.node]] == [queue], inspected
         card = client.get(f"/v1/models/{SMALL}", headers=headers)
         assert card.status_code == 200 and card.json["root"] == small_model, card.json
         ids = {c["id"] for c in client.get("/v1/models", headers=headers).json["data"]}
