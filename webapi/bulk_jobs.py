@@ -3,6 +3,7 @@ Idempotency-Key, the queued-job caps), inserted in one statement and sent to Red
 
 from __future__ import annotations
 
+import json
 import logging
 
 import orjson
@@ -69,11 +70,20 @@ def bulk_item(raw: dict) -> BulkItem:
     if key is not None and not (isinstance(key, str) and 1 <= len(key) <= 255 and key.isprintable()):
         raise APIError(422, "invalid_request", "idempotency_key: must be 1 to 255 printable characters")
     try:  # from JSON, as POST /jobs parses its body (strict types: a deadline is a string in JSON)
-        submit = JobSubmit.model_validate_json(orjson.dumps(fields), context=validation_context())
+        submit = JobSubmit.model_validate_json(_as_json(fields), context=validation_context())
     except ValidationError as exc:
         raise from_validation_error(exc, document=fields) from None
     request, prompt_tokens = job_request(submit)
     return BulkItem(request, prompt_tokens, key)
+
+
+def _as_json(fields: dict) -> bytes | str:
+    """An item's fields as JSON again. orjson refuses integers beyond 64 bits, which the body's parser took:
+    the standard library writes them, and validation names the field they are too large for."""
+    try:
+        return orjson.dumps(fields)
+    except TypeError:
+        return json.dumps(fields)
 
 
 def item_result(

@@ -198,6 +198,7 @@ def seconds(duration: str) -> float:
 
 
 def test_the_api_gets_longer_than_gunicorn_drains_its_streams(config, tmp_path, monkeypatch):
+    monkeypatch.delenv("COMPLETION_SLOTS", raising=False)  # gunicorn.conf.py sets it in os.environ
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     graceful = runpy.run_path(str(ROOT / "gunicorn.conf.py"))["graceful_timeout"]
     assert seconds(config["services"]["api"]["stop_grace_period"]) > graceful == 30

@@ -131,6 +131,7 @@ def test_probes_keep_liveness_and_readiness_apart(objects):
 
 def test_the_grace_chain_lets_gunicorn_end_its_streams(objects, tmp_path, monkeypatch):
     """preStop (the pod leaves the endpoints) + gunicorn's graceful_timeout < the kubelet's SIGKILL."""
+    monkeypatch.delenv("COMPLETION_SLOTS", raising=False)  # gunicorn.conf.py sets it in os.environ
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     graceful = runpy.run_path(str(ROOT / "gunicorn.conf.py"))["graceful_timeout"]
     api_pod = pod(objects, "Deployment", "genq-api")

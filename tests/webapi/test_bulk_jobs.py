@@ -75,3 +75,12 @@ def test_items_beyond_the_queued_cap_answer_429_naming_it(settings, database, re
 def test_the_body_itself_is_checked(client, auth, body, message):
     r = client.post("/jobs/bulk", json=body, headers=auth())
     assert r.status_code == 422 and r.json["error"]["message"].startswith(message.split(":")[0])
+
+
+def test_an_integer_beyond_64_bits_is_named_not_a_500(client, auth):
+    """orjson cannot write an integer the body's parser took (2**64): the item is refused naming its field."""
+    r = bulk(client, auth(), [{**JOB, "max_tokens": 2**64}, {**JOB, "extra": [-(2**70)]}])
+    assert r.status_code == 200
+    first, second = r.json["results"]
+    assert first["status"] == 422 and first["error"]["message"].startswith("max_tokens:")
+    assert second["status"] == 422 and "extra" in second["error"]["message"]

@@ -186,6 +186,7 @@ def test_gunicorn_runs_at_most_six_processes_on_a_big_host(monkeypatch, tmp_path
 
     monkeypatch.setattr(cpu_module, "available_cpus", lambda: 64)
     monkeypatch.delenv("API_WORKERS", raising=False)
+    monkeypatch.delenv("COMPLETION_SLOTS", raising=False)  # gunicorn.conf.py sets it in os.environ
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     assert runpy.run_path(str(ROOT / "gunicorn.conf.py"))["workers"] == 6
     monkeypatch.setenv("API_WORKERS", "12")
