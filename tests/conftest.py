@@ -211,3 +211,13 @@ def app(settings: Settings, database: str, redis_client):
 @pytest.fixture()
 def client(app):
     return app.test_client()
+
+
+def gunicorn_conf() -> dict:
+    """gunicorn.conf.py executed as gunicorn does, its names; what it writes to os.environ (COMPLETION_SLOTS) is
+    undone after, so no later process of the test run inherits it."""
+    import runpy
+    from unittest import mock
+
+    with mock.patch.dict(os.environ):
+        return runpy.run_path(str(ROOT / "gunicorn.conf.py"))

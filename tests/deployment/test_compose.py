@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import runpy
 import shlex
 import subprocess
 from pathlib import Path
@@ -23,7 +22,7 @@ import yaml
 from dockerfile_parse import DockerfileParser
 
 from contract.settings import Settings
-from tests.conftest import ROOT
+from tests.conftest import ROOT, gunicorn_conf
 
 HERE = Path(__file__).parent
 # Compose's interpolation: $$ (a literal $), ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?error},
@@ -198,9 +197,8 @@ def seconds(duration: str) -> float:
 
 
 def test_the_api_gets_longer_than_gunicorn_drains_its_streams(config, tmp_path, monkeypatch):
-    monkeypatch.delenv("COMPLETION_SLOTS", raising=False)  # gunicorn.conf.py sets it in os.environ
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    graceful = runpy.run_path(str(ROOT / "gunicorn.conf.py"))["graceful_timeout"]
+    graceful = gunicorn_conf()["graceful_timeout"]
     assert seconds(config["services"]["api"]["stop_grace_period"]) > graceful == 30
     healthcheck = config["services"]["api"]["healthcheck"]["test"]
     assert "/readyz" in healthcheck[-1]

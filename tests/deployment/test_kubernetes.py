@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import re
-import runpy
 from pathlib import Path
 
 import jsonschema_rs
@@ -17,7 +16,7 @@ import yaml
 
 from contract.settings import Settings
 from jobstore.db import connection_plan
-from tests.conftest import ROOT
+from tests.conftest import ROOT, gunicorn_conf
 from tests.deployment.test_compose import exported_metrics
 
 HERE = Path(__file__).parent
@@ -131,9 +130,8 @@ def test_probes_keep_liveness_and_readiness_apart(objects):
 
 def test_the_grace_chain_lets_gunicorn_end_its_streams(objects, tmp_path, monkeypatch):
     """preStop (the pod leaves the endpoints) + gunicorn's graceful_timeout < the kubelet's SIGKILL."""
-    monkeypatch.delenv("COMPLETION_SLOTS", raising=False)  # gunicorn.conf.py sets it in os.environ
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    graceful = runpy.run_path(str(ROOT / "gunicorn.conf.py"))["graceful_timeout"]
+    graceful = gunicorn_conf()["graceful_timeout"]
     api_pod = pod(objects, "Deployment", "genq-api")
     sleep = api_pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
     assert sleep[0] == "sleep"

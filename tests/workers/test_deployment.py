@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import runpy
 import shlex
 import subprocess
 
@@ -15,7 +14,7 @@ import yaml
 from dockerfile_parse import DockerfileParser
 
 from contract.settings import Settings
-from tests.conftest import ROOT
+from tests.conftest import ROOT, gunicorn_conf
 
 CONTRACT = {  # the contract commands (README, Procfile): each service's command starts like this
     "api": ["gunicorn"],
@@ -173,7 +172,7 @@ def test_gunicorn_runs_two_processes_per_cpu_of_the_quota(monkeypatch, tmp_path,
     monkeypatch.delenv("API_WORKERS", raising=False)
     monkeypatch.delenv("COMPLETION_SLOTS", raising=False)
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    conf = runpy.run_path(str(ROOT / "gunicorn.conf.py"))
+    conf = gunicorn_conf()
     affinity = len(os.sched_getaffinity(0))
     assert conf["workers"] == 2 * min(affinity, cpus or affinity)
     assert conf["worker_class"] == "webapi.gevent_worker.GeventWorker" and conf["preload_app"] is False
@@ -186,11 +185,10 @@ def test_gunicorn_runs_at_most_six_processes_on_a_big_host(monkeypatch, tmp_path
 
     monkeypatch.setattr(cpu_module, "available_cpus", lambda: 64)
     monkeypatch.delenv("API_WORKERS", raising=False)
-    monkeypatch.delenv("COMPLETION_SLOTS", raising=False)  # gunicorn.conf.py sets it in os.environ
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    assert runpy.run_path(str(ROOT / "gunicorn.conf.py"))["workers"] == 6
+    assert gunicorn_conf()["workers"] == 6
     monkeypatch.setenv("API_WORKERS", "12")
-    assert runpy.run_path(str(ROOT / "gunicorn.conf.py"))["workers"] == 12
+    assert gunicorn_conf()["workers"] == 12
 
 
 def dry_run(target: str) -> list[list[str]]:

@@ -21,6 +21,7 @@ import pytest
 from sqlalchemy import text as sql
 
 from batching.tokenizer import BOS_ID, EOS_ID, SPECIAL_TOKENS, TINY_CHAT_TEMPLATE, _byte_of_char
+from contract.dispatch import jobs_in_queue, model_queue
 from tests.reliability.conftest import FINISHED, Reconciler, Worker
 
 SMALL = "small"
@@ -216,9 +217,22 @@ def test_two_models_on_two_workers(settings, sessions, new_key, tmp_path, small_
             for m in ("tiny-llama", SMALL)
         }
         urgent_ids = {m: submit(**body) for m, body in urgent.items()}
-        # the backlog jobs of each model that had not started once the urgent ones were in Redis
+        # the backlog jobs of each model still waiting in Redis once the urgent ones were there (one taken
+        # before, in a claim being written, is rightly ahead of them)
         unstarted = {
-            m: [i for i, b in zip(backlog_ids, backlog) if b["model"] == m and job(i)["started_at"] is None]
+            m: [
+                i
+                for i in map(
+                    str,
+                    jobs_in_queue(
+                        redis_client,
+                        tiny_settings,
+                        5,
+                        [uuid.UUID(i) for i, b in zip(backlog_ids, backlog) if b["model"] == m],
+                        queue=model_queue(tiny_settings, m),
+                    ),
+                )
+            ]
             for m in urgent
         }
         everything = dict(zip(backlog_ids, backlog)) | {urgent_ids[m]: urgent[m] for m in urgent}

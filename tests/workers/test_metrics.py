@@ -179,7 +179,7 @@ def test_api_queue_depth_jobs_by_priority_and_cancellations(client, auth):
     ]
     queued = parse(client.get("/metrics").text)
     for name, labels in (
-        ("genq_queue_depth", {"priority": "3"}),
+        ("genq_queue_depth", {"model": "tiny-llama", "priority": "3"}),  # the default model's lists
         ("genq_jobs_by_priority", {"status": "queued", "priority": "3"}),
         ("genq_jobs", {"status": "queued"}),
     ):
