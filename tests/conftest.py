@@ -13,6 +13,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -98,6 +99,9 @@ def serve_api(
     """`gunicorn "webapi:create_app()"` for `settings` on a free port, as in the Procfile; yields its URL.
     `args` are more gunicorn options, `env` more environment."""
     port = free_port()
+    # its log to a file, not a pipe nobody reads while it serves: a busy API's warnings would fill a pipe's
+    # 64 KiB and block its processes mid-request
+    log = tempfile.TemporaryFile()
     proc = subprocess.Popen(
         [
             BIN / "gunicorn",
@@ -111,7 +115,7 @@ def serve_api(
         cwd=ROOT,
         env={**settings_env(settings), "API_ACCESS_LOG": "", **(env or {})},
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=log,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -122,11 +126,13 @@ def serve_api(
             except requests.RequestException:  # not listening yet, or its workers are still starting
                 time.sleep(0.1)
         else:
-            raise AssertionError(f"gunicorn did not answer /healthz: {proc.stderr.read().decode()[-3000:]}")
+            log.seek(0)
+            raise AssertionError(f"gunicorn did not answer /healthz: {log.read().decode()[-3000:]}")
         yield url
     finally:
         proc.terminate()
-        proc.communicate(timeout=20)
+        proc.wait(timeout=20)
+        log.close()
 
 
 @pytest.fixture(scope="session")
