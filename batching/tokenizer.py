@@ -19,9 +19,10 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-def byte_level_tokenizer():
+def byte_level_tokenizer(merges: list[tuple[str, str]] | None = None):
     """One token per byte (259 ids), BOS added; round-trips any UTF-8 text; a small chat template. Built
-    locally, no download."""
+    locally, no download. `merges` (byte-level BPE pairs, e.g. ("Ġ", "t")) add a token each after the bytes:
+    a tokenizer of another vocabulary, for tests of a second model."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -30,7 +31,9 @@ def byte_level_tokenizer():
     ordered = sorted(byte_chars, key=_byte_of_char)
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     vocab.update({ch: len(SPECIAL_TOKENS) + i for i, ch in enumerate(ordered)})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    for left, right in merges or []:
+        vocab[left + right] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges or [], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.TemplateProcessing(

@@ -20,7 +20,7 @@ import uuid
 import pytest
 from sqlalchemy import text as sql
 
-from batching.tokenizer import BOS_ID, EOS_ID, SPECIAL_TOKENS, TINY_CHAT_TEMPLATE, _byte_of_char
+from batching.tokenizer import BOS_ID, EOS_ID, byte_level_tokenizer
 from contract.dispatch import jobs_in_queue, model_queue
 from tests.reliability.conftest import FINISHED, Reconciler, Worker
 
@@ -32,30 +32,8 @@ MERGES = [("o", "n"), ("h", "e"), ("Ġ", "t"), ("Ġt", "he"), ("Ġ", "a"), ("e",
 
 
 def merged_tokenizer():
-    """A byte-level BPE with a few merges (265 ids), BOS added, tiny-llama's chat template. Built locally."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=_byte_of_char)
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    vocab.update({ch: len(vocab) + i for i, ch in enumerate(alphabet)})
-    for left, right in MERGES:
-        vocab[left + right] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=MERGES, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", BOS_ID)]
-    )
-    tok.add_special_tokens(SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        pad_token="<unk>",
-        chat_template=TINY_CHAT_TEMPLATE,
-    )
+    """A byte-level BPE with seven merges (266 ids), BOS added, tiny-llama's chat template. Built locally."""
+    return byte_level_tokenizer(MERGES)
 
 
 @pytest.fixture(scope="module")
