@@ -39,6 +39,7 @@ import requests
 from sqlalchemy import func, select
 
 from contract.dispatch import PRIORITIES, QUEUE, make_celery, queue_key
+from contract.redis_client import redis_client
 from contract.settings import Settings
 from jobstore.db import create_database_if_missing, drop_database, make_engine, make_session_factory
 from jobstore.keys import create_key
@@ -239,7 +240,7 @@ class StackClient:
         self.stack = stack
         self.db = make_engine(stack.settings.database_url)
         self.sessions = make_session_factory(self.db)
-        self.redis = redis.Redis.from_url(stack.settings.redis_url)
+        self.redis = redis_client(stack.settings.redis_url)  # any REDIS_URL the stack takes (Sentinel too)
         self.local = threading.local()
 
     def close(self) -> None:
@@ -385,7 +386,7 @@ def private_redis() -> Iterator[PrivateRedis]:
         stdout=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        client = redis.Redis(port=port)
+        client = redis_client(f"redis://127.0.0.1:{port}/0")
         for _ in range(100):
             try:
                 client.ping()
@@ -420,7 +421,7 @@ def _wait_until_engine_ready(stack: Stack, timeout: float = 180) -> None:
 
 
 def _delete_keys(settings: Settings) -> None:
-    client = redis.Redis.from_url(settings.redis_url)
+    client = redis_client(settings.redis_url)
     keys = list(client.scan_iter(match=f"{settings.redis_key_prefix}*"))
     if keys:
         client.delete(*keys)
