@@ -30,9 +30,9 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 SERVED_MODELS = "served_models"  # the validation context's key: the names `model` may give (a frozenset)
-VOCAB_SIZE = (
-    "vocab_size"  # the validation context's key: the served model's vocabulary size (token ids below it)
-)
+# the validation context's key: a function from a body's `model` (None: the fleet's default) to (the served
+# model's name, its vocabulary size: token ids are below it), or None for a model it does not serve
+VOCAB_SIZE = "vocab_size"
 
 
 class RequestBody(BaseModel):
@@ -81,15 +81,20 @@ def _served(value: str, info: ValidationInfo) -> str:
 
 
 def _token_id_keys(value: dict[str, float], info: ValidationInfo) -> dict[str, float]:
-    """logit_bias's keys are token ids written as decimal strings (OpenAI's form), below the vocabulary size
-    when the validation context gives it; returned in canonical form ("007" -> "7")."""
-    vocab = (info.context or {}).get(VOCAB_SIZE)
+    """logit_bias's keys are token ids written as decimal strings (OpenAI's form), below the vocabulary size of
+    the model the body names (a field declared before this one), when the validation context says it; returned
+    in canonical form ("007" -> "7")."""
+    vocab_of = (info.context or {}).get(VOCAB_SIZE)
+    named = vocab_of(info.data.get("model")) if vocab_of is not None else None
+    name, vocab = named if named is not None else (None, None)
     canonical = {}
     for key, bias in value.items():
         if not (key.isascii() and key.isdigit()) or int(key) >= 2**31:
             raise ValueError(f'keys are token ids as decimal strings, such as "50256"; got "{key[:32]}"')
         if vocab is not None and int(key) >= vocab:
-            raise ValueError(f"token id {int(key)} is outside the vocabulary: ids are below {vocab}")
+            raise ValueError(
+                f"token id {int(key)} is outside the vocabulary of the model `{name}`: ids are below {vocab}"
+            )
         canonical[str(int(key))] = bias
     return canonical
 

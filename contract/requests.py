@@ -42,6 +42,10 @@ __all__ = ["OPTIONS", "JobCreate", "MetadataValue", "job_columns", "options_of",
 class JobCreate(RequestBody):
     """A generation job: a prompt (text or token ids) and how to sample its continuation."""
 
+    # first: the fields after it are checked against the model it names (logit_bias's vocabulary)
+    model: ModelName | None = Field(
+        None, description="The served model to run on (GET /models lists them); absent: the fleet's default."
+    )
     prompt: PromptText | None = Field(None, description="Text to continue. Give this or input_ids.")
     input_ids: TokenIds | None = Field(
         None, description="Token ids to continue, used as they are. Give this or prompt."
@@ -83,9 +87,6 @@ class JobCreate(RequestBody):
         False,
         description="/v1/completions' echo with max_tokens 0: the reply is the prompt alone (the job draws one "
         "token, as vLLM does, and the reply leaves it out).",
-    )
-    model: ModelName | None = Field(
-        None, description="The served model to run on (GET /models lists them); absent: the fleet's default."
     )
     priority: Priority = DEFAULT_PRIORITY
     deadline: Deadline | None = None

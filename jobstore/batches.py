@@ -17,6 +17,8 @@ BATCH_WINDOW_SECONDS for "24h") is ended by the reconciler with `expire_batch`, 
 and running jobs are cancelled with error code `batch_expired` (a queued one's message is dropped by the
 worker that takes it; a running one leaves its worker's batch at the next progress write), the requests
 that finished go to the output file, the others to the error file, and the batch becomes `expired`.
+A batch may mix models: each job names its own (the `model` column), and its output line names that model and
+names its tokens with that model's tokenizer (`ModelOf`, given by the caller, which knows the fleet).
 The caller owns the transaction: nothing here commits.
 """
 
@@ -28,6 +30,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
+from typing import Any
 
 from psycopg.types.json import Jsonb
 from sqlalchemy import exists, func, select, tuple_, update
@@ -65,11 +68,15 @@ JOB_COLUMNS = (
     "batch_id",
     "batch_index",
     "enqueued_at",
+    "model",
 )
 EXPIRED_CODE = "batch_expired"
 EXPIRED_MESSAGE = "this request could not be executed before the batch's completion window expired"
 EMPTY_ARRAY = "{}"  # an empty array in COPY's text form
 PAGE = 1000  # jobs read at once while writing the output file
+# a job's `model` column (None: a row from before jobs named their model) -> (the name its output line gives, the
+# tokenizer that names its tokens, or None: "token_id:<id>")
+ModelOf = Callable[[str | None], tuple[str, Any]]
 
 
 def new_batch_id() -> str:
@@ -111,6 +118,7 @@ def job_row(
         batch_id,
         index,
         sent_at,
+        request.get("model"),  # the served model its line names (webapi/batch_lines.py)
     )
 
 
@@ -207,7 +215,7 @@ def expiring_batches(db: Session, limit: int = 100) -> list[str]:
     )
 
 
-def expire_batch(db: Session, batch_id: str, model: str, tokenizer=None) -> int | None:
+def expire_batch(db: Session, batch_id: str, models: ModelOf) -> int | None:
     """in_progress past expires_at → expired: its unfinished jobs cancelled (code `batch_expired`), its
     output and error files written; returns how many jobs were cancelled, None if the batch is not due
     (not in progress, not past its expires_at, or another process holds it)."""
@@ -220,7 +228,7 @@ def expire_batch(db: Session, batch_id: str, model: str, tokenizer=None) -> int 
         return None
     cancelled = _cancel_jobs(db, batch_id, error_code=EXPIRED_CODE, error_message=EXPIRED_MESSAGE)
     batch.finalizing_at = func.now()
-    _write_results(db, batch, model, tokenizer=tokenizer)
+    _write_results(db, batch, models)
     batch.status, batch.expired_at = BatchStatus.EXPIRED, func.now()
     db.flush()
     return cancelled
@@ -232,7 +240,7 @@ def ready_batches(db: Session, limit: int = 100) -> list[str]:
     return list(db.scalars(select(Batch.id).where(Batch.status.in_(LIVE), ~active).limit(limit)))
 
 
-def finalize_batch(db: Session, batch_id: str, model: str, tokenizer=None) -> bool:
+def finalize_batch(db: Session, batch_id: str, models: ModelOf) -> bool:
     """Write the output file (one line per succeeded request) and the error file (one per failed or
     cancelled request), in input order, and end the batch; False if it is not ready or another process is
     finalizing it. Holds one page of jobs and one file chunk in memory at a time."""
@@ -243,7 +251,7 @@ def finalize_batch(db: Session, batch_id: str, model: str, tokenizer=None) -> bo
         return False
     batch.finalizing_at = func.now()
     cancelled = batch.status == BatchStatus.CANCELLING
-    _write_results(db, batch, model, batch_cancelled=cancelled, tokenizer=tokenizer)
+    _write_results(db, batch, models, batch_cancelled=cancelled)
     batch.status = BatchStatus.CANCELLED if cancelled else BatchStatus.COMPLETED
     if cancelled:
         batch.cancelled_at = func.now()
@@ -253,14 +261,16 @@ def finalize_batch(db: Session, batch_id: str, model: str, tokenizer=None) -> bo
     return True
 
 
-def _write_results(
-    db: Session, batch: Batch, model: str, batch_cancelled: bool = False, tokenizer=None
-) -> None:
+def _write_results(db: Session, batch: Batch, models: ModelOf, batch_cancelled: bool = False) -> None:
     """Write the batch's output file (its succeeded requests) and error file (the rest), in input order,
     and its request counts; every job of the batch has ended."""
     files: dict[bool, FileWriter] = {}
     completed = failed = 0
+    seen: dict[str | None, tuple[str, Any]] = {}  # each model looked up once a batch
     for row in _batch_jobs(db, batch.id):
+        if row.model not in seen:
+            seen[row.model] = models(row.model)
+        model, tokenizer = seen[row.model]
         succeeded = row.status == JobStatus.SUCCEEDED
         completed, failed = completed + succeeded, failed + (not succeeded)
         if succeeded not in files:
@@ -293,6 +303,7 @@ def _batch_jobs(db: Session, batch_id: str):
         Job.logprobs,
         Job.prompt,
         Job.input_ids,
+        Job.model,
     )
     last = -1
     while True:

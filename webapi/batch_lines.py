@@ -1,16 +1,18 @@
 """A batch input file, validated line by line into genq job rows, a group of lines at a time.
 
-Each line is `{custom_id, method, url, body}`; the body is an OpenAI chat or text completion request. A
-line's prompt is rendered and counted with the model's tokenizer and checked against MAX_MODEL_LEN as
-POST /jobs does, and the job it makes is checked with JobCreate, the schema the worker checks stored
-jobs with. Every invalid line is reported (line number, field, message); the caller queues nothing of a
-file with any invalid line. The prompts of a group are rendered and tokenized in one call each.
+Each line is `{custom_id, method, url, body}`; the body is an OpenAI chat or text completion request. A file
+may mix models: each line runs on the model its body's `model` names (absent: the fleet's default), and is
+checked against that model as POST /jobs checks a job: its prompt rendered and counted with that model's
+tokenizer, its length against that model's max_model_len, logit_bias against its vocabulary; its job names the
+model (so it goes to that model's queue). The job a line makes is checked with JobCreate, the schema the worker
+checks stored jobs with. Every invalid line is reported (line number, field, message); the caller queues nothing
+of a file with any invalid line. The prompts of a group are rendered and tokenized in one call per model.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -19,6 +21,7 @@ from pydantic import ValidationError
 from contract.fields import SERVED_MODELS, VOCAB_SIZE
 from contract.requests import JobCreate
 from jobstore.batches import job_row
+from webapi.fleet import FleetModel, ModelNotServed
 from webapi.openai_schemas import (
     CHAT_ENDPOINT,
     ChatBatchLine,
@@ -26,7 +29,14 @@ from webapi.openai_schemas import (
     CompletionBatchLine,
     CompletionRequest,
 )
-from webapi.prompts import PromptError, check_length, check_token_ids, count_texts, render_chats, vocab_size
+from webapi.prompts import (
+    PromptError,
+    check_length,
+    check_token_ids,
+    count_texts,
+    render_chats,
+    tokenizer_for,
+)
 from webapi.validation import parsed, problems
 
 MAX_REPORTED_ERRORS = 1000  # a file with more invalid lines reports its first this many
@@ -51,6 +61,7 @@ class _Request:
     index: int
     custom_id: str
     body: ChatCompletionRequest | CompletionRequest
+    served: FleetModel  # the model it runs on
     prompt_ids: list[int] | None = None
     prompt_tokens: int = 0
 
@@ -63,17 +74,19 @@ class BatchBuilder:
     tenant_id: uuid.UUID
     endpoint: str
     priority: int
-    model: str
-    max_model_len: int
-    tokenizer: object
+    # a body's `model` (None: the fleet's default) -> the served model it runs on (webapi/fleet.py's resolve)
+    resolve: Callable[[str | None], FleetModel]
     served_models: frozenset[str] | None = None  # the names a body's `model` may give (None: any)
+    vocabulary: Callable[[str | None], tuple[str, int | None] | None] | None = None  # logit_bias's: spec.py
     deadline: datetime | None = None  # every job's: the end of the batch's completion window (its expires_at)
     errors: list[LineError] = field(default_factory=list)
     error_count: int = 0
     requests: int = 0  # valid lines so far
     job_ids: list[uuid.UUID] = field(default_factory=list)
+    job_models: list[str] = field(default_factory=list)  # each job's model, as job_ids
     sent_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     _custom_ids: set[str] = field(default_factory=set)
+    _models: dict[str | None, FleetModel] = field(default_factory=dict)  # each name resolved once a file
 
     def add(self, lines: Sequence[tuple[int, bytes]]) -> list[tuple]:
         """Job rows (jobstore.batches.JOB_COLUMNS) of the valid lines among `lines` ((line number, text))."""
@@ -118,13 +131,31 @@ class BatchBuilder:
                 "custom_id",
             )
             return None
+        served = self._served(line.body.model)
+        if served is None:  # named a model the fleet stopped serving since the file's check began
+            names = ", ".join(f"`{name}`" for name in sorted(self.served_models or ()))
+            self._error(
+                number,
+                "model_not_found",
+                f"body.model: the model `{line.body.model}` does not exist here; this server serves {names}",
+                "body.model",
+            )
+            return None
         self._custom_ids.add(line.custom_id)
         index, self.requests = self.requests, self.requests + 1
-        return _Request(number, index, line.custom_id, line.body)
+        return _Request(number, index, line.custom_id, line.body, served)
+
+    def _served(self, name: str | None) -> FleetModel | None:
+        if name not in self._models:
+            try:
+                self._models[name] = self.resolve(name)
+            except ModelNotServed:
+                return None
+        return self._models[name]
 
     @property
     def _context(self) -> dict:
-        return {SERVED_MODELS: self.served_models, VOCAB_SIZE: vocab_size(self.model)}
+        return {SERVED_MODELS: self.served_models, VOCAB_SIZE: self.vocabulary}
 
     def _validation_error(self, number: int, exc: ValidationError, document, prefix: str = "") -> None:
         """The line's first problem (enough to fix it), worded as POST /jobs and /v1 word it."""
@@ -134,11 +165,20 @@ class BatchBuilder:
         self._error(number, problem.code, f"{param}: {problem.text}" if param else problem.text, param)
 
     def _prepare_prompts(self, requests: list[_Request]) -> None:
-        """Render chats, and count text prompts, in one call per group of lines."""
+        """Render chats, and count text prompts, in one call per model per group of lines."""
+        by_model: dict[str, list[_Request]] = {}
+        for request in requests:
+            by_model.setdefault(request.served.name, []).append(request)
+        for group in by_model.values():
+            self._prepare_model_prompts(group[0].served.model, group)
+
+    def _prepare_model_prompts(self, model: str, requests: list[_Request]) -> None:
+        """The prompts of lines that all run on the checkpoint `model`, with its tokenizer."""
+        tokenizer = tokenizer_for(model)
         chats = [r for r in requests if isinstance(r.body, ChatCompletionRequest)]
         if chats:
             rendered = render_chats(
-                self.tokenizer, self.model, [[m.for_template() for m in r.body.messages] for r in chats]
+                tokenizer, model, [[m.for_template() for m in r.body.messages] for r in chats]
             )
             for request, ids in zip(chats, rendered, strict=True):
                 if isinstance(ids, PromptError):
@@ -149,14 +189,12 @@ class BatchBuilder:
         texts = [
             r for r in requests if isinstance(r.body, CompletionRequest) and isinstance(r.body.prompt, str)
         ]
-        for request, count in zip(
-            texts, count_texts(self.tokenizer, self.model, [r.body.prompt for r in texts])
-        ):
+        for request, count in zip(texts, count_texts(tokenizer, model, [r.body.prompt for r in texts])):
             request.prompt_tokens = count
         for request in requests:
             if isinstance(request.body, CompletionRequest) and isinstance(request.body.prompt, list):
                 request.prompt_ids, request.prompt_tokens = request.body.prompt, len(request.body.prompt)
-                error = check_token_ids(request.prompt_ids, self.tokenizer, self.model)
+                error = check_token_ids(request.prompt_ids, tokenizer, model)
                 if error is not None:
                     request.prompt_tokens = -1
                     self._error(
@@ -168,13 +206,14 @@ class BatchBuilder:
             return None
         body = request.body
         chat = isinstance(body, ChatCompletionRequest)
+        max_model_len = request.served.max_model_len
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:  # OpenAI's chat default: as much as the context leaves
-            max_tokens = max(1, self.max_model_len - request.prompt_tokens)
+            max_tokens = max(1, max_model_len - request.prompt_tokens)
         error = check_length(
             request.prompt_tokens,
             max_tokens,
-            self.max_model_len,
+            max_model_len,
             "messages" if chat else "prompt",
             body.max_tokens_field(),
             defaulted=getattr(body, body.max_tokens_field()) is None,
@@ -187,6 +226,7 @@ class BatchBuilder:
             max_tokens=max_tokens,
             priority=self.priority,
             deadline=self.deadline,
+            model=request.served.name,
             metadata={"batch_id": self.batch_id, "custom_id": request.custom_id},
         )
         if request.prompt_ids is not None:
@@ -202,4 +242,5 @@ class BatchBuilder:
             self.tenant_id, self.batch_id, request.index, job, request.prompt_tokens, self.sent_at
         )
         self.job_ids.append(job_id)
+        self.job_models.append(request.served.name)
         return row

@@ -5,7 +5,9 @@ jobs run at BATCH_PRIORITY (8) unless `metadata.priority` ("0" … "9") says oth
 is written once every job has ended (jobstore/batches.py: by the reconciler, or here when polled). A batch
 not done by its expires_at (its completion_window, "24h": BATCH_WINDOW_SECONDS) is ended `expired` by the
 reconciler: its unfinished requests go to the error file with code `batch_expired`. Each job of a batch has that
-expires_at as its deadline: within its priority, the engine runs first the jobs whose window is about to close."""
+expires_at as its deadline: within its priority, the engine runs first the jobs whose window is about to close.
+A file may mix models (webapi/batch_lines.py): each job goes to its own model's queue, and its output line names
+its model."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from kombu.exceptions import KombuError
 from redis.exceptions import RedisError
 from sqlalchemy import func
 
+from contract.dispatch import model_queue
 from jobstore import batches
 from jobstore.files import iter_chunks, iter_lines
 from jobstore.models import Batch, BatchStatus
@@ -26,11 +29,12 @@ from webapi.batch_lines import BatchBuilder
 from webapi.errors import APIError
 from webapi.extensions import db, services
 from webapi.files import OBJECT_ID, owned_file
+from webapi.fleet import ModelNotServed
 from webapi.gc_pause import gc_paused
 from webapi.metrics import JOBS_CANCELLED, JOBS_SUBMITTED
 from webapi.openai_schemas import BatchCreate, BatchListQuery, BatchObject, BatchPage, RequestCounts
 from webapi.prompts import NoChatTemplate, tokenizer_for
-from webapi.spec import endpoint
+from webapi.spec import endpoint, model_vocabulary
 from webapi.tenant_limits import check_priority, tenant_policy, token_budget
 
 log = logging.getLogger(__name__)
@@ -115,18 +119,15 @@ def create_batch(body: BatchCreate):
 def validate_and_insert(session, batch: Batch, file_id: str, deadline: datetime) -> BatchBuilder:
     """Validate every line of the file; insert its jobs, each with `deadline` (in a savepoint, undone if any
     line is invalid)."""
-    settings = services().settings
-    tokenizer = tokenizer_for(settings.model)
+    fleet = services().fleet
     builder = BatchBuilder(
         batch.id,
         batch.tenant_id,
         batch.endpoint,
         batch.priority,
-        settings.model,
-        settings.max_model_len,
-        tokenizer,
-        # the default model's names only: a batch's jobs run on the default model (lines naming others: 404)
-        frozenset([settings.fleet_default_model(), settings.model]) | settings.alias_names(),
+        fleet.resolve,  # each line's model: the one its body names, the fleet's default if none
+        fleet.names(),
+        model_vocabulary,
         deadline,
     )
     savepoint = session.begin_nested()
@@ -150,8 +151,14 @@ def validate_and_insert(session, batch: Batch, file_id: str, deadline: datetime)
 def send(batch: Batch, builder: BatchBuilder) -> None:
     """Send the batch's committed jobs to Redis in pipelines (their rows already say sent); if Redis is
     down, clear that mark so the reconciler sends them (they are in Postgres)."""
+    by_queue: dict[str, list] = {}  # each model's jobs to its own queue, in input order
+    for job_id, model in zip(builder.job_ids, builder.job_models, strict=True):
+        by_queue.setdefault(model_queue(services().settings, model), []).append(job_id)
     try:
-        sent = services().bulk_sender.send((job_id, batch.priority) for job_id in builder.job_ids)
+        sent = sum(
+            services().bulk_sender.send(((job_id, batch.priority) for job_id in ids), queue)
+            for queue, ids in by_queue.items()
+        )
     except (KombuError, RedisError, OSError) as exc:
         log.warning("batch %s stays queued unsent (the reconciler will send it): %s", batch.id, exc)
         with services().sessions.begin() as session:
@@ -167,9 +174,7 @@ def get_batch(batch_id: str):
     batch = owned_batch(batch_id)
     if batch.status in batches.LIVE:
         with services().sessions.begin() as session:
-            finalized = batches.finalize_batch(
-                session, batch.id, services().settings.model, tokenizer_for(services().settings.model)
-            )
+            finalized = batches.finalize_batch(session, batch.id, output_model)
         if finalized:
             db().expire_all()
             batch = owned_batch(batch_id)
@@ -202,6 +207,15 @@ def cancel_batch(batch_id: str):
         )
     db().expire_all()
     return batch_object(owned_batch(batch_id))
+
+
+def output_model(name: str | None) -> tuple[str, object]:
+    """A batch job's model (None: the fleet's default) -> (the name its output line gives, its tokenizer)."""
+    try:
+        served = services().fleet.resolve(name)
+    except ModelNotServed:  # served no longer: its line still names it, its tokens by id
+        return str(name), None
+    return served.name, tokenizer_for(served.model)
 
 
 def owned_batch(batch_id: str) -> Batch:

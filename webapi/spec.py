@@ -25,6 +25,7 @@ from pydantic.json_schema import models_json_schema
 from contract.fields import SERVED_MODELS, VOCAB_SIZE
 from webapi.errors import OPENAI_PREFIX, APIError, from_validation_error
 from webapi.extensions import services
+from webapi.fleet import ModelNotServed
 from webapi.openai_schemas import OpenAIError
 from webapi.prompts import vocab_size
 from webapi.schemas import ErrorResponse
@@ -123,9 +124,18 @@ def parse_body(model: type[BaseModel]) -> BaseModel:
 
 def validation_context() -> dict:
     """What request bodies are checked against beyond their schema: the models the fleet serves, and the
-    vocabulary of its default model (logit_bias's token ids)."""
-    fleet = services().fleet
-    return {SERVED_MODELS: fleet.names(), VOCAB_SIZE: vocab_size(fleet.default().model)}
+    vocabulary of the model a body names (logit_bias's token ids), looked up only for a body that needs it."""
+    return {SERVED_MODELS: services().fleet.names(), VOCAB_SIZE: model_vocabulary}
+
+
+def model_vocabulary(name: str | None) -> tuple[str, int | None] | None:
+    """(the served name, its tokenizer's vocabulary size) of the model `name` names (None: the fleet's default);
+    None for a name the fleet does not serve (its body is refused for that)."""
+    try:
+        served = services().fleet.resolve(name)
+    except ModelNotServed:
+        return None
+    return served.name, vocab_size(served.model)
 
 
 def parse_query(model: type[BaseModel]) -> BaseModel:

@@ -35,6 +35,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from batching.tokenizer import load_tokenizer  # no model code: names the tokens of log probabilities
 from contract.dispatch import model_queue, send_job, send_to_head
+from contract.fleet import live_workers
 from contract.redis_client import redis_client
 from contract.settings import WorkerSettings
 from jobstore import batches, jobs
@@ -160,9 +161,7 @@ def finalize_batches(sessions: sessionmaker[Session], settings: WorkerSettings) 
     finalized = 0
     for batch_id in ready:
         with sessions.begin() as session:
-            finalized += batches.finalize_batch(
-                session, batch_id, settings.model, load_tokenizer(settings.model)
-            )
+            finalized += batches.finalize_batch(session, batch_id, batch_models(settings))
     if finalized:
         log.info("reconciler: %d batches finalized", finalized)
     return finalized
@@ -177,13 +176,27 @@ def expire_batches(sessions: sessionmaker[Session], settings: WorkerSettings) ->
     expired = 0
     for batch_id in due:
         with sessions.begin() as session:
-            cancelled = batches.expire_batch(
-                session, batch_id, settings.model, load_tokenizer(settings.model)
-            )
+            cancelled = batches.expire_batch(session, batch_id, batch_models(settings))
         if cancelled is not None:
             expired += 1
             log.info("reconciler: batch %s expired; %d unfinished jobs cancelled", batch_id, cancelled)
     return expired
+
+
+def batch_models(settings: WorkerSettings) -> batches.ModelOf:
+    """A batch job's model (None: the fleet's default) -> (the name its output line gives, its tokenizer):
+    this process's MODEL for its own served name, else the checkpoint a live worker of that model announces."""
+
+    def model_of(name: str | None) -> tuple[str, object]:
+        name = name or settings.fleet_default_model()
+        if name == settings.served_model_name():
+            return name, load_tokenizer(settings.model)
+        with _redis(settings) as client:
+            live = live_workers(client, settings.redis_key_prefix)
+        checkpoint = next((w.model for w in live if w.name == name), None)
+        return name, None if checkpoint is None else load_tokenizer(checkpoint)  # None: tokens by id
+
+    return model_of
 
 
 def marker_key(settings: WorkerSettings) -> str:

@@ -78,7 +78,12 @@ BAD = [
     ("logit_bias", {"abc": 1}, "", 'keys are token ids as decimal strings, such as "50256"; got "abc"'),
     ("logit_bias", {"5": 101}, ".5", "must be at most 100.0, got 101"),
     ("logit_bias", {"5": "1"}, ".5", 'expected a number, got a string ("1")'),
-    ("logit_bias", {str(VOCAB): 1}, "", f"token id {VOCAB} is outside the vocabulary: ids are below {VOCAB}"),
+    (
+        "logit_bias",
+        {str(VOCAB): 1},
+        "",
+        f"token id {VOCAB} is outside the vocabulary of the model `tiny-llama`: ids are below {VOCAB}",
+    ),
     ("logit_bias", {str(i): 1 for i in range(301)}, "", "must hold at most 300 items"),
     (
         "colour",
