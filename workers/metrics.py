@@ -4,7 +4,9 @@ Served on WORKER_METRICS_PORT (default 9808; 0 turns it off) by prometheus_clien
 started once per worker process when Celery's worker_init fires, so it answers while the `threads`
 pool runs jobs. The engine host's reader thread calls `observe_steps()` with every report from
 the engine process; the job book and intake call `job_done()` when the worker's hold on a job ends. Only this
-module knows the metric names.
+module knows the metric names. Every sample it serves carries the label `model`: the served name of the model
+this worker runs (MODEL_NAME, or MODEL), one value a process, so a fleet's dashboards split by model (and
+summing over it gives what one model's stack showed before).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import time
 from datetime import datetime, timezone
 
 from celery.signals import worker_init
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import Metric
 
 from workers.outcomes import Outcome
 from workers.weighted_histogram import WeightedHistogram
@@ -196,6 +199,27 @@ def set_intake(held: int, capacity: int) -> None:
     CAPACITY.set(capacity)
 
 
+class ModelLabelled:
+    """A registry's metrics with the label model=<name> added to every sample: the constant label the worker's
+    endpoint serves them with (prometheus_client has no constant labels of its own)."""
+
+    def __init__(self, model: str, registry: CollectorRegistry = REGISTRY):
+        self.model, self.registry = model, registry
+
+    def collect(self):
+        for family in self.registry.collect():
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            labelled.samples = [s._replace(labels={"model": self.model, **s.labels}) for s in family.samples]
+            yield labelled
+
+
+def model_registry(model: str) -> CollectorRegistry:
+    """What the worker's endpoint serves: this process's metrics, each sample labelled with `model`."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ModelLabelled(model))
+    return registry
+
+
 def start_server(port: int | None = None) -> int | None:
     """Serve this process's metrics over HTTP once; returns the port, or None if off or the port is taken."""
     global _server_started
@@ -206,7 +230,11 @@ def start_server(port: int | None = None) -> int | None:
         if _server_started or port == 0:
             return None
         try:
-            start_http_server(port, addr=settings.worker_metrics_address)
+            start_http_server(
+                port,
+                addr=settings.worker_metrics_address,
+                registry=model_registry(settings.served_model_name()),
+            )
         except OSError as exc:
             log.error(
                 "worker metrics NOT served: port %d is unavailable (%s); another worker on this host? "

@@ -21,6 +21,7 @@ import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
 
+from contract.dispatch import model_queue
 from contract.settings import Settings
 from tests.conftest import ROOT, gunicorn_conf
 
@@ -144,15 +145,43 @@ def test_files_the_services_mount_exist(config):
                 assert (ROOT / source).exists(), (name, source)
 
 
-def test_prometheus_scrapes_the_api_and_every_worker(config):
+def test_prometheus_scrapes_the_api_and_every_worker(config, env_file):
     scrape = yaml.safe_load((ROOT / "deploy/compose/prometheus.yml").read_text())["scrape_configs"]
     targets = {job["job_name"]: job["dns_sd_configs"][0] for job in scrape}
-    defaults = Settings()
     api_port = int(config["services"]["api"]["command"].split("--bind 0.0.0.0:")[1].split()[0])
     assert targets["genq-api"]["names"] == ["api"] and targets["genq-api"]["port"] == api_port
-    assert targets["genq-worker"]["names"] == ["worker", "worker-cpu"]
-    assert targets["genq-worker"]["port"] == defaults.worker_metrics_port
+    # every worker service, whatever its profile (gpu, cpu, second-model), is a target on its metrics port
+    workers = sorted(
+        name for name, service in config["services"].items() if "workers worker" in service.get("command", "")
+    )
+    assert workers == ["worker", "worker-cpu", "worker-second-model"]
+    assert sorted(targets["genq-worker"]["names"]) == workers
+    for name in workers:
+        assert (
+            container_settings(config, env_file, name).worker_metrics_port == targets["genq-worker"]["port"]
+        )
     assert "prometheus" in config["services"]["grafana"]["depends_on"]
+
+
+def container_settings(config: dict, env_file: dict[str, str], service: str) -> Settings:
+    """The settings a service's container reads: .env (env_file) overridden by the service's `environment` (an
+    empty value is the default, as the settings read the environment: env_ignore_empty)."""
+    env = {**env_file, **config["services"][service]["environment"]}
+    return Settings(
+        **{k.lower(): v for k, v in env.items() if k.lower() in Settings.model_fields and v != ""}
+    )
+
+
+def test_the_second_models_worker_serves_its_own_queue_and_labels_its_metrics_with_it(config, env_file):
+    """The `second-model` profile's worker serves another name than the default model's worker, so its jobs,
+    its queue and its metrics' `model` label (workers/metrics.py) are its own."""
+    default = container_settings(config, env_file, "worker-cpu")
+    second = container_settings(config, env_file, "worker-second-model")
+    assert config["services"]["worker-second-model"]["profiles"] == ["second-model"]
+    assert second.served_model_name() != default.served_model_name()
+    assert second.fleet_default_model() == default.fleet_default_model() == default.served_model_name()
+    assert model_queue(second, second.served_model_name()) == f"generate.{second.served_model_name()}"
+    assert model_queue(default, default.served_model_name()) == "generate"
 
 
 def exported_metrics() -> set[str]:

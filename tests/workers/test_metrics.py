@@ -38,7 +38,15 @@ def metered(settings, new_key, tmp_path_factory, redis_client):
 
 
 def scrape_worker(stack) -> dict:
-    return parse(requests.get(stack.metrics_url, timeout=5).text)
+    """The worker's samples by their labels besides `model`, which every one of them carries: the name of the
+    model the worker serves (one value a worker, workers/metrics.py)."""
+    scraped = parse(requests.get(stack.metrics_url, timeout=5).text)
+    model = ("model", stack.settings.served_model_name())
+    unlabelled = [key for key in scraped if model not in key[1]]
+    assert not unlabelled, unlabelled[:5]
+    return {
+        (name, tuple(label for label in labels if label != model)): v for (name, labels), v in scraped.items()
+    }
 
 
 def scrape_api(stack) -> dict:
