@@ -41,6 +41,9 @@ class EngineConfig:
     cpu_packed_linears: bool = (
         True  # CPU float32/bfloat16: linear layers through oneDNN, weights packed once (cpu_linear.py)
     )
+    # CPU: Llama, Mistral, Qwen2 and Qwen3 decoder layers with merged q/k/v and gate/up products and their
+    # element-wise ops in C++ passes (fused_layers.py); other layers run as transformers wrote them
+    cpu_fused_layers: bool = True
     # order of waiting sequences within a priority class (admission_order.py): "fcfs" by arrival; "predicted"
     # (bench/within_class.py: mean latency 0.25x fcfs's) by arrival + predicted cost (uncomputed prompt +
     # predicted output tokens) x cost_seconds_per_token, that shift capped at aging_seconds, deadlines at risk
@@ -104,6 +107,8 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         if not isinstance(self.cpu_packed_linears, bool):
             raise ValueError(f"cpu_packed_linears must be True or False, got {self.cpu_packed_linears!r}")
+        if not isinstance(self.cpu_fused_layers, bool):
+            raise ValueError(f"cpu_fused_layers must be True or False, got {self.cpu_fused_layers!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from batching import cpu_attention, cpu_linear, model_probe, state_layers, tensor_parallel
+from batching import cpu_attention, cpu_linear, fused_layers, model_probe, state_layers, tensor_parallel
 from batching.block_manager import BlockManager, blocks_for
 from batching.collectives import Collectives
 from batching.config import EngineConfig
@@ -75,6 +75,8 @@ def load(config: EngineConfig, collectives: Collectives | None = None) -> Loaded
             all_reduce=collectives.all_reduce,
         )
     model = load_model(config, device, dtype, model_config, shard)
+    if config.cpu_fused_layers and device.type == "cpu":  # before packing: it merges q/k/v and gate/up
+        _fuse_layers(model, dtype)
     if config.cpu_packed_linears and cpu_linear.available(dtype, device):
         cpu_linear.pack_linears(model)
     elif cpu_linear.lacks_bf16_arithmetic(dtype, device):
@@ -93,6 +95,14 @@ def load(config: EngineConfig, collectives: Collectives | None = None) -> Loaded
         _eos_ids(text_config, tokenizer),
         _max_model_len(config, text_config),
     )
+
+
+def _fuse_layers(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    report = fused_layers.install(model, dtype)
+    if report.num_fused:
+        log.info("fused decoder layers: %s", ", ".join(f"{n} {name}" for name, n in report.fused.items()))
+    for name, why in report.refused.items():
+        log.info("%s layers run unfused: %s", name, why)
 
 
 def choose_attention(

@@ -46,7 +46,7 @@ continuous batching and generate() with their own caches; the forward-only limit
 steps with the state layers seeing each step as one sequence (their cost, not their result).
 
 Workloads (`--workload`): `record`, the one above; `decode` (decode-heavy: 64 prompts of 16-64
-tokens, 256 new tokens each); `prefill` (prefill-heavy: 16 prompts of 1024-2000 tokens, 16 new
+tokens, 512 new tokens each); `prefill` (prefill-heavy: 16 prompts of 2,000 tokens, 16 new
 tokens each). `--dtype bfloat16` runs every system in bfloat16 (the checkpoint is saved in float32).
 
 Roofline (issue 38; bench/roofline.py holds the arithmetic): for each genq path run, the bytes and FLOPs
@@ -170,8 +170,8 @@ NO_CONTEXT = "bench_no_context"
 # name -> (requests, prompt length range, output length range); the quick variants are smoke runs
 WORKLOADS = {
     "record": (64, (16, 256), (16, 128)),  # the workload of record (issue 2)
-    "decode": (64, (16, 64), (256, 256)),  # decode-heavy: short prompts, 256 new tokens each
-    "prefill": (16, (1024, 2000), (16, 16)),  # prefill-heavy: 1-2k-token prompts, 16 new tokens each
+    "decode": (64, (16, 64), (512, 512)),  # decode-heavy (issue 38): short prompts, 512 new tokens each
+    "prefill": (16, (2000, 2000), (16, 16)),  # prefill-heavy (issue 38): 2,000-token prompts, 16 new tokens each
 }
 QUICK_WORKLOADS = {
     "record": (12, (16, 128), (8, 32)),
@@ -715,8 +715,8 @@ def main(argv=None):
         "--workload",
         choices=sorted(WORKLOADS),
         default="record",
-        help="record: prompts 16-256, outputs 16-128 (64 requests); decode: prompts 16-64, 256 new tokens "
-        "(64); prefill: prompts 1024-2000, 16 new tokens (16)",
+        help="record: prompts 16-256, outputs 16-128 (64 requests); decode: prompts 16-64, 512 new tokens "
+        "(64); prefill: prompts of 2000, 16 new tokens (16)",
     )
     ap.add_argument("--requests", type=int, default=None, help="number of requests (default: the workload's)")
     ap.add_argument(
