@@ -44,6 +44,20 @@ STEP_TIME_SMOOTHING = 0.1
 MAX_STEP_SECONDS = 10.0  # longer gaps between steps are an idle engine, not a step
 
 
+def place(
+    arrival_time: float, predicted_tokens_left: int, seconds_per_token: float, aging_seconds: float
+) -> float:
+    """A place within a class under "predicted": the arrival, moved back by the predicted cost, at most by the
+    aging bound. The one formula for the engine's waiting sequences and a worker's waiting messages
+    (workers/queue_order.py)."""
+    return arrival_time + min(predicted_tokens_left * seconds_per_token, aging_seconds)
+
+
+def at_risk(deadline: float, now: float, seconds_to_finish: float, margin: float) -> bool:
+    """Whether a deadline is at risk: predicted to be met, with less than `margin` seconds of slack."""
+    return 0.0 <= deadline - now - seconds_to_finish < margin
+
+
 class AdmissionOrder:
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.time):
         """`clock`: seconds since the epoch (deadlines and arrival times are in these); tests pass their own."""
@@ -63,8 +77,9 @@ class AdmissionOrder:
         """Where `seq` stands in its class, fixed once it is queued (`Sequence.order_key`)."""
         if not self.predicted:
             return seq.arrival_time
-        shift = seq.num_predicted_tokens_left * self.seconds_per_token
-        return seq.arrival_time + min(shift, self.aging_seconds)
+        return place(
+            seq.arrival_time, seq.num_predicted_tokens_left, self.seconds_per_token, self.aging_seconds
+        )
 
     def rank(self, seq: Sequence) -> Rank:
         """Its urgency in this step: priority, then a deadline at risk (earliest first), then its place. A
@@ -75,10 +90,9 @@ class AdmissionOrder:
             return (seq.priority, IN_PLACE, seq.order_key, seq.arrival_time)
         rank = self._ranks.get(seq)
         if rank is None:
-            slack = deadline - self.now - self.seconds_to_finish(seq)
-            at_risk = 0.0 <= slack < self.margin
-            key = deadline if at_risk else seq.order_key
-            rank = self._ranks[seq] = (seq.priority, AT_RISK if at_risk else IN_PLACE, key, seq.arrival_time)
+            risky = at_risk(deadline, self.now, self.seconds_to_finish(seq), self.margin)
+            key = deadline if risky else seq.order_key
+            rank = self._ranks[seq] = (seq.priority, AT_RISK if risky else IN_PLACE, key, seq.arrival_time)
         return rank
 
     def seconds_to_finish(self, seq: Sequence) -> float:

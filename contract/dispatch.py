@@ -168,32 +168,113 @@ def take_messages(
     return [(job_of(message), priority) for message in messages]
 
 
+# The most urgent non-empty list of KEYS (most urgent first): {its index, its length, the job ids named by its
+# ARGV[1] messages at the head, tail end first ("" for a message naming none)}; nil when every list is empty.
+_PEEK = r"""
+for i, key in ipairs(KEYS) do
+  local length = redis.call('LLEN', key)
+  if length > 0 then
+    local ids = {}
+    for _, message in ipairs(redis.call('LRANGE', key, -tonumber(ARGV[1]), -1)) do
+      ids[#ids + 1] = string.match(message, '"argsrepr": "%[\'([%x%-]+)\'%]"') or ''
+    end
+    return {i - 1, length, ids}
+  end
+end
+return nil
+"""
+
+
+def peek_head(
+    client: redis.Redis,
+    settings: StoreSettings,
+    priorities: Iterable[int],
+    window: int,
+    queue: str = QUEUE,
+) -> tuple[int, int, list[uuid.UUID | None]] | None:
+    """Look, taking nothing, at the most urgent non-empty list of `priorities` (what `take_messages` would take
+    from): (its priority, how many messages wait in it, the jobs named by its `window` messages at the head, next
+    first; None for a message naming no job), or None when every list is empty. One short script in Redis,
+    which sends back job ids, not messages."""
+    priorities = list(priorities)
+    keys = [queue_key(settings, queue, p) for p in priorities]
+    reply = client.eval(_PEEK, len(keys), *keys, window)
+    if not reply:
+        return None
+    index, length, ids = reply
+    named = [uuid.UUID(i.decode()) if i else None for i in reversed(ids)]
+    return priorities[index], int(length), named
+
+
+# Takes the messages naming ARGV[2..] (job ids) from among the ARGV[1] messages at the head of KEYS[1]; returns
+# the ids of those taken (a message another worker took meanwhile is not there any more).
+_TAKE = r"""
+local wanted = {}
+for i = 2, #ARGV do wanted[ARGV[i]] = true end
+local taken = {}
+for _, message in ipairs(redis.call('LRANGE', KEYS[1], -tonumber(ARGV[1]), -1)) do
+  local id = string.match(message, '"argsrepr": "%[\'([%x%-]+)\'%]"')
+  if id and wanted[id] then
+    redis.call('LREM', KEYS[1], -1, message)
+    taken[#taken + 1] = id
+    wanted[id] = nil
+  end
+end
+return taken
+"""
+
+
+def take_jobs(
+    client: redis.Redis,
+    settings: StoreSettings,
+    priority: int,
+    job_ids: Iterable[uuid.UUID],
+    window: int,
+    queue: str = QUEUE,
+) -> list[tuple[uuid.UUID, int]]:
+    """Take the messages naming `job_ids` from among the `window` messages at the head of `priority`'s list,
+    wherever they stand there (a worker ordering the waiting jobs of a class: workers/queue_order.py), in one
+    script, so two workers never take the same message. (job id, priority) of each taken, in the order of
+    `job_ids`; one taken by another worker meanwhile is left out. The messages left keep their order."""
+    wanted = [str(job_id) for job_id in job_ids]
+    if not wanted:
+        return []
+    taken = {i.decode() for i in client.eval(_TAKE, 1, queue_key(settings, queue, priority), window, *wanted)}
+    return [(uuid.UUID(job_id), priority) for job_id in wanted if job_id in taken]
+
+
 def job_of(message: bytes) -> uuid.UUID | None:
     """The job a `generate` message names (its headers' argsrepr), None if it names none."""
     found = _ARGSREPR.search(message)
     return uuid.UUID(found.group(1).decode()) if found else None
 
 
+# For each list of KEYS: {its length, the job ids named by its ARGV[1] messages at the head, tail end first ("" for
+# a message naming none)}. One script: the lists are seen at one moment, and only ids leave Redis.
+_HEADS = r"""
+local heads = {}
+for i, key in ipairs(KEYS) do
+  local ids = {}
+  for _, message in ipairs(redis.call('LRANGE', key, -tonumber(ARGV[1]), -1)) do
+    ids[#ids + 1] = string.match(message, '"argsrepr": "%[\'([%x%-]+)\'%]"') or ''
+  end
+  heads[i] = {redis.call('LLEN', key), ids}
+end
+return heads
+"""
+
+
 def waiting_jobs(
     client: redis.Redis, settings: StoreSettings, limit: int, queue: str = QUEUE
 ) -> dict[int, tuple[int, list[uuid.UUID]]]:
     """For each priority: how many messages wait in its list, and the jobs named by the `limit` messages at
-    its head (the next to be taken, next first), all read in one MULTI, so the lists are seen at one moment."""
-    with client.pipeline(transaction=True) as pipe:
-        for p in PRIORITIES:
-            key = queue_key(settings, queue, p)
-            pipe.llen(key)
-            pipe.lrange(key, -limit, -1)
-        replies = pipe.execute()
-    waiting = {}
-    for p, length, messages in zip(PRIORITIES, replies[::2], replies[1::2], strict=True):
-        ids = [
-            uuid.UUID(m.group(1).decode())
-            for message in reversed(messages)
-            if (m := _ARGSREPR.search(message))
-        ]
-        waiting[p] = (length, ids)
-    return waiting
+    its head (the next to be taken, next first), all read in one script, so the lists are seen at one moment."""
+    keys = [queue_key(settings, queue, p) for p in PRIORITIES]
+    replies = client.eval(_HEADS, len(keys), *keys, limit)
+    return {
+        p: (int(length), [uuid.UUID(i.decode()) for i in reversed(ids) if i])
+        for p, (length, ids) in zip(PRIORITIES, replies, strict=True)
+    }
 
 
 # Which of ARGV[3..] (job ids) the messages KEYS[1][ARGV[1] .. ARGV[1] + ARGV[2] - 1] name.

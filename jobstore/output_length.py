@@ -13,6 +13,9 @@ jobs by status and creation time) and cheap: one query for any number of jobs.
 The history of a job is the tenant's jobs that were **created and had finished before it was created**:
 a fixed set of rows, so the prediction (and with it the order of waiting jobs) is the same whenever it
 is computed, by a worker that restarts and queues the job again included.
+
+`queued_costs` gives the same prediction for jobs still waiting in Redis, with what else places them in their
+class (workers/queue_order.py): a worker choosing which waiting messages to take reads it for a window of them.
 """
 
 from __future__ import annotations
@@ -67,6 +70,32 @@ def predicted_output_tokens(db: Session | Connection, jobs: Sequence[JobShape]) 
     return [predict_output_tokens(j.max_tokens, history.get(i + 1, [])) for i, j in enumerate(jobs)]
 
 
+@dataclass(frozen=True, slots=True)
+class QueuedCost:
+    """What places a queued job within its class: when it was created, the tokens it is predicted still to
+    compute (its prompt and any tokens a past run saved, then its predicted output beyond those), its
+    predicted output alone, and its deadline."""
+
+    created_at: datetime
+    tokens_left: int
+    output_left: int
+    deadline: datetime | None
+
+
+def queued_costs(db: Session | Connection, job_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, QueuedCost]:
+    """The cost of each of `job_ids` that is queued (others are left out), its prediction as
+    `predicted_output_tokens` makes it, in one query."""
+    if not job_ids:
+        return {}
+    costs = {}
+    for job_id, created, deadline, prompt, saved, max_tokens, outputs in db.execute(
+        _QUEUED, {"ids": list(job_ids), "limit": RECENT_JOBS}
+    ):
+        output_left = max(0, predict_output_tokens(max_tokens, outputs) - saved)
+        costs[job_id] = QueuedCost(created, prompt + saved + output_left, output_left, deadline)
+    return costs
+
+
 # For each (tenant, created_at) asked about, the output lengths of that tenant's last RECENT_JOBS succeeded jobs
 # created and finished before then. The inner query walks ix_jobs_tenant_status_created backwards from
 # `created`; `finished_at < created` keeps jobs still running then out of the history.
@@ -88,3 +117,19 @@ _HISTORY = text(
     bindparam("models", type_=ARRAY(Text())),
     bindparam("limit", type_=Integer),
 )
+
+# The queued jobs among :ids, each with its history as _HISTORY reads it.
+_QUEUED = text(
+    """
+    SELECT j.id, j.created_at, j.deadline, coalesce(j.prompt_tokens, 0), coalesce(cardinality(j.output_token_ids), 0),
+           j.max_tokens, array(
+        SELECT cardinality(h.output_token_ids) FROM jobs h
+        WHERE h.tenant_id = j.tenant_id AND h.status = 'succeeded'
+          AND h.model IS NOT DISTINCT FROM j.model
+          AND h.created_at < j.created_at AND h.finished_at < j.created_at
+        ORDER BY h.created_at DESC, h.id DESC
+        LIMIT :limit
+    )
+    FROM jobs j WHERE j.id = ANY(:ids) AND j.status = 'queued'
+    """
+).bindparams(bindparam("ids", type_=ARRAY(UUID(as_uuid=True))), bindparam("limit", type_=Integer))

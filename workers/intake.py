@@ -17,6 +17,10 @@ so no Celery task thread holds a message, and each job is one task in Flower, en
   that may be handed back, or than the jobs at their hand-back bound). Taking one, the worker hands its least
   urgent movable job back to the queue (tokens saved, lease dropped, re-sent at its own priority).
 
+Within a priority's list, under SCHEDULING_POLICY=predicted, the worker takes the messages whose jobs the engine
+would start first (workers/queue_order.py: predicted shortest first with aging, deadlines at risk first, from the
+jobs' rows), looking at a window at the list's head; under fcfs, or when all of a list fits, it takes the head.
+
 A message costs the worker a fraction of the CPU Celery's consumer spends per message (kombu's delivery and
 acknowledgement bookkeeping, the task's trace, a claim of its own). A worker killed between a take and its claim
 leaves jobs that are queued and in no list: the reconciler sends them again (workers/unclaimed.py), within a lease
@@ -38,7 +42,7 @@ import redis
 from sqlalchemy.orm import Session, sessionmaker
 from tenacity import Retrying, before_sleep_log, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from contract.dispatch import PRIORITIES, model_queue, take_messages
+from contract.dispatch import PRIORITIES, model_queue, peek_head, take_jobs, take_messages
 from contract.log_setup import job_fields
 from contract.redis_client import redis_client
 from contract.settings import WorkerSettings
@@ -49,6 +53,7 @@ from workers import admission, metrics
 from workers.job_book import DB_DOWN, JobBook
 from workers.job_tasks import JobTasks
 from workers.outcomes import Outcome
+from workers.queue_order import WINDOW, QueueOrder
 
 log = logging.getLogger(__name__)
 PULL_WAIT = 1.0  # seconds a BLMPOP waits for a message while every list is empty
@@ -78,6 +83,8 @@ class Intake:
         served = settings.served_model_name()
         self.queue = model_queue(settings, served)
         self._model = jobs.ServedModel(served, is_default=served == settings.fleet_default_model())
+        # the order of the waiting jobs of a class (None: first come, first served)
+        self._order = QueueOrder(settings, sessions) if settings.scheduling_policy == "predicted" else None
         self._thread = threading.Thread(target=self._run, name="intake", daemon=True)
 
     def start(self) -> Intake:
@@ -117,7 +124,7 @@ class Intake:
                     return
             priorities, count, wait = plan
             try:
-                taken = take_messages(self._redis, self._settings, priorities, count, wait, self.queue)
+                taken = self._take(priorities, count, wait)
             except redis.RedisError as exc:
                 log.warning("intake: Redis unavailable (%s)", exc.__class__.__name__)
                 time.sleep(1.0)
@@ -131,6 +138,24 @@ class Intake:
                 self._hold_taken(taken)
             except Exception:  # the jobs stay queued; the reconciler sends them again (workers/unclaimed.py)
                 log.exception("intake: %d jobs taken from Redis and not claimed", len(taken))
+
+    def _take(self, priorities: range, count: int, wait: float | None) -> list[tuple[uuid.UUID | None, int]]:
+        """Up to `count` messages of the most urgent non-empty list of `priorities`: under fcfs (or when the list
+        holds no more than `count`) those at its head; else the ones workers/queue_order.py puts first among the
+        WINDOW at its head. With `wait`, waits for a message while every list is empty."""
+        if self._order is None:
+            return take_messages(self._redis, self._settings, priorities, count, wait, self.queue)
+        head = peek_head(self._redis, self._settings, priorities, WINDOW, self.queue)
+        if head is None:  # every list empty: the first message to come is the one to take
+            return take_messages(self._redis, self._settings, priorities, count, wait, self.queue)
+        priority, length, named = head
+        known = [job_id for job_id in named if job_id is not None]
+        chosen = self._order.choose(known, count) if length > count and len(known) == len(named) else None
+        if chosen is None:  # all of it fits, a message names no job, or no costs: the head
+            taken = take_messages(self._redis, self._settings, [priority], count, None, self.queue)
+            self._order.forget(job_id for job_id, _ in taken)
+            return taken
+        return list(take_jobs(self._redis, self._settings, priority, chosen, WINDOW, self.queue))
 
     def _plan(self) -> tuple[range, int, float | None] | None:
         """(lock held) What to take now: (priorities whose lists to look at, how many messages at most, how long

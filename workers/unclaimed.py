@@ -8,9 +8,13 @@ reconciler run looks for them, without reading whole queues:
 - for each priority, one MULTI reads the length of its list and the HEAD messages next in line;
 - a list that short is read whole: a queued job of that priority sent before this run began and named by
   no waiting message has left its list;
-- in a longer list, messages wait in the order they were sent (pushed at the tail, taken at the head;
-  a job handed back or declined is moved to the head, see contract.dispatch.move_to_head), so a queued job
-  sent before every job named at the head (less MARK_SLACK: the API records sends in batches) has left it.
+- in a longer list, messages wait in the order they were sent (pushed at the tail; a job handed back or
+  declined is moved to the head, see contract.dispatch.move_to_head), and a worker takes them from among the
+  HEAD messages at the head (the first ones, or under SCHEDULING_POLICY=predicted any of them:
+  workers/queue_order.py), so a queued job sent before the job named farthest from the head (less MARK_SLACK:
+  the API records sends in batches) and named by none of them has left it. Counting from the farthest rather
+  than the nearest, a job taken from behind long jobs that are passed over is found as soon as it would be had it
+  been taken at the head.
 
 Such a job is *unclaimed*. A live worker claims within milliseconds of taking a message, so a job still
 unclaimed a lease later (what a worker that stops renewing its lease is given) was taken by a dead worker:
@@ -34,8 +38,11 @@ from sqlalchemy.orm import Session
 from contract import dispatch
 from contract.settings import WorkerSettings
 from jobstore import jobs
+from workers.queue_order import WINDOW
 
-HEAD = 64  # messages read at the head of each priority's list per run (a list this short is read whole)
+# messages read at the head of each priority's list per run (a list this short is read whole): every message a
+# worker may take (its window), so the one farthest from the head was sent after any job taken from before it
+HEAD = WINDOW
 MARK_SLACK = timedelta(seconds=2)  # how far a job's recorded send time may trail its send
 
 
@@ -71,7 +78,9 @@ def _unclaimed_of(
         if length <= HEAD:  # read whole: every job sent before this run and not in it has left it
             cutoffs[priority] = None
         elif times := [sent[job_id] for job_id in ids if job_id in sent]:
-            cutoffs[priority] = min(times) - MARK_SLACK
+            # the job farthest from the head: moved-to-head jobs (sent later) are nearer, and a job sent after it
+            # can only be behind it; a job looking taken that still waits is found by the last look (_past_grace)
+            cutoffs[priority] = times[-1] - MARK_SLACK
         # else: the head names no queued job (stale duplicates); nothing is known of the order this run
     found = jobs.sent_before(session, cutoffs, excluded=named, model=model)
     long_lists = {p for p, (length, _) in waiting.items() if length > HEAD}

@@ -14,10 +14,12 @@ from contract.dispatch import (
     make_celery,
     model_queue,
     move_to_head,
+    peek_head,
     queue_key,
     queue_lengths,
     send_job,
     send_to_head,
+    take_jobs,
     take_messages,
     waiting_jobs,
 )
@@ -185,3 +187,41 @@ def test_each_model_has_its_own_queue_and_the_default_keeps_generate(settings, r
         sender.close()
         app.close()
         redis_client.delete(*(queue_key(settings, q, p) for q in (QUEUE, small) for p in PRIORITIES))
+
+
+def test_a_window_at_the_head_is_seen_without_taking_and_any_of_it_taken_where_it_stands(
+    settings, redis_client
+):
+    """peek_head names the jobs at the head of the most urgent non-empty list (next first) and takes nothing;
+    take_jobs takes the named ones from anywhere in the window, in the order asked, leaves the rest in their
+    order (a job beyond the window or taken already is not taken), and take_messages then takes the rest."""
+    settings = settings.replace(redis_key_prefix=f"{settings.redis_key_prefix}peek-{uuid.uuid4().hex[:6]}:")
+    app = make_celery(settings)
+    sender = BulkSender(app, settings)
+    try:
+        assert peek_head(redis_client, settings, PRIORITIES, 4) is None  # every list empty
+        fives = [uuid.uuid4() for _ in range(6)]
+        send_job(app, fives[0], 5)  # Celery's messages and the bulk sender's alike
+        sender.send([(job_id, 5) for job_id in fives[1:]])
+        nine = uuid.uuid4()
+        send_job(app, nine, 9)
+        assert peek_head(redis_client, settings, PRIORITIES, 4) == (5, 6, fives[:4])
+        assert peek_head(redis_client, settings, range(5), 4) is None  # 5 and 9 not looked at
+        assert peek_head(redis_client, settings, [9], 4) == (9, 1, [nine])
+        assert waiting_jobs(redis_client, settings, limit=4)[5] == (6, fives[:4])  # nothing was taken
+        # fives[5] is beyond a window of 4; a job not in the list is not taken either
+        asked = [fives[3], fives[1], fives[5], uuid.uuid4()]
+        assert take_jobs(redis_client, settings, 5, asked, 4) == [(fives[3], 5), (fives[1], 5)]
+        assert take_jobs(redis_client, settings, 5, [fives[3]], 4) == []  # taken already
+        assert peek_head(redis_client, settings, PRIORITIES, 8) == (
+            5,
+            4,
+            [fives[0], fives[2], fives[4], fives[5]],
+        )
+        assert take_messages(redis_client, settings, PRIORITIES, 9, wait=None) == [
+            (job_id, 5) for job_id in (fives[0], fives[2], fives[4], fives[5])
+        ]
+    finally:
+        sender.close()
+        app.close()
+        redis_client.delete(*(queue_key(settings, QUEUE, p) for p in PRIORITIES))
