@@ -11,6 +11,7 @@ summing over it gives what one model's stack showed before).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -109,6 +110,12 @@ CAPACITY = Gauge(
 FAILURES = Counter(
     "genq_job_failures_total", "Jobs failed by this worker, by error code", ["priority", "code"]
 )
+DEADLINES = Counter(
+    "genq_job_deadlines_total",
+    "Jobs with a deadline this worker ended, by whether they met it (met: succeeded by the deadline; missed: "
+    "succeeded later, or failed), as their deadline_status says",
+    ["model", "outcome"],
+)
 
 # engine counters already seen, so Prometheus counters advance by the difference (reader thread only)
 _seen: dict[str, float] = {}
@@ -187,6 +194,17 @@ def job_done(job, first_token_at: datetime | None, outcome: Outcome, error_code:
     JOBS.labels(priority, outcome.value).inc()
     if outcome is Outcome.FAILED:
         FAILURES.labels(priority, error_code or "unknown").inc()
+    if job.deadline is not None and outcome in (Outcome.SUCCEEDED, Outcome.FAILED):
+        met = outcome is Outcome.SUCCEEDED and now <= job.deadline
+        DEADLINES.labels(_served_model(), "met" if met else "missed").inc()
+
+
+@functools.cache
+def _served_model() -> str:
+    """The served name of the model this worker runs (a job's model: a worker serves one)."""
+    from workers.celery import settings  # the worker's settings, read once
+
+    return settings.served_model_name()
 
 
 def set_attention_path(path: str) -> None:
