@@ -28,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from batching.model_probe import refusal
@@ -185,7 +184,7 @@ def check_weights(model: nn.Module, dtype: torch.dtype, model_type: str) -> None
         x = torch.zeros(1, module.in_features, dtype=dtype, device=weight.device)
         try:
             with torch.inference_mode():
-                F.linear(x, weight)
+                module(x)  # its own forward: bitsandbytes' Linear4bit multiplies its packed weight itself
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             raise refusal(
                 model_type,

@@ -1,9 +1,10 @@
 """Quantized checkpoints (issue 43): each quantization of docs/models.md's table runs token-identical to
 `model.generate()` on the same quantized model (float32 on the CPU), or is refused at load with the reason the
 table gives. The checkpoints are the tiny llama of conftest.py, quantized here by transformers (torchao
-through TorchAoConfig) or written in compressed-tensors' format, and loaded by path like any other; a
-quantization that cannot be made on this CPU (its quantizer needs CUDA or a package genq does not install) is a
-checkpoint whose config.json names it over plain weights, which is what genq reads to refuse it."""
+through TorchAoConfig, bitsandbytes through BitsAndBytesConfig) or written in compressed-tensors' or
+transformers' fp8 format, and loaded by path like any other; a quantization that cannot be made on this CPU
+(its quantizer needs CUDA or a package genq does not install) is a checkpoint whose config.json names it over
+plain weights, which is what genq reads to refuse it."""
 
 from __future__ import annotations
 
@@ -90,6 +91,52 @@ def compressed_tensors_fp8(activations: str | None) -> Callable[[str, Path], Non
     return write
 
 
+def finegrained_fp8_checkpoint(plain: str, directory: Path) -> None:
+    """transformers' fine-grained fp8 format, written directly (its quantizer needs a GPU): each projection's
+    weight in float8 (e4m3) with a float32 `weight_scale_inv` per 128 x 128 block, as DeepSeek's and Qwen's
+    FP8 checkpoints are published; transformers dequantizes them to plain weights on a CPU."""
+    f8max = torch.finfo(torch.float8_e4m3fn).max
+    block = 128
+    tensors = {}
+    for name, weight in load_file(Path(plain) / "model.safetensors").items():
+        if name.endswith("proj.weight"):
+            rows, cols = weight.shape
+            scale = torch.empty(-(-rows // block), -(-cols // block))
+            quantized = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+            for i in range(scale.shape[0]):
+                for j in range(scale.shape[1]):
+                    part = weight[i * block : (i + 1) * block, j * block : (j + 1) * block].float()
+                    scale[i, j] = part.abs().max() / f8max
+                    quantized[i * block : (i + 1) * block, j * block : (j + 1) * block] = (
+                        part / scale[i, j]
+                    ).to(torch.float8_e4m3fn)
+            tensors[name] = quantized
+            tensors[name.removesuffix("weight") + "weight_scale_inv"] = scale
+        else:
+            tensors[name] = weight
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    _set_quantization_config(
+        directory,
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [block, block]},
+    )
+
+
+def bitsandbytes_checkpoint(quant_type: str) -> Callable[[str, Path], None]:
+    """4-bit weights quantized by bitsandbytes as transformers loads the plain checkpoint (float32 compute),
+    saved packed with their quantization state: a pre-quantized checkpoint, as people download them."""
+
+    def write(plain: str, directory: Path) -> None:
+        from transformers import BitsAndBytesConfig
+
+        config = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_compute_dtype=torch.float32
+        )
+        model = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32, quantization_config=config)
+        model.save_pretrained(directory)
+
+    return write
+
+
 def named_in_config(quantization_config: Callable[[], dict]) -> Callable[[str, Path], None]:
     """The plain weights under a config.json that names the quantization (what genq and transformers read
     first)."""
@@ -159,16 +206,15 @@ CHECKPOINTS: dict[str, Callable[[str, Path], None]] = {
     "bitsandbytes 8-bit (LLM.int8())": named_in_config(
         _quant_method_dict("BitsAndBytesConfig", load_in_8bit=True)
     ),
-    "bitsandbytes 4-bit (nf4)": named_in_config(
-        _quant_method_dict("BitsAndBytesConfig", load_in_4bit=True, bnb_4bit_quant_type="nf4")
-    ),
+    "bitsandbytes 4-bit (nf4)": bitsandbytes_checkpoint("nf4"),
+    "bitsandbytes 4-bit (fp4)": bitsandbytes_checkpoint("fp4"),
     "optimum-quanto int8 weights and activations": named_in_config(
         _quant_method_dict("QuantoConfig", weights="int8", activations="int8")
     ),
     "optimum-quanto int8 weights": named_in_config(_quant_method_dict("QuantoConfig", weights="int8")),
     "GPTQ (4-bit)": named_in_config(_quant_method_dict("GPTQConfig", bits=4)),
     "AWQ (4-bit)": named_in_config(_quant_method_dict("AwqConfig", bits=4)),
-    "transformers fp8 (FineGrainedFP8Config)": named_in_config(_quant_method_dict("FineGrainedFP8Config")),
+    "transformers fp8 (FineGrainedFP8Config)": finegrained_fp8_checkpoint,
 }
 DOCUMENTED = documented_quantizations()
 PROMPTS = random_prompts(43, [1, 6, 19, 40])
