@@ -66,10 +66,10 @@ def paged_attention(
         )
     layer, cache = module.layer_idx, meta.kv_cache
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    # the cache holds each layer at its own geometry (kv_cache.py): its KV heads, K and V head sizes
-    k_cache, v_cache = cache.k[layer], cache.v[layer]  # [Hkv, S, Dk], [Hkv, S, Dv]
-    k_cache.index_copy_(1, meta.slot_mapping, key[0])
-    v_cache.index_copy_(1, meta.slot_mapping, value[0])
+    # the cache holds each layer at its own geometry (kv_cache.py): its KV heads, K and V head sizes;
+    # an int8 cache quantizes here and each path below dequantizes as it reads
+    cache.write(layer, meta.slot_mapping, key[0], value[0])  # [Hkv, T, Dk], [Hkv, T, Dv]
+    k_scales, v_scales = cache.k_scale_blocks[layer], cache.v_scale_blocks[layer]  # None unless int8
     # the CPU kernel takes one head size for K and V (latent attention's differ: the torch path)
     kernel = meta.attention_kernel if key.shape[-1] == value.shape[-1] else None
 
@@ -88,7 +88,7 @@ def paged_attention(
         sinks = None if s_aux is None else s_aux.reshape(-1)  # [H]
         triton_attention.attend(
             q, cache.k_blocks[layer], cache.v_blocks[layer], out, meta.segments, cache.block_size,
-            scale, softcap, sinks, sliding_window, chunk,
+            scale, softcap, sinks, sliding_window, chunk, k_scales, v_scales,
         )  # fmt: skip
         return out.unsqueeze(0), None
     for group in meta.decodes:
@@ -105,6 +105,8 @@ def paged_attention(
                 softcap,
                 s_aux,
                 sliding_window,
+                k_scales,
+                v_scales,
             )
             continue
         n = group.end - group.start
@@ -125,6 +127,8 @@ def paged_attention(
             softcap,
             s_aux,
             sliding_window,
+            k_scales,
+            v_scales,
         )
     elif meta.prefills is not None:
         _attend_prefills(q, cache, layer, meta.prefills, out, scale, softcap, s_aux, sliding_window, chunk)

@@ -9,6 +9,7 @@ DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("swap", "recompute")
 ATTENTION_BACKENDS = ("auto", "triton", "cpu_kernel", "torch")
 SCHEDULING_POLICIES = ("fcfs", "predicted")
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclass(slots=True)
@@ -16,6 +17,10 @@ class EngineConfig:
     model: str = "tiny-llama"  # HF id, local path, or the built-in "tiny-llama"
     dtype: str = "auto"  # "auto": the checkpoint's dtype on CUDA, float32 on the CPU
     device: str = "auto"  # "auto": CUDA when present
+    # "auto": K/V stored in the model's dtype (exact); "int8": 8 bits per element with a scale per token and KV
+    # head (kv_cache.py), about twice the sequences of a 16-bit cache in the same memory, and approximate:
+    # tokens may differ from generate()'s (docs/performance.md has the measured error)
+    kv_cache_dtype: str = "auto"
     block_size: int = 16  # tokens per KV block
     num_device_blocks: int | None = None  # None: sized from free memory
     num_host_blocks: int | None = None  # 0 disables swap; None: as many as device blocks (capped by memory)
@@ -68,6 +73,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be one of {DEVICES} (or 'cuda:N'), got {self.device!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _check_int("block_size", self.block_size, 1)
         if self.num_device_blocks is not None:
             _check_int("num_device_blocks", self.num_device_blocks, 1)

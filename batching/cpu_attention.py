@@ -9,6 +9,10 @@ once, in a few seconds, into a cache folder keyed by the sources, the flags and 
 calls them on the tensors' memory (the GIL is released during the call). OpenMP comes from the
 libgomp that torch has already loaded, so both share one thread pool.
 
+An int8 KV cache (kv_cache.py) has kernels of its own: the same code with int8 pools and a bfloat16
+scale per token and KV head, applied as the rows are read (decode: to a key's score and a value's
+weight; prefill: to the keys and values it packs).
+
 `load()` returns None where there is no compiler or the build fails: the caller falls back to the
 torch path, and the reason is logged once. `EngineConfig(cpu_attention_kernel=False)` turns it off.
 """
@@ -59,10 +63,13 @@ COMPUTE_DTYPES = {
     torch.float64: torch.float64
 }  # the dtype each computes in (and takes sinks in): else float32
 _I64, _F64, _PTR = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
+# q, its strides, the K and V pools, their scale pools (int8 pools; null otherwise), ...
 DECODE_ARGTYPES = [
     _PTR,
     _I64,
     _I64,
+    _PTR,
+    _PTR,
     _PTR,
     _PTR,
     _PTR,
@@ -83,7 +90,7 @@ DECODE_ARGTYPES = [
     _I64,
     ctypes.c_int,
 ]
-PREFILL_ARGTYPES = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
+PREFILL_ARGTYPES = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
 PREFILL_ARGTYPES += [_I64, _I64, _I64, _I64, _I64, _F64, _F64, _PTR, _I64, ctypes.c_int]
 
 
@@ -98,13 +105,20 @@ class PagedAttentionKernel:
     `prefill(...)`, the queries of prompt chunks."""
 
     def __init__(self, library: ctypes.CDLL):
+        # by (the model's dtype, whether the pools are int8)
         self._decode = {
-            dtype: _function(library, f"genq_paged_decode_{suffix}", DECODE_ARGTYPES)
+            (dtype, int8): _function(
+                library, f"genq_paged_decode_{suffix}{'_i8' if int8 else ''}", DECODE_ARGTYPES
+            )
             for dtype, suffix in DTYPE_SUFFIXES.items()
+            for int8 in (False, True)
         }
         self._prefill = {
-            dtype: _function(library, f"genq_paged_prefill_{suffix}", PREFILL_ARGTYPES)
+            (dtype, int8): _function(
+                library, f"genq_paged_prefill_{suffix}{'_i8' if int8 else ''}", PREFILL_ARGTYPES
+            )
             for dtype, suffix in DTYPE_SUFFIXES.items()
+            for int8 in (False, True)
         }
 
     def supports(self, dtype: torch.dtype, device: torch.device) -> bool:
@@ -123,20 +137,25 @@ class PagedAttentionKernel:
         softcap: float | None,
         sinks: torch.Tensor | None,
         sliding_window: int | None,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> None:
         """q, out: [n, H, D] (head_dim contiguous); k_blocks, v_blocks: [Hkv, num_blocks, block_size * D]
         contiguous; block_tables: [n * width] int64; context_lens: [n] int64. Writes `out`. float32,
-        float64 or bfloat16 (computed in float32, the output rounded once)."""
+        float64 or bfloat16 (computed in float32, the output rounded once). int8 pools come with their
+        bfloat16 scales, k_scales and v_scales: [Hkv, num_blocks, block_size] contiguous."""
         n, num_heads, head_dim = q.shape
         num_kv_heads, num_blocks = k_blocks.shape[0], k_blocks.shape[1]
         block_size = k_blocks.shape[2] // head_dim
         q, sinks = _as_kernels_take(q, sinks)
-        self._decode[q.dtype](
+        self._decode[q.dtype, _int8(k_blocks, k_scales, v_scales)](
             q.data_ptr(),
             q.stride(0),
             q.stride(1),
             k_blocks.data_ptr(),
             v_blocks.data_ptr(),
+            _pointer(k_scales),
+            _pointer(v_scales),
             block_tables.data_ptr(),
             width,
             context_lens.data_ptr(),
@@ -167,19 +186,23 @@ class PagedAttentionKernel:
         softcap: float | None,
         sinks: torch.Tensor | None,
         sliding_window: int | None,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> None:
         """q, out: [T, H, D] (head_dim contiguous), the packed batch's rows; chunk i owns rows
-        [starts[i], starts[i + 1]) and its last query sits at position ctx_lens[i] - 1. Pools as for
-        `decode`; the chunks' own K/V must already be in them. Writes the chunks' rows of `out`."""
+        [starts[i], starts[i + 1]) and its last query sits at position ctx_lens[i] - 1. Pools (and
+        scales) as for `decode`; the chunks' own K/V must already be in them. Writes the chunks' rows of `out`."""
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads, num_blocks = k_blocks.shape[0], k_blocks.shape[1]
         q, sinks = _as_kernels_take(q, sinks)
-        self._prefill[q.dtype](
+        self._prefill[q.dtype, _int8(k_blocks, k_scales, v_scales)](
             q.data_ptr(),
             q.stride(0),
             q.stride(1),
             k_blocks.data_ptr(),
             v_blocks.data_ptr(),
+            _pointer(k_scales),
+            _pointer(v_scales),
             chunks.block_ids.data_ptr(),
             chunks.width,
             chunks.starts.data_ptr(),
@@ -199,6 +222,19 @@ class PagedAttentionKernel:
             sliding_window or 0,
             torch.get_num_threads(),
         )
+
+
+def _int8(k_blocks: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> bool:
+    """Whether the pools are int8 (then with both scale pools, bfloat16, contiguous: the kernels index them)."""
+    if k_blocks.dtype != torch.int8:
+        return False
+    for scales in (k_scales, v_scales):
+        assert scales is not None and scales.dtype == torch.bfloat16 and scales.is_contiguous()
+    return True
+
+
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def _as_kernels_take(q: torch.Tensor, sinks: torch.Tensor | None):

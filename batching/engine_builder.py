@@ -146,7 +146,7 @@ def build(
     model, device, dtype = loaded.model, loaded.device, loaded.dtype
     geometry = model_probe.kv_geometry(model, device, loaded.max_model_len)
     state_geometry = state_layers.geometry(model)  # recorded by that forward; None: attention only
-    block_bytes = KVCache.bytes_per_block(geometry.layers, config.block_size, dtype)
+    block_bytes = KVCache.bytes_per_block(geometry.layers, config.block_size, dtype, config.kv_cache_dtype)
     num_state_slots = config.max_num_seqs if state_geometry else 0  # one per running sequence
     state_bytes = state_geometry.bytes_per_slot * num_state_slots if state_geometry else 0
     enable_prefix_caching = config.enable_prefix_caching
@@ -167,7 +167,15 @@ def build(
         num_device_blocks, num_host_blocks = _agree_pool_sizes(
             config, loaded, collectives, num_device_blocks, num_host_blocks
         )
-    kv_cache = KVCache(geometry.layers, config.block_size, num_device_blocks, num_host_blocks, dtype, device)
+    kv_cache = KVCache(
+        geometry.layers,
+        config.block_size,
+        num_device_blocks,
+        num_host_blocks,
+        dtype,
+        device,
+        config.kv_cache_dtype,
+    )
     num_host_state_slots = num_state_slots if num_host_blocks else 0
     state_cache = None
     if state_geometry:

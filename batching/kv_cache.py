@@ -5,6 +5,14 @@ sizes) share a pool tensor, so a uniform model has one, as it always had, while 
 and full layers of different head sizes) has one per kind of layer and multi-head latent attention
 (K and V of different head sizes) keeps K and V apart. A block id names the same block in every
 pool; the bytes of a block are the real sum over the layers (`bytes_per_block`).
+
+With `kv_cache_dtype="int8"` every K and V row (one token, one KV head) is stored as int8 with one
+bfloat16 scale (`quantize`): x ~ q * s, s = max|x| / 127 rounded up, so |q| <= 127. The scales
+live in pools of their own, beside the data pools and with the same block axis, so swaps and the
+prefix cache's host tier copy them with the data and bring back exactly what was stored. A scale
+per token makes a block's bytes depend on its own tokens only: a prefix cached from one sequence
+holds what another would write. Each attention path dequantizes as it reads: q * s is exact in
+float32 (8 bits times 8 bits of mantissa), so every path attends over the same values.
 """
 
 from __future__ import annotations
@@ -14,6 +22,9 @@ from dataclasses import dataclass
 import torch
 
 BLOCK_DIM = 3  # the block axis of every pool tensor
+SCALE_DTYPE = torch.bfloat16  # int8 caches: float32's range in 2 bytes (a scale may be tiny or huge)
+# s = max|x| / 127 x (1 + 2^-8) before rounding to bfloat16 (relative error <= 2^-9): s >= max|x| / 127
+SCALE_HEADROOM = 1.0 + 2.0**-8
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +42,10 @@ class KVCache:
 
     device: [layers of the group, 2 (K, V) or 1, num_kv_heads, num_blocks (+1 scratch), block_size, head_dim]
     host:   [num_host_blocks, layers of the group, 2 or 1, num_kv_heads, block_size, head_dim] (pinned on CUDA)
+
+    int8 caches (`quantized`): those pools hold int8, and each has a scale pool beside it, the same
+    shape without head_dim, in bfloat16 (`device_pools` and `host_pools` list the data pools, then
+    the scale pools: a swap copies all of them).
 
     The device pools are head-major (unlike the usual [blocks, block_size, heads, dim]) because a
     layer's new keys arrive as [Hkv, T, D], and a block of one head is then contiguous for the
@@ -59,9 +74,13 @@ class KVCache:
         num_host_blocks: int,
         dtype: torch.dtype,
         device: torch.device,
+        kv_cache_dtype: str = "auto",
     ):
         self.block_size = block_size
         self.device = device
+        self.dtype = dtype  # the model's: what `gather` returns
+        self.quantized = kv_cache_dtype == "int8"
+        storage = torch.int8 if self.quantized else dtype
         self.layers = list(layers)
         self.num_device_blocks = num_device_blocks
         self.scratch_slot = num_device_blocks * block_size  # the first slot of the scratch block
@@ -74,6 +93,14 @@ class KVCache:
         self.v: list[torch.Tensor | None] = [None] * len(layers)
         self.k_blocks: list[torch.Tensor | None] = [None] * len(layers)
         self.v_blocks: list[torch.Tensor | None] = [None] * len(layers)
+        # int8 caches: per layer, the scales by slot [Hkv, num_blocks * block_size] and by block
+        # [Hkv, num_blocks, block_size]
+        self.k_scales: list[torch.Tensor | None] = [None] * len(layers)
+        self.v_scales: list[torch.Tensor | None] = [None] * len(layers)
+        self.k_scale_blocks: list[torch.Tensor | None] = [None] * len(layers)
+        self.v_scale_blocks: list[torch.Tensor | None] = [None] * len(layers)
+        scale_pools: list[torch.Tensor] = []
+        scale_host_pools: list[torch.Tensor] = []
         slots = (num_device_blocks + 1) * block_size
         for geometry, members in _groups(self.layers).items():
             parts = [("kv", geometry.k_dim)] if geometry.k_dim == geometry.v_dim else []
@@ -87,10 +114,14 @@ class KVCache:
                     block_size,
                     dim,
                 )
-                pool = torch.zeros(shape, dtype=dtype, device=device)
+                pool = torch.zeros(shape, dtype=storage, device=device)
                 host_shape = (num_host_blocks, *shape[:BLOCK_DIM], *shape[BLOCK_DIM + 1 :])
                 self.device_pools.append(pool)
-                self.host_pools.append(torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
+                self.host_pools.append(torch.zeros(host_shape, dtype=storage, pin_memory=pin))
+                if self.quantized:
+                    scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+                    scale_pools.append(scales)
+                    scale_host_pools.append(torch.zeros(host_shape[:-1], dtype=SCALE_DTYPE, pin_memory=pin))
                 for i, layer in enumerate(members):
                     for j, name in enumerate(which):
                         by_slot = pool[i, j].view(geometry.num_kv_heads, slots, dim)
@@ -99,19 +130,56 @@ class KVCache:
                             self.k[layer], self.k_blocks[layer] = by_slot, by_block
                         else:
                             self.v[layer], self.v_blocks[layer] = by_slot, by_block
+                        if self.quantized:
+                            scale_by_block = scales[i, j]  # [Hkv, num_blocks, block_size]
+                            scale_by_slot = scale_by_block.view(geometry.num_kv_heads, slots)
+                            if name == "k":
+                                self.k_scales[layer], self.k_scale_blocks[layer] = (
+                                    scale_by_slot,
+                                    scale_by_block,
+                                )
+                            else:
+                                self.v_scales[layer], self.v_scale_blocks[layer] = (
+                                    scale_by_slot,
+                                    scale_by_block,
+                                )
+        self.device_pools += scale_pools
+        self.host_pools += scale_host_pools
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ready: torch.cuda.Event | None = None  # the last swap's device-side work
         # gather buffers reused by every layer and step: fresh large tensors would page-fault each time
         self._workspace = {
             "k": torch.empty(0, dtype=dtype, device=device),
             "v": torch.empty(0, dtype=dtype, device=device),
+            "int8": torch.empty(0, dtype=torch.int8, device=device),  # int8 caches: the gathered data
         }
 
     @staticmethod
-    def bytes_per_block(layers: list[LayerGeometry | None], block_size: int, dtype: torch.dtype) -> int:
-        """A block's bytes in every pool together: the sum over the layers of their own sizes."""
+    def bytes_per_block(
+        layers: list[LayerGeometry | None], block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    ) -> int:
+        """A block's bytes in every pool together: the sum over the layers of their own sizes (int8
+        caches: a byte an element, plus a K and a V scale per token and KV head)."""
         per_token = sum(g.num_kv_heads * (g.k_dim + g.v_dim) for g in layers if g is not None)
+        if kv_cache_dtype == "int8":
+            scales = sum(2 * g.num_kv_heads for g in layers if g is not None)
+            return (per_token + scales * SCALE_DTYPE.itemsize) * block_size
         return per_token * block_size * dtype.itemsize
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store a step's new K/V of one layer in their slots. key: [Hkv, T, Dk]; value: [Hkv, T, Dv]."""
+        k_cache, v_cache = self.k[layer], self.v[layer]
+        assert k_cache is not None and v_cache is not None, f"layer {layer} has no KV cache"
+        if not self.quantized:
+            k_cache.index_copy_(1, slot_mapping, key)
+            v_cache.index_copy_(1, slot_mapping, value)
+            return
+        k_scales, v_scales = self.k_scales[layer], self.v_scales[layer]
+        assert k_scales is not None and v_scales is not None
+        for data, scales, x in ((k_cache, k_scales, key), (v_cache, v_scales, value)):
+            q, s = quantize(x)
+            data.index_copy_(1, slot_mapping, q)
+            scales.index_copy_(1, slot_mapping, s)
 
     def gather(self, layer: int, block_ids: torch.Tensor, workspace_offset: int = 0):
         """K and V of `block_ids` (flat [n]) as [Hkv, n * block_size, Dk] and [.., Dv], in reused buffers.
@@ -120,19 +188,31 @@ class KVCache:
         """
         n = block_ids.numel()
         out = []
-        for name, pool in (("k", self.k_blocks[layer]), ("v", self.v_blocks[layer])):
+        for name, pool, scales in (
+            ("k", self.k_blocks[layer], self.k_scale_blocks[layer]),
+            ("v", self.v_blocks[layer], self.v_scale_blocks[layer]),
+        ):
             assert pool is not None, f"layer {layer} has no KV cache"
             heads, row = pool.shape[0], pool.shape[2]  # row: block_size * D
             size = heads * n * row
-            buf = self._workspace[name]
-            if buf.numel() < workspace_offset + size:
-                buf = self._workspace[name] = torch.empty(
-                    2 * (workspace_offset + size), dtype=buf.dtype, device=buf.device
-                )
-            view = buf[workspace_offset : workspace_offset + size].view(heads, n, row)
-            torch.index_select(pool, 1, block_ids, out=view)
+            view = self._buffer(name, workspace_offset, size).view(heads, n, row)
+            if scales is None:
+                torch.index_select(pool, 1, block_ids, out=view)
+            else:  # int8: gather, widen, then scale each row (q * s is exact in float32 and float64)
+                raw = self._buffer("int8", 0, size).view(heads, n, row)
+                torch.index_select(pool, 1, block_ids, out=raw)
+                view.copy_(raw)
+                rows = view.view(heads, n, self.block_size, -1)  # [Hkv, n, block_size, D]
+                rows.mul_(torch.index_select(scales, 1, block_ids).to(view.dtype)[..., None])
             out.append(view.view(heads, n * self.block_size, row // self.block_size))
         return out
+
+    def _buffer(self, name: str, offset: int, size: int) -> torch.Tensor:
+        """[offset, offset + size) of a reused workspace, grown (doubled) when too small."""
+        buf = self._workspace[name]
+        if buf.numel() < offset + size:
+            buf = self._workspace[name] = torch.empty(2 * (offset + size), dtype=buf.dtype, device=buf.device)
+        return buf[offset : offset + size]
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks (swap_out: [(device, host)]), then host blocks to device
@@ -185,6 +265,17 @@ class KVCache:
         if not ids:
             return None
         return _blocks_axis_first(pool)[self._ids(ids)]
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [..., D] -> (int8 [..., D], bfloat16 scales [...]) with x ~ q * s per row: s = max|x| / 127
+    rounded up to bfloat16 (so |x| / s <= 127), q = x / s rounded to nearest (even). A row of zeros has
+    a tiny scale and zeros. Computed in float32 (float64 for a float64 model)."""
+    x = x if x.dtype == torch.float64 else x.float()
+    absmax = x.abs().amax(dim=-1)
+    scales = (absmax * (SCALE_HEADROOM / 127)).clamp_min(1e-30).to(SCALE_DTYPE)
+    q = torch.round(x / scales.to(x.dtype)[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q, scales
 
 
 def _blocks_axis_first(pool: torch.Tensor) -> torch.Tensor:

@@ -606,6 +606,8 @@ def _check_logits(engine, model_type: str, prompts: dict[str, list[int]], rows) 
     model = engine.model
     tolerance = LOGIT_TOLERANCE.get(engine.dtype, HALF_TOLERANCE)
     most = engine.dtype not in LOGIT_TOLERANCE
+    if engine.kv_cache.quantized:  # an 8-bit KV cache rounds what attention reads: as in 16 bits,
+        tolerance, most = HALF_TOLERANCE, True  # gross errors only
     try:
         set_attention(model, "eager")
     except (ValueError, AttributeError, NotImplementedError) as exc:

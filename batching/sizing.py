@@ -86,7 +86,8 @@ def trial_step_bytes(config, loaded, attention_backend: str, geometry) -> int:
     tokens = min(config.max_num_batched_tokens, loaded.max_model_len)
     n = max(1, min(config.max_num_seqs, tokens))
     lengths = [tokens - (n - 1)] + [1] * (n - 1)
-    cache = KVCache(geometry.layers, bs, sum(blocks_for(n, bs) for n in lengths), 0, loaded.dtype, device)
+    num_blocks = sum(blocks_for(n, bs) for n in lengths)
+    cache = KVCache(geometry.layers, bs, num_blocks, 0, loaded.dtype, device, config.kv_cache_dtype)
     states = state_layers.geometry(loaded.model)  # a model with state layers: a slot per sequence
     state_cache = StateCache(states, n, 0, device) if states else None
     runner = ModelRunner(

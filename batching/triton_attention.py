@@ -8,7 +8,9 @@ tile they load. It walks the context TILE_N keys at a time, looking each key's b
 table (any block size works), with an exact online softmax (running max and sum, as in
 FlashAttention) in float32, or float64 for float64 models. Sliding windows, Llama-4 chunks, Gemma-2
 soft-capping and gpt-oss sinks are applied inside; K and V may have different head sizes (latent
-attention).
+attention). An int8 KV cache (kv_cache.py) is read as int8 with a bfloat16 scale per token and KV
+head: the rows convert exactly to the query's type (|q| <= 127), a key's scale multiplies its score
+column and a value's scale its softmax weight.
 
 Two launches per layer at most: decodes (one query per tile) and prefill chunks (PREFILL_TILE
 queries per tile). Their shapes depend only on the number of tiles, and everything else is read from
@@ -59,6 +61,8 @@ def _paged_attention_kernel(
     Q,
     K,
     V,
+    K_SCALES,
+    V_SCALES,
     OUT,
     SINKS,
     BLOCK_TABLE,
@@ -80,6 +84,10 @@ def _paged_attention_kernel(
     stride_kb,
     stride_vh,
     stride_vb,
+    stride_ksh,
+    stride_ksb,
+    stride_vsh,
+    stride_vsb,
     stride_bt,
     BLOCK_SIZE: tl.constexpr,
     REP: tl.constexpr,
@@ -95,6 +103,7 @@ def _paged_attention_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_CHUNK: tl.constexpr,
     FP64: tl.constexpr,
+    INT8_KV: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -144,11 +153,18 @@ def _paged_attention_kernel(
             mask=n_ok[:, None] & (dk[None, :] < DK),
             other=0.0,
         )  # [TILE_N, DK_P]
+        if INT8_KV:
+            k = k.to(Q.dtype.element_ty)  # exact: |k| <= 127
         if FP64:
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
         else:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         s = s.to(acc_dtype) * scale  # [BLOCK_M, TILE_N]
+        if INT8_KV:
+            k_scale = tl.load(
+                K_SCALES + kv_head * stride_ksh + block * stride_ksb + in_block, mask=n_ok, other=0.0
+            )
+            s = s * k_scale.to(acc_dtype)[None, :]
         if HAS_SOFTCAP:
             s = _tanh(s / softcap) * softcap
         allowed = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
@@ -167,6 +183,12 @@ def _paged_attention_kernel(
             mask=n_ok[:, None] & (dv[None, :] < DV),
             other=0.0,
         )  # [TILE_N, DV_P]
+        if INT8_KV:
+            v = v.to(Q.dtype.element_ty)
+            v_scale = tl.load(
+                V_SCALES + kv_head * stride_vsh + block * stride_vsb + in_block, mask=n_ok, other=0.0
+            )
+            p = p * v_scale.to(acc_dtype)[None, :]  # after l_i took p: the scale weighs the value only
         if FP64:
             pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         else:
@@ -204,12 +226,19 @@ def attend(
     sinks: torch.Tensor | None,
     sliding_window: int | None,
     chunk: int | None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
     """out[t] = attention of q[t] over its sequence's cached context. q: [T, H, Dk] (any strides);
-    k_blocks: [Hkv, num_blocks, block_size * Dk]; v_blocks: [.., block_size * Dv]; out: [T, H, Dv]."""
+    k_blocks: [Hkv, num_blocks, block_size * Dk]; v_blocks: [.., block_size * Dv]; out: [T, H, Dv].
+    int8 blocks come with k_scales and v_scales: [Hkv, num_blocks, block_size] (bfloat16, last axis contiguous)."""
     num_heads, dk = q.shape[1], q.shape[2]
     num_kv_heads, dv = k_blocks.shape[0], v_blocks.shape[2] // block_size
     rep = num_heads // num_kv_heads
+    int8_kv = k_blocks.dtype == torch.int8
+    # the scales (int8 caches), else q as a pointer never read, with strides 0 (q's vary by step: no respecialization)
+    ks, ks_strides = (k_scales, k_scales.stride()[:2]) if k_scales is not None else (q, (0, 0))
+    vs, vs_strides = (v_scales, v_scales.stride()[:2]) if v_scales is not None else (q, (0, 0))
     for launch in (segments.decode, segments.prefill):
         if launch is None or launch.num_tiles == 0:
             continue
@@ -218,6 +247,8 @@ def attend(
             q,
             k_blocks,
             v_blocks,
+            ks,
+            vs,
             out,
             sinks if sinks is not None else q,  # never read without HAS_SINKS
             segments.block_table,
@@ -239,6 +270,8 @@ def attend(
             k_blocks.stride(1),
             v_blocks.stride(0),
             v_blocks.stride(1),
+            *ks_strides,
+            *vs_strides,
             segments.block_table.stride(0),
             BLOCK_SIZE=block_size,
             REP=rep,
@@ -254,4 +287,5 @@ def attend(
             HAS_WINDOW=sliding_window is not None,
             HAS_CHUNK=chunk is not None,
             FP64=q.dtype == torch.float64,
+            INT8_KV=int8_kv,
         )

@@ -99,6 +99,9 @@ class WorkerSettings(StoreSettings):
     max_num_seqs: int | None = None  # None: the engine's default (256)
     max_num_batched_tokens: int | None = None
     block_size: int | None = None
+    # K/V in the model's dtype (auto, exact) or int8 with a scale per token and KV head: about twice the sequences
+    # in the same memory, approximate (docs/models.md#8-bit-kv-cache)
+    kv_cache_dtype: Literal["auto", "int8"] = "auto"
     num_device_blocks: int | None = None
     num_host_blocks: int | None = None
     # auto: Triton on CUDA, the C++ kernels on the CPU; or triton, cpu_kernel, torch
@@ -147,6 +150,7 @@ class WorkerSettings(StoreSettings):
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
             block_size=self.block_size,
+            kv_cache_dtype=self.kv_cache_dtype,
             num_device_blocks=self.num_device_blocks,
             num_host_blocks=self.num_host_blocks,
             attention_backend=self.attention_backend,

@@ -1,5 +1,6 @@
-// What the CPU attention kernels share: a vectorizable exp, bfloat16 storage, and a walk over a
-// sequence's paged blocks. Header-only; paged_decode.cpp and paged_prefill.cpp include it.
+// What the CPU attention kernels share: a vectorizable exp, bfloat16 storage, int8 KV rows with
+// their scales, and a walk over a sequence's paged blocks. Header-only; paged_decode.cpp and
+// paged_prefill.cpp include it.
 #pragma once
 
 #include <algorithm>
@@ -56,6 +57,7 @@ inline float widen(bf16 x) {
 }
 inline float widen(float x) { return x; }
 inline double widen(double x) { return x; }
+inline float widen(int8_t x) { return x; }  // an int8 cache's row, before its scale (kv_cache.py)
 // the type a storage type computes in
 template <typename T> struct Compute { using type = T; };
 template <> struct Compute<bf16> { using type = float; };
@@ -70,15 +72,17 @@ template <typename T> inline T narrow(typename Compute<T>::type x) {
     }
 }
 
-// fn(t0, t1, rows) for each block's share [t0, t1) of the positions [first, len) of one sequence and
-// KV head: `head` is that head's pool, `table` the sequence's block ids, `rows` position t0's
-// head_dim values (the block's rows follow it contiguously).
+// fn(t0, t1, rows, slot) for each block's share [t0, t1) of the positions [first, len) of one
+// sequence and KV head: `head` is that head's pool, `table` the sequence's block ids, `rows` position
+// t0's head_dim values (the block's rows follow it contiguously), `slot` its slot in the head's pool
+// (an int8 cache's scales of the block's rows are at [slot, slot + t1 - t0) of the head's scales).
 template <typename T, typename Fn>
 inline void for_each_block(const T *head, const int64_t *table, int64_t first, int64_t len,
                            int64_t block_size, int64_t D, Fn &&fn) {
     for (int64_t b = first / block_size; b * block_size < len; b++) {
         const int64_t t0 = std::max(first, b * block_size), t1 = std::min(len, (b + 1) * block_size);
-        fn(t0, t1, head + (table[b] * block_size + (t0 - b * block_size)) * D);
+        const int64_t slot = table[b] * block_size + (t0 - b * block_size);
+        fn(t0, t1, head + slot * D, slot);
     }
 }
 

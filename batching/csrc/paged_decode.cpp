@@ -14,6 +14,9 @@
 // Element types: float32 and float64 compute in their own type; bfloat16 (the pool, q and out in
 // bfloat16, sinks in float32) computes in float32 (scores, softmax and the weighted sum of values),
 // widening each element as it is read and rounding the output once, to nearest even.
+// int8 pools (the *_i8 kernels; q and out in the model's type) come with k_scales and v_scales,
+// [num_kv_heads, num_blocks, block_size] in bfloat16, a scale per row: a key's dot product is
+// scaled once, and a value's softmax weight takes its row's scale.
 //
 // No torch headers: batching/cpu_attention.py builds it at run time with the system compiler in
 // well under a second and calls it through ctypes on the tensors' memory.
@@ -30,13 +33,15 @@ using namespace genq;
 // block's loop, where a runtime size reloads them for every key. Within a block each query head
 // runs over the block's keys (still in L1 for the next head), so per-element sums keep the same
 // order as one key at a time: every head size gives the same values.
-template <int FixedD, typename T, typename A = typename Compute<T>::type>
-void attend_one(const T *q, int64_t q_sh, const T *kh, const T *vh, const int64_t *table,
+template <int FixedD, typename T, typename KV, typename A = typename Compute<T>::type>
+void attend_one(const T *q, int64_t q_sh, const KV *kh, const KV *vh, const bf16 *ksh,
+                const bf16 *vsh, const int64_t *table,
                 int64_t len, int64_t first, int64_t rep, int64_t head_dim, int64_t block_size, A scale,
                 A softcap, const A *sinks, T *out, int64_t o_sh, std::vector<A> &qw,
                 std::vector<A> &scores, std::vector<A> &acc, std::vector<A> &denom_inv) {
     const int64_t D = FixedD > 0 ? FixedD : head_dim;
     constexpr int64_t kRow = FixedD > 0 ? FixedD : 1;  // local copies' size (unused when 1)
+    constexpr bool kInt8 = std::is_same<KV, int8_t>::value;
     const int64_t span = len - first;
     qw.resize(rep * D);
     scores.resize(rep * span);
@@ -45,7 +50,8 @@ void attend_one(const T *q, int64_t q_sh, const T *kh, const T *vh, const int64_
     for (int64_t r = 0; r < rep; r++)
         for (int64_t d = 0; d < D; d++) qw[r * D + d] = widen(q[r * q_sh + d]);
     // scores[r][t] = q_r . k_t * scale (soft-capped below)
-    for_each_block(kh, table, first, len, block_size, D, [&](int64_t t0, int64_t t1, const T *rows) {
+    for_each_block(kh, table, first, len, block_size, D, [&](int64_t t0, int64_t t1, const KV *rows,
+                                                             int64_t slot) {
         for (int64_t r = 0; r < rep; r++) {
             A local[kRow];
             const A *qr = qw.data() + r * D;
@@ -55,10 +61,11 @@ void attend_one(const T *q, int64_t q_sh, const T *kh, const T *vh, const int64_
             }
             A *sr = scores.data() + r * span - first;
             for (int64_t t = t0; t < t1; t++) {
-                const T *krow = rows + (t - t0) * D;
+                const KV *krow = rows + (t - t0) * D;
                 A s = 0;
 #pragma omp simd reduction(+ : s)
                 for (int64_t d = 0; d < D; d++) s += qr[d] * widen(krow[d]);
+                if constexpr (kInt8) s *= widen(ksh[slot + (t - t0)]);
                 sr[t] = s * scale;
             }
         }
@@ -80,7 +87,8 @@ void attend_one(const T *q, int64_t q_sh, const T *kh, const T *vh, const int64_
         denom_inv[r] = A(1) / sum;
     }
     // out_r = sum_t p[r][t] v_t / sum
-    for_each_block(vh, table, first, len, block_size, D, [&](int64_t t0, int64_t t1, const T *rows) {
+    for_each_block(vh, table, first, len, block_size, D, [&](int64_t t0, int64_t t1, const KV *rows,
+                                                             int64_t slot) {
         for (int64_t r = 0; r < rep; r++) {
             const A *pr = scores.data() + r * span - first;
             A local[kRow];
@@ -90,8 +98,9 @@ void attend_one(const T *q, int64_t q_sh, const T *kh, const T *vh, const int64_
                 ar = local;
             }
             for (int64_t t = t0; t < t1; t++) {
-                const A p = pr[t];
-                const T *vrow = rows + (t - t0) * D;
+                A p = pr[t];
+                if constexpr (kInt8) p *= widen(vsh[slot + (t - t0)]);
+                const KV *vrow = rows + (t - t0) * D;
 #pragma omp simd
                 for (int64_t d = 0; d < D; d++) ar[d] += p * widen(vrow[d]);
             }
@@ -103,14 +112,15 @@ void attend_one(const T *q, int64_t q_sh, const T *kh, const T *vh, const int64_
         for (int64_t d = 0; d < D; d++) out[r * o_sh + d] = narrow<T>(acc[r * D + d] * denom_inv[r]);
 }
 
-template <typename T, typename A = typename Compute<T>::type>
-void paged_decode(const T *q, int64_t q_sn, int64_t q_sh, const T *k_pool, const T *v_pool,
-                  const int64_t *tables, int64_t width, const int64_t *lens, T *out, int64_t o_sn,
+template <typename T, typename KV, typename A = typename Compute<T>::type>
+void paged_decode(const T *q, int64_t q_sn, int64_t q_sh, const KV *k_pool, const KV *v_pool,
+                  const bf16 *k_scales, const bf16 *v_scales, const int64_t *tables, int64_t width,
+                  const int64_t *lens, T *out, int64_t o_sn,
                   int64_t o_sh, int64_t n, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                   int64_t block_size, int64_t num_blocks, double scale, double softcap,
                   const A *sinks, int64_t window, int num_threads) {
     const int64_t rep = num_heads / num_kv_heads;
-    const int64_t head_stride = num_blocks * block_size * head_dim;
+    const int64_t head_stride = num_blocks * block_size * head_dim, scale_stride = num_blocks * block_size;
 #pragma omp parallel num_threads(num_threads)
     {
         std::vector<A> qw, scores, acc, denom_inv;
@@ -119,11 +129,13 @@ void paged_decode(const T *q, int64_t q_sn, int64_t q_sh, const T *k_pool, const
             const int64_t i = item / num_kv_heads, g = item % num_kv_heads;
             const int64_t len = lens[i];
             const int64_t first = window > 0 && len > window ? len - window : 0;
-            auto attend = head_dim == 64    ? attend_one<64, T>
-                          : head_dim == 128 ? attend_one<128, T>
-                                            : attend_one<0, T>;
+            auto attend = head_dim == 64    ? attend_one<64, T, KV>
+                          : head_dim == 128 ? attend_one<128, T, KV>
+                                            : attend_one<0, T, KV>;
             attend(q + i * q_sn + g * rep * q_sh, q_sh, k_pool + g * head_stride, v_pool + g * head_stride,
-                   tables + i * width, len, first, rep, head_dim, block_size, A(scale), A(softcap),
+                   k_scales ? k_scales + g * scale_stride : nullptr,
+                   v_scales ? v_scales + g * scale_stride : nullptr, tables + i * width, len, first, rep,
+                   head_dim, block_size, A(scale), A(softcap),
                    sinks ? sinks + g * rep : nullptr, out + i * o_sn + g * rep * o_sh, o_sh, qw, scores, acc,
                    denom_inv);
         }
@@ -132,18 +144,22 @@ void paged_decode(const T *q, int64_t q_sn, int64_t q_sh, const T *k_pool, const
 
 }  // namespace
 
-#define GENQ_EXPORT(NAME, T, A)                                                                    \
-    extern "C" void NAME(const T *q, int64_t q_sn, int64_t q_sh, const T *k_pool, const T *v_pool, \
+#define GENQ_EXPORT(NAME, T, KV, A)                                                                \
+    extern "C" void NAME(const T *q, int64_t q_sn, int64_t q_sh, const KV *k_pool,                 \
+                         const KV *v_pool, const bf16 *k_scales, const bf16 *v_scales,             \
                          const int64_t *tables, int64_t width, const int64_t *lens, T *out,        \
                          int64_t o_sn, int64_t o_sh, int64_t n, int64_t num_heads,                 \
                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size,               \
                          int64_t num_blocks, double scale, double softcap, const A *sinks,         \
                          int64_t window, int num_threads) {                                        \
-        paged_decode<T>(q, q_sn, q_sh, k_pool, v_pool, tables, width, lens, out, o_sn, o_sh, n,    \
-                        num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, softcap, \
-                        sinks, window, num_threads);                                               \
+        paged_decode<T, KV>(q, q_sn, q_sh, k_pool, v_pool, k_scales, v_scales, tables, width,     \
+                            lens, out, o_sn, o_sh, n, num_heads, num_kv_heads, head_dim,           \
+                            block_size, num_blocks, scale, softcap, sinks, window, num_threads);   \
     }
 
-GENQ_EXPORT(genq_paged_decode_f32, float, float)
-GENQ_EXPORT(genq_paged_decode_f64, double, double)
-GENQ_EXPORT(genq_paged_decode_bf16, bf16, float)
+GENQ_EXPORT(genq_paged_decode_f32, float, float, float)
+GENQ_EXPORT(genq_paged_decode_f64, double, double, double)
+GENQ_EXPORT(genq_paged_decode_bf16, bf16, bf16, float)
+GENQ_EXPORT(genq_paged_decode_f32_i8, float, int8_t, float)
+GENQ_EXPORT(genq_paged_decode_f64_i8, double, int8_t, double)
+GENQ_EXPORT(genq_paged_decode_bf16_i8, bf16, int8_t, float)

@@ -23,7 +23,9 @@
 //   tables         : [n, width] block ids; ctx_lens: [n] tokens each chunk attends over (its own
 //                    included: its last query sits at ctx_lens[i] - 1)
 //   sinks          : [num_heads] or null; softcap <= 0: none; window <= 0: none
-// Element types as in paged_decode.cpp: bfloat16 computes in float32, float64 in float64.
+// Element types as in paged_decode.cpp: bfloat16 computes in float32, float64 in float64. int8
+// pools (the *_i8 kernels) come with k_scales and v_scales, [num_kv_heads, num_blocks, block_size]
+// in bfloat16: their keys and values are packed dequantized (row x its scale, exact in float32).
 #include <vector>
 
 #include "attention_common.h"
@@ -109,8 +111,8 @@ inline void value_rows(const A *p, int64_t stride, const A *values, int64_t a, i
 
 // A chunk's keys and values for one KV head, laid out for the tiles (built once per call):
 //   keys_t : key groups [first_group, ...), each [D][group] (transposed, widened)
-//   values : bfloat16 only, rows from position first_group * group on, widened; else null (the
-//            tiles read float32/float64 values where they lie)
+//   values : bfloat16 and int8 only, rows from position first_group * group on, widened (int8:
+//            scaled); else null (the tiles read float32/float64 values where they lie)
 template <typename A> struct PackedHead {
     const A *keys_t;
     const A *values;
@@ -119,8 +121,8 @@ template <typename A> struct PackedHead {
 
 // One tile: queries [0, nq) of a chunk at positions first_pos + j, each with the `rep` query heads of
 // one KV head (row r = j * rep + h), over the keys [kmin, last position] of that KV head.
-template <int FixedD, typename T, typename A = typename Compute<T>::type>
-void attend_tile(const T *q, int64_t q_sn, int64_t q_sh, const PackedHead<A> &packed, const T *vh,
+template <int FixedD, typename T, typename KV, typename A = typename Compute<T>::type>
+void attend_tile(const T *q, int64_t q_sn, int64_t q_sh, const PackedHead<A> &packed, const KV *vh,
                  const int64_t *table, int64_t block_size, int64_t first_pos, int64_t nq, int64_t rep,
                  int64_t head_dim, int64_t window, A scale, A softcap, const A *sinks, T *out, int64_t o_sn,
                  int64_t o_sh, Scratch<A> &w) {
@@ -177,10 +179,11 @@ void attend_tile(const T *q, int64_t q_sn, int64_t q_sh, const PackedHead<A> &pa
     }
 
     // 3. out_r = sum_t p[r][t] v_t / sum, a block of the pool (float32, float64) or of the widened
-    // rows (bfloat16) at a time
-    for_each_block(vh, table, kmin, kmax, block_size, D, [&](int64_t t0, int64_t t1, const T *rows) {
+    // rows (bfloat16, int8) at a time
+    for_each_block(vh, table, kmin, kmax, block_size, D, [&](int64_t t0, int64_t t1, const KV *rows,
+                                                             int64_t /* slot */) {
         const A *values;  // the block's rows, indexed by position
-        if constexpr (std::is_same<T, A>::value)
+        if constexpr (std::is_same<KV, A>::value)
             values = rows - t0 * D;
         else
             values = packed.values - packed.first_group * K * D;
@@ -219,16 +222,18 @@ void attend_tile(const T *q, int64_t q_sn, int64_t q_sh, const PackedHead<A> &pa
         }
 }
 
-template <typename T, typename A = typename Compute<T>::type>
-void paged_prefill(const T *q, int64_t q_sn, int64_t q_sh, const T *k_pool, const T *v_pool,
-                   const int64_t *tables, int64_t width, const int64_t *starts, const int64_t *ctx_lens,
+template <typename T, typename KV, typename A = typename Compute<T>::type>
+void paged_prefill(const T *q, int64_t q_sn, int64_t q_sh, const KV *k_pool, const KV *v_pool,
+                   const bf16 *k_scales, const bf16 *v_scales, const int64_t *tables, int64_t width,
+                   const int64_t *starts, const int64_t *ctx_lens,
                    T *out, int64_t o_sn, int64_t o_sh, int64_t n, int64_t num_heads, int64_t num_kv_heads,
                    int64_t head_dim, int64_t block_size, int64_t num_blocks, double scale, double softcap,
                    const A *sinks, int64_t window, int num_threads) {
     constexpr int64_t K = Vector<A>::group;
-    constexpr bool kWiden = !std::is_same<T, A>::value;
+    constexpr bool kWiden = !std::is_same<KV, A>::value;
+    constexpr bool kInt8 = std::is_same<KV, int8_t>::value;
     const int64_t D = head_dim, rep = num_heads / num_kv_heads;
-    const int64_t head_stride = num_blocks * block_size * head_dim;
+    const int64_t head_stride = num_blocks * block_size * head_dim, scale_stride = num_blocks * block_size;
     // each chunk's key groups [first, end) (a window spares the keys no query of the chunk sees),
     // and where its heads' packed keys and widened values start in the call's buffers
     std::vector<int64_t> first(n), groups(n), key_at(n + 1, 0), value_at(n + 1, 0);
@@ -288,11 +293,19 @@ void paged_prefill(const T *q, int64_t q_sn, int64_t q_sh, const T *k_pool, cons
                     continue;
                 }
                 const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-                const T *key = k_pool + g * head_stride + slot * D;
-                for (int64_t d = 0; d < D; d++) dst[d * K + l] = widen(key[d]);
+                const KV *key = k_pool + g * head_stride + slot * D;
+                const A k_scale = kInt8 ? A(widen(k_scales[g * scale_stride + slot])) : A(1);
+                const A v_scale = kInt8 ? A(widen(v_scales[g * scale_stride + slot])) : A(1);
+                if constexpr (kInt8)
+                    for (int64_t d = 0; d < D; d++) dst[d * K + l] = A(widen(key[d])) * k_scale;
+                else
+                    for (int64_t d = 0; d < D; d++) dst[d * K + l] = widen(key[d]);
                 if constexpr (kWiden) {
-                    const T *value = v_pool + g * head_stride + slot * D;
-                    for (int64_t d = 0; d < D; d++) wide[l * D + d] = widen(value[d]);
+                    const KV *value = v_pool + g * head_stride + slot * D;
+                    if constexpr (kInt8)
+                        for (int64_t d = 0; d < D; d++) wide[l * D + d] = A(widen(value[d])) * v_scale;
+                    else
+                        for (int64_t d = 0; d < D; d++) wide[l * D + d] = widen(value[d]);
                 }
             }
         }
@@ -307,9 +320,9 @@ void paged_prefill(const T *q, int64_t q_sn, int64_t q_sh, const T *k_pool, cons
             const PackedHead<A> packed{keys_t + key_at[i] + g * groups[i] * D * K,
                                        kWiden ? values + value_at[i] + g * groups[i] * K * D : nullptr,
                                        first[i]};
-            auto attend = head_dim == 64    ? attend_tile<64, T>
-                          : head_dim == 128 ? attend_tile<128, T>
-                                            : attend_tile<0, T>;
+            auto attend = head_dim == 64    ? attend_tile<64, T, KV>
+                          : head_dim == 128 ? attend_tile<128, T, KV>
+                                            : attend_tile<0, T, KV>;
             attend(q + row * q_sn + g * rep * q_sh, q_sn, q_sh, packed, v_pool + g * head_stride,
                    tables + i * width, block_size, ctx_lens[i] - q_len + tile.first, nq, rep, head_dim,
                    window, A(scale), A(softcap), sinks ? sinks + g * rep : nullptr, out + row * o_sn + g * rep * o_sh,
@@ -320,18 +333,23 @@ void paged_prefill(const T *q, int64_t q_sn, int64_t q_sh, const T *k_pool, cons
 
 }  // namespace
 
-#define GENQ_EXPORT(NAME, T, A)                                                                      \
-    extern "C" void NAME(const T *q, int64_t q_sn, int64_t q_sh, const T *k_pool, const T *v_pool,   \
+#define GENQ_EXPORT(NAME, T, KV, A)                                                                  \
+    extern "C" void NAME(const T *q, int64_t q_sn, int64_t q_sh, const KV *k_pool,                   \
+                         const KV *v_pool, const bf16 *k_scales, const bf16 *v_scales,               \
                          const int64_t *tables, int64_t width, const int64_t *starts,                \
                          const int64_t *ctx_lens, T *out, int64_t o_sn, int64_t o_sh, int64_t n,     \
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,                  \
                          int64_t block_size, int64_t num_blocks, double scale, double softcap,       \
                          const A *sinks, int64_t window, int num_threads) {                          \
-        paged_prefill<T>(q, q_sn, q_sh, k_pool, v_pool, tables, width, starts, ctx_lens, out, o_sn,  \
-                         o_sh, n, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,  \
-                         softcap, sinks, window, num_threads);                                       \
+        paged_prefill<T, KV>(q, q_sn, q_sh, k_pool, v_pool, k_scales, v_scales, tables, width,     \
+                             starts, ctx_lens, out, o_sn, o_sh, n, num_heads, num_kv_heads,          \
+                             head_dim, block_size, num_blocks, scale, softcap, sinks, window,        \
+                             num_threads);                                                           \
     }
 
-GENQ_EXPORT(genq_paged_prefill_f32, float, float)
-GENQ_EXPORT(genq_paged_prefill_f64, double, double)
-GENQ_EXPORT(genq_paged_prefill_bf16, bf16, float)
+GENQ_EXPORT(genq_paged_prefill_f32, float, float, float)
+GENQ_EXPORT(genq_paged_prefill_f64, double, double, double)
+GENQ_EXPORT(genq_paged_prefill_bf16, bf16, bf16, float)
+GENQ_EXPORT(genq_paged_prefill_f32_i8, float, int8_t, float)
+GENQ_EXPORT(genq_paged_prefill_f64_i8, double, int8_t, double)
+GENQ_EXPORT(genq_paged_prefill_bf16_i8, bf16, int8_t, float)
