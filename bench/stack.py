@@ -317,7 +317,9 @@ class StackClient:
         """Jobs the workers hold (claimed, in their engines or reserve), from their gauges."""
         total = 0
         for url in self.stack.worker_metrics_urls:
-            found = re.search(r"^genq_worker_held_jobs (\S+)", self.http().get(url, timeout=5).text, re.M)
+            found = re.search(  # {model="..."}: every worker sample carries its model (workers/metrics.py)
+                r"^genq_worker_held_jobs(?:\{[^}]*\})? (\S+)", self.http().get(url, timeout=5).text, re.M
+            )
             total += int(float(found.group(1))) if found else 0
         return total
 
@@ -406,7 +408,9 @@ def _wait_until_engine_ready(stack: Stack, timeout: float = 180) -> None:
     (its intake exists, so its engine is built); one tiny job then proves the stack takes jobs."""
     deadline = time.monotonic() + timeout
     for url in stack.worker_metrics_urls:
-        while not re.search(r"^genq_worker_capacity [1-9]", requests.get(url, timeout=5).text, re.M):
+        while not re.search(
+            r"^genq_worker_capacity(?:\{[^}]*\})? [1-9]", requests.get(url, timeout=5).text, re.M
+        ):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{url}: the worker's engine was not built in {timeout}s")
             time.sleep(0.2)
