@@ -1,5 +1,5 @@
 """/admin: the operator's page, server-rendered (Jinja, no front-end build). Jobs across tenants with filters
-(status, priority, model, tenant), a job's timeline from what its row records, cancel; tenants with their
+(status, priority, model, tenant), a job's timeline (its row's times and its events), cancel; tenants with their
 policy (editable) and today's usage. Opened with ADMIN_KEY (empty: /admin answers 404): the login form sets a
 cookie holding an HMAC of the key (HttpOnly, SameSite=Strict, so another site cannot post a cancel), or a
 script sends `Authorization: Bearer <ADMIN_KEY>`."""
@@ -10,10 +10,12 @@ import hashlib
 import hmac
 import uuid
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from flask import Blueprint, abort, redirect, render_template, request, url_for
 
+from jobstore.job_events import EventKind, JobEvent, job_events
 from jobstore.job_search import search_jobs
 from jobstore.jobs import get_job
 from jobstore.models import JobStatus
@@ -103,16 +105,18 @@ def jobs():
 
 @bp.get("/jobs/<uuid:job_id>")
 def job(job_id: uuid.UUID):
-    """One job's timeline, from what its row records."""
+    """One job's timeline: what its row's columns and its events record."""
     found = get_job(db(), job_id)
     if found is None:
         abort(404)
     tenant = next((name for tid, name, _ in list_policies(db()) if tid == found.tenant_id), "?")
+    moments, summary = timeline(found)
     return render_template(
         "admin/job.html",
         job=found,
         tenant=tenant,
-        timeline=timeline(found),
+        timeline=moments,
+        summary=summary,
         live=not JobStatus(found.status).finished,
         model=found.model or services().settings.fleet_default_model(),
         cancelled=request.args.get("cancelled"),
@@ -185,32 +189,97 @@ def update_policy(name: str):
     return redirect(url_for("admin.tenants"))
 
 
-def timeline(job) -> list[tuple[str, datetime | None, str]]:
-    """(event, when, what the row says of it), in the order a job lives them. The row keeps the times of
-    creation, its last send to Redis, its first claim, its first token and its end; preemptions and hand-backs
-    (a full worker giving it back for more urgent work) and claims are counts."""
+@dataclass(frozen=True, slots=True)
+class Moment:
+    """A row of a job's timeline: `kind` names it for scripts and tests (a job_events kind, or the column's)."""
+
+    kind: str
+    label: str
+    at: datetime | None
+    note: str
+
+
+def timeline(job) -> tuple[list[Moment], str]:
+    """The job's moments in the order it lived them, and a summary of its preemptions, hand-backs and re-claims.
+
+    The times its row's columns keep (created, its last send to Redis, its first claim, its first token, its end)
+    merged by time with its events (jobstore/job_events.py: re-claims, preemptions inside the engine and
+    resumes, hand-backs, lease expiries); what has not happened yet comes last, without a time."""
     waited = (job.started_at - job.created_at).total_seconds() if job.started_at else None
-    events = [
-        ("created", job.created_at, f"priority {job.priority}"),
-        ("queued (sent to Redis)", job.enqueued_at, "the last send; a job handed back is sent again"),
-        (
+    status = JobStatus(job.status)
+    columns = [
+        Moment("created", "created", job.created_at, f"priority {job.priority}"),
+        Moment(
+            "queued",
+            "queued (sent to Redis)",
+            job.enqueued_at,
+            "the last send; a job handed back is sent again",
+        ),
+        Moment(
+            "first_claim",
             "claimed",
             job.started_at,
-            f"by {job.worker_id or '-'}; {job.attempts} claim(s)"
+            f"the first of {job.attempts} claim(s)"
+            + (f"; by {job.worker_id}" if job.attempts == 1 and job.worker_id else "")
             + (f"; waited {waited:.2f} s" if waited is not None else ""),
         ),
-        ("first token", job.first_token_at, ""),
-        (
-            "preemptions and hand-backs",
-            None,
-            f"{job.handbacks} hand-back(s) to the queue for more urgent work; {max(0, job.attempts - 1)} re-claim(s)",
-        ),
-        (
-            JobStatus(job.status).value if JobStatus(job.status).finished else "finished",
+        Moment("first_token", "first token", job.first_token_at, ""),
+        Moment(
+            "ended",
+            status.value if status.finished else "finished",
             job.finished_at,
             " ".join(
                 filter(None, [job.finish_reason and f"finish_reason {job.finish_reason}", job.error_code])
             ),
         ),
     ]
-    return events
+    found = job_events(job.events)
+    recorded = [Moment(e.kind.value, _LABELS[e.kind], e.at, _note(e)) for e in found]
+    # by time; at the same time (one transaction's now()), the end last
+    moments = sorted(
+        (m for m in columns + recorded if m.at is not None), key=lambda m: (m.at, m.kind == "ended")
+    )
+    preemptions = sum(e.fields.get("count", 1) for e in found if e.kind is EventKind.PREEMPTED)
+    summary = (
+        f"{preemptions} preemption(s) inside the engine; {job.handbacks} hand-back(s) to the queue for more "
+        f"urgent work; {max(0, job.attempts - 1)} re-claim(s)"
+    )
+    return moments + [m for m in columns if m.at is None], summary
+
+
+_LABELS = {
+    EventKind.CLAIMED: "claimed again",
+    EventKind.PREEMPTED: "preempted",
+    EventKind.RESUMED: "resumed",
+    EventKind.HANDED_BACK: "handed back",
+    EventKind.LEASE_EXPIRED: "lease expired",
+}
+_HANDED_BACK = {
+    "preempted": "to the queue, for more urgent work",
+    "handed_back": "to the queue: its worker shut down",
+    "engine_lost": "to the queue: its engine process died",
+}
+
+
+def _note(e: JobEvent) -> str:
+    f = e.fields
+    match e.kind:
+        case EventKind.CLAIMED:
+            return f"claim {f.get('attempt', '?')}, by {f.get('worker', '?')}"
+        case EventKind.PREEMPTED:
+            times = f.get("count", 1)
+            return (
+                "taken out of the batch for more urgent work"
+                + (f" ({times} times)" if times != 1 else "")
+                + "; the time of its last step before"
+            )
+        case EventKind.RESUMED:
+            return "its first token after the preemption"
+        case EventKind.HANDED_BACK:
+            reason = f.get("reason", "")
+            return f"{_HANDED_BACK.get(reason, reason)}; {f.get('tokens', '?')} tokens kept; by {f.get('worker', '?')}"
+        case EventKind.LEASE_EXPIRED:
+            return (
+                f"{f.get('worker', '?')} stopped renewing its lease; the reconciler sent it back to the queue"
+            )
+    return ""

@@ -6,11 +6,12 @@ import uuid
 from datetime import datetime, timezone
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from contract.fields import drop_nulls
 from contract.requests import JobCreate, MetadataValue
 from contract.settings import StoreSettings
+from jobstore.job_events import job_events
 from jobstore.models import Job, JobStatus
 from webapi.openai_schemas import ChatMessage
 
@@ -105,6 +106,25 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class JobEventOut(BaseModel):
+    """Something the job lived that its other fields keep no time of (jobstore/job_events.py); a field that does
+    not apply to its kind is left out."""
+
+    kind: Literal["claimed", "preempted", "resumed", "handed_back", "lease_expired"]
+    at: datetime
+    attempt: int | None = Field(None, description="claimed: which claim this is (the first is `started_at`).")
+    count: int | None = Field(None, description="preempted: how many times since it last made tokens.")
+    reason: Literal["preempted", "handed_back", "engine_lost"] | None = Field(
+        None,
+        description="handed_back: for more urgent work, its worker shutting down, or its engine process dying.",
+    )
+    tokens: int | None = Field(None, description="handed_back: the output tokens it kept.")
+
+    @model_serializer(mode="wrap")
+    def _absent_fields_left_out(self, serialize):
+        return drop_nulls(serialize(self))
+
+
 class JobOut(BaseModel):
     """A job as its owner sees it. While it runs, `output` holds the tokens generated so far."""
 
@@ -124,6 +144,11 @@ class JobOut(BaseModel):
         None,
         description='With `logprobs` / `prompt_logprobs`, once the job succeeded: {"tokens": [...], "prompt": [...]}, '
         "each entry [token_id, logprob, [[id, logprob], ...]] (the prompt's first token's logprob is null).",
+    )
+    events: list[JobEventOut] = Field(
+        default_factory=list,
+        description="Re-claims, preemptions inside the engine and resumes, hand-backs to the queue and lease "
+        "expiries, in the order they happened (a job that ran straight through has none).",
     )
     deadline: datetime | None = Field(None, description="When its result is wanted (null: no deadline).")
     deadline_status: DeadlineStatus | None = Field(
@@ -151,6 +176,7 @@ class JobOut(BaseModel):
             error=error,
             metadata=job.metadata_,
             logprobs=job.logprobs,
+            events=[JobEventOut(**e.public()) for e in job_events(job.events)] if job.events else [],
             deadline=job.deadline,
             deadline_status=deadline_status(job, datetime.now(timezone.utc), _deadline_margin()),
         )

@@ -9,16 +9,32 @@ writes their transcripts; the book's writer thread reads them to write rows.
 from __future__ import annotations
 
 import time
+from datetime import datetime, timezone
 
 from batching import SamplingParams
 from contract.deltas import Delta, Position, Transcript
 from jobstore import jobs
+from jobstore.job_events import EventKind, event
 from jobstore.models import Job
 from workers.engine_host import EngineRequest
+from workers.engine_protocol import RequestNews
 
 
 class HeldJob(EngineRequest):
-    __slots__ = ("job", "lease", "key", "kept", "kept_bytes", "claimed_at", "created_at", "handbacks")
+    __slots__ = (
+        "job",
+        "lease",
+        "key",
+        "kept",
+        "kept_bytes",
+        "claimed_at",
+        "created_at",
+        "handbacks",
+        "events",
+        "kept_events",
+        "row_events",
+        "ran_at",
+    )
 
     def __init__(self, job: Job, lease: str):
         text = job.output_text or ""
@@ -31,6 +47,12 @@ class HeldJob(EngineRequest):
         self.kept_bytes = len(text.encode())  # the UTF-8 bytes of those characters
         self.claimed_at = time.monotonic()
         self.created_at, self.handbacks = job.created_at, job.handbacks  # what admission weighs
+        # the row's events as claimed, and those this hold records (preempted, resumed: jobstore/job_events.py),
+        # the first `kept_events` of them written; appended by the reader thread, written by the writer's
+        self.row_events = len(job.events or ())
+        self.events: list[dict] = []
+        self.kept_events = 0
+        self.ran_at = time.time()  # when it last made tokens (until the first: its claim)
 
     @property
     def prompt(self) -> str | list[int]:
@@ -65,6 +87,26 @@ class HeldJob(EngineRequest):
             json_schema=options.get("json_schema"),
         )
 
+    def apply(self, delta: Delta, news: RequestNews | None) -> Delta | None:
+        """The engine's report of a step (EngineRequest.apply), and the job's events it tells of: the engine
+        counts preemptions without saying when, so a preemption is placed at the job's last step with tokens
+        and its resume at its first step with tokens after (an aborted request reports its count as it leaves,
+        with no resume)."""
+        before = self.num_preemptions
+        new = super().apply(delta, news)
+        if self.num_preemptions > before:  # rare: the cost of a step is the line below
+            count = self.num_preemptions - before
+            self.events.append(event(EventKind.PREEMPTED, _utc(self.ran_at), count=count))
+            if delta.token_ids:
+                self.events.append(event(EventKind.RESUMED, _utc(time.time())))
+        if delta.token_ids:
+            self.ran_at = time.time()
+        return new
+
+    def unwritten_events(self) -> list[dict]:
+        """The events this hold recorded that the row does not hold yet."""
+        return self.events[self.kept_events :]
+
     def resumable(self) -> Position | None:
         """How much of its output a later run may resume from: all of it so far, or None once the engine ended
         it (a stop or its length): its last tokens (an EOS, which a resumed run would go past) belong with its
@@ -91,12 +133,15 @@ class HeldJob(EngineRequest):
             transcript.finish_reason if final else None,
             len(self.prompt_token_ids) if final else None,
             self.logprobs() if final else None,
+            self.row_events + self.kept_events,
+            self.unwritten_events(),
         )
         return output, upto
 
     def saved(self, output: jobs.Output, position: Position) -> None:
         """The row now holds `output` (written by save_progress)."""
         self.kept, self.kept_bytes = position, self.kept_bytes + len(output.text_tail)
+        self.kept_events += len(output.new_events)
 
     def logprobs(self) -> dict | None:
         """The job's `logprobs` column, when it asked: {"prompt": [...] or None, "tokens": [...] or None},
@@ -121,3 +166,7 @@ class HeldJob(EngineRequest):
         if delta.start == 0 and delta.token_ids and self.prompt_logprobs is not None:
             delta = delta._replace(fields={**(delta.fields or {}), "prompt_logprobs": self.prompt_logprobs})
         return delta
+
+
+def _utc(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, timezone.utc)

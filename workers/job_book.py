@@ -11,6 +11,9 @@ the engine, and one writer thread does every database write of every held job, b
 - hand-backs (a more urgent job took the slot, the worker shuts down, or the engine process died): abort
   the request, save its tokens, drop the lease, send the job back to the queue at its own priority.
 
+The moments a held job's row keeps no time of (jobstore/job_events.py: its preemptions inside the engine and
+resumes, which its HeldJob notes from the engine's reports; its hand-back) ride on these same writes.
+
 Each engine step's new output of every held job also leaves at once as token events (contract/token_events.py:
 one XADD per step, from a publisher thread), for the API's streaming callers; the writer publishes status
 changes (claimed, handed back, result stored) after the write that makes them true.
@@ -292,7 +295,9 @@ class JobBook:
             if isinstance(error, ValueError)
             else "engine_error"
         )
-        if not jobs.fail_job(session, held.job.id, held.lease, code=code, message=str(error)):
+        if not jobs.fail_job(
+            session, held.job.id, held.lease, code=code, message=str(error), events=held.unwritten_events()
+        ):
             return Outcome.DISCARDED, None
         log.info("job %s failed (%s: %s)", held.job.id, code, error, extra=job_fields(held.job))
         return Outcome.FAILED, code
@@ -323,6 +328,8 @@ class JobBook:
                     token_ids=tokens,
                     text=text,
                     preempted=outcome is Outcome.PREEMPTED,
+                    reason=outcome.value,  # preempted, handed_back (shutting down) or engine_lost
+                    events=h.unwritten_events(),
                 ):
                     released.append((h, outcome, len(tokens)))
                 else:

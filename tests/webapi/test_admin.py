@@ -5,7 +5,9 @@ tenant's policy. No worker runs here: jobs stay queued until cancelled."""
 from __future__ import annotations
 
 import shutil
+import time
 import uuid
+from datetime import datetime, timedelta, timezone
 
 import pytest
 import requests
@@ -114,7 +116,9 @@ def test_login_filters_and_a_cancel_that_takes_effect(admin_server, browser, new
     # the job's page, its timeline, and a cancel that the tenant's API sees
     click_and_wait(browser, browser.find_element(By.CSS_SELECTOR, f'tr[data-job-id="{alpha_jobs[1]}"] a'))
     timeline = browser.find_element(By.ID, "timeline").text
-    assert "created" in timeline and "claimed" in timeline and "hand-back" in timeline
+    assert "created" in timeline and "claimed" in timeline  # not yet: no time
+    summary = browser.find_element(By.ID, "timeline-summary").text
+    assert "0 preemption(s) inside the engine; 0 hand-back(s)" in summary and "0 re-claim(s)" in summary
     assert browser.find_element(By.ID, "status").text == "queued"
     click_and_wait(browser, browser.find_element(By.ID, "cancel"))
     assert browser.find_element(By.ID, "cancel-done").text == "Cancelled."
@@ -128,6 +132,75 @@ def test_login_filters_and_a_cancel_that_takes_effect(admin_server, browser, new
     # the cancelled filter finds it; the queued one is not among them
     browser.get(f"{admin_server}/admin/jobs?status=cancelled&tenant={alpha}")
     assert [row["job-id"] for row in rows(browser)] == [alpha_jobs[1]]
+
+
+def test_a_jobs_timeline_shows_its_preemptions_hand_backs_and_re_claims(
+    admin_server, browser, new_key, sessions
+):
+    """A job's row written as a worker writes it (jobstore's own statements: the worker's end of this is
+    tests/workers/test_job_timeline.py): claimed, preempted inside the engine and resumed (with a progress
+    write), handed back to the queue, claimed again by another worker, succeeded. The page lists each with its
+    time, in order."""
+    from selenium.webdriver.common.by import By
+
+    from jobstore import jobs
+    from jobstore.job_events import EventKind, event
+
+    job_id = uuid.UUID(submit(admin_server, new_key(f"delta-{uuid.uuid4().hex[:6]}"), priority=6))
+    with sessions.begin() as s:
+        jobs.claim_job(s, job_id, "worker-a#1", 30)
+    with sessions.begin() as s:
+        now = datetime.now(timezone.utc)
+        engine = [
+            event(EventKind.PREEMPTED, now, count=1),
+            event(EventKind.RESUMED, now + timedelta(seconds=0.2)),
+        ]
+        output = jobs.Output(job_id, "worker-a#1", 0, [5, 6], 0, b"ab", now, kept_events=0, new_events=engine)
+        assert jobs.save_progress(s, [output], 30)
+    time.sleep(0.3)  # after the engine's moments (the database's clock stamps what follows)
+    with sessions.begin() as s:
+        assert jobs.release_job(
+            s, job_id, "worker-a#1", token_ids=[5, 6], text="ab", preempted=True, reason="preempted"
+        )
+    with sessions.begin() as s:
+        jobs.claim_job(s, job_id, "worker-b#1", 30)
+    with sessions.begin() as s:
+        assert jobs.finish_job(
+            s, job_id, "worker-b#1", token_ids=[5, 6, 7], text="abc", finish_reason="length", prompt_tokens=3
+        )
+
+    browser.get(f"{admin_server}/admin/jobs/{job_id}")
+    if "/admin/login" in browser.current_url:
+        browser.find_element(By.NAME, "key").send_keys(ADMIN_KEY)
+        click_and_wait(browser, browser.find_element(By.CSS_SELECTOR, "#login button"))
+    shown = [
+        (row.get_attribute("data-event"), row.get_attribute("data-at"), row.text)
+        for row in browser.find_elements(By.CSS_SELECTOR, "#timeline tbody tr")
+    ]
+    assert [kind for kind, _, _ in shown] == [
+        "created",
+        "first_claim",
+        "first_token",
+        "preempted",
+        "resumed",
+        "handed_back",
+        "claimed",
+        "ended",
+        "queued",  # no time: the hand-back clears the last send to Redis, and nothing sent it again
+    ], shown
+    times = [datetime.fromisoformat(at) for _, at, _ in shown[:-1]]
+    assert times == sorted(times) and shown[-1][1] == ""
+    texts = dict((kind, text) for kind, _, text in shown)
+    assert texts["preempted"].startswith("preempted") and "more urgent work" in texts["preempted"]
+    assert "handed back" in texts["handed_back"] and "worker-a#1" in texts["handed_back"]
+    assert "2 tokens kept" in texts["handed_back"]
+    assert texts["claimed"].startswith("claimed again") and "claim 2, by worker-b#1" in texts["claimed"]
+    assert texts["ended"].startswith("succeeded")
+    summary = browser.find_element(By.ID, "timeline-summary").text
+    assert (
+        summary
+        == "1 preemption(s) inside the engine; 1 hand-back(s) to the queue for more urgent work; 1 re-claim(s)"
+    )
 
 
 def test_tenants_show_policy_and_usage_and_edit_the_policy(admin_server, browser, new_key, sessions):
