@@ -334,15 +334,15 @@ class Output:
     finish_reason: str | None = None  # with prompt_tokens: the final write
     prompt_tokens: int | None = None
     logprobs: dict | None = None  # the final write of a job that asked for log probabilities
+    # the row's events (job_events.py) the same way: the first `kept_events` stay, `new_events` follow
+    kept_events: int = 0
+    new_events: Sequence[dict] = ()
 
 
 def save_progress(
     db: Session | Connection, outputs: Sequence[Output], lease_seconds: float
 ) -> set[tuple[uuid.UUID, str]]:
     """Append each running job's new tokens and renew its lease, in one statement whatever the number of jobs.
-    # the row's events (job_events.py) the same way: the first `kept_events` stay, `new_events` follow
-    kept_events: int = 0
-    new_events: Sequence[dict] = ()
 
     Returns the (job id, worker_id) pairs whose lease held; an output missing from it is no longer its
     worker's (cancelled, or its lease lapsed and the job went back to the queue, perhaps to be claimed
@@ -403,16 +403,25 @@ def _output_params(outputs: Sequence[Output]) -> dict:
         text_kept=_array_literal(o.kept_text_bytes for o in outputs),
         tails=[o.text_tail for o in outputs],
         firsts=[o.first_token_at for o in outputs],
+        events_kept=_array_literal(o.kept_events for o in outputs),
+        events_new=_jsonb_array_literal(list(o.new_events) if o.new_events else None for o in outputs),
     )
 
 
 def _array_literal(values) -> str:
     """A Postgres array's text form of integers or hex uuids (no quoting needed), for a CAST in the statement:
     psycopg dumps a list element by element in Python, 4x the client CPU of this for a progress write of 256
-        events_kept=_array_literal(o.kept_events for o in outputs),
-        events_new=_jsonb_array_literal(list(o.new_events) if o.new_events else None for o in outputs),
     jobs' 2,800 new tokens (2.1 against 0.5 ms)."""
     return "{" + ",".join(map(str, values)) + "}"
+
+
+def _jsonb_array_literal(values) -> str:
+    """A Postgres jsonb[] array's text form (None: NULL), as _array_literal's, for the same reason."""
+    return "{" + ",".join("NULL" if v is None else _quoted(json.dumps(v)) for v in values) + "}"
+
+
+def _quoted(element: str) -> str:
+    return '"' + element.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 # One row per job from parallel arrays: the statement's text is the same for 1 job or 500 (planned once).
@@ -423,27 +432,18 @@ _OUTPUT_ROWS = """
       AS v(id, worker, kept, lo, hi, text_kept, tail, first, events_kept, events_new{extra_names})"""
 # events: the first events_kept entries and the new ones (so written twice, the row is the same); a job with no
 # new events (nearly all) keeps its value untouched
-def _jsonb_array_literal(values) -> str:
-    """A Postgres jsonb[] array's text form (None: NULL), as _array_literal's, for the same reason."""
-    return "{" + ",".join("NULL" if v is None else _quoted(json.dumps(v)) for v in values) + "}"
-
-
-def _quoted(element: str) -> str:
-    return '"' + element.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 _APPENDED = """
     output_token_ids = j.output_token_ids[1:v.kept] || (CAST(:tokens AS integer[]))[v.lo:v.hi],
     output_text = substring(j.output_text FROM 1 FOR v.text_kept) || v.tail,
     first_token_at = coalesce(j.first_token_at, v.first),
+    events = CASE WHEN v.events_new IS NULL THEN j.events ELSE coalesce(jsonb_path_query_array(
+        j.events, '$[0 to $n]', jsonb_build_object('n', v.events_kept - 1)), CAST('[]' AS jsonb)) || v.events_new END,
     updated_at = now()"""
 _LEASED = "WHERE j.id = v.id AND j.status = 'running' AND j.worker_id = v.worker RETURNING j.id, j.worker_id"
 _PROGRESS = text(f"""UPDATE jobs AS j SET {_APPENDED},
     lease_expires_at = now() + make_interval(secs => CAST(:lease AS double precision))
     FROM {_OUTPUT_ROWS.format(extra="", extra_names="")} {_LEASED}""")
 _FINISH = text(f"""UPDATE jobs AS j SET {_APPENDED},
-    events = CASE WHEN v.events_new IS NULL THEN j.events ELSE coalesce(jsonb_path_query_array(
-        j.events, '$[0 to $n]', jsonb_build_object('n', v.events_kept - 1)), CAST('[]' AS jsonb)) || v.events_new END,
     status = 'succeeded', finished_at = now(), lease_expires_at = NULL,
     finish_reason = v.reason, prompt_tokens = v.prompt_count, logprobs = v.logprobs
     FROM {
@@ -485,15 +485,15 @@ def fail_job(
         error_code=code,
         error_message=message,
     )
+    if events:
+        values["events"] = _events_appended(events)
+    return _update_leased(db, job_id, worker_id, **values)
 
 
 def cancel_job(db: Session | Connection, job_id: uuid.UUID, tenant_id: uuid.UUID) -> tuple[Job | None, bool]:
     """queued/running → cancelled. Returns the job as it now is (any status; None if not the tenant's) and
     whether this call cancelled it (False for a job already cancelled or ended: count a cancel once)."""
     row = db.execute(
-    if events:
-        values["events"] = _events_appended(events)
-    return _update_leased(db, job_id, worker_id, **values)
         update(JOBS)
         .where(JOBS.c.id == job_id, JOBS.c.tenant_id == tenant_id, JOBS.c.status.in_(ACTIVE))
         .values(
@@ -517,6 +517,8 @@ def release_job(
     token_ids: Sequence[int],
     text: str,
     preempted: bool = False,
+    reason: str | None = None,
+    events: Sequence[dict] = (),
 ) -> bool:
     """running → queued, keeping the tokens so far and dropping the lease, so that a worker resumes the job
     at once: a worker shutting down hands its jobs back, and a full worker hands back its least urgent job
@@ -530,21 +532,19 @@ def release_job(
         worker=JOBS.c.worker_id,
     )
     values = dict(
-    reason: str | None = None,
-    events: Sequence[dict] = (),
         status=JobStatus.QUEUED,
         worker_id=None,
         lease_expires_at=None,
         enqueued_at=None,
         output_token_ids=list(token_ids),
         output_text=text,
+        events=_events_appended(events, handed_back),
     )
     if preempted:
         values["handbacks"] = JOBS.c.handbacks + 1
     return _update_leased(db, job_id, worker_id, **values)
 
 
-        events=_events_appended(events, handed_back),
 def forget_sent(session: Session, sent_before_seconds: float = 0.0) -> int:
     """Mark queued jobs sent to Redis more than `sent_before_seconds` ago as never sent, so the reconciler
     sends them again (Redis lost its data, or the message went missing); returns how many."""
@@ -599,13 +599,13 @@ def requeue_expired(session: Session) -> list[tuple[uuid.UUID, int]]:
             events=_events_appended((), _event_entry(EventKind.LEASE_EXPIRED, worker=JOBS.c.worker_id)),
         )
         .returning(Job.id, Job.priority)
+        .execution_options(synchronize_session=False)  # no ORM object to update, no SQL to evaluate in Python
     )
     return [(row.id, row.priority) for row in rows]
 
 
 def unsent_jobs(session: Session, grace_seconds: float, limit: int = 1000) -> list[tuple[uuid.UUID, int]]:
     """(id, priority) of queued jobs never sent to Redis, committed more than `grace_seconds` ago."""
-        .execution_options(synchronize_session=False)  # no ORM object to update, no SQL to evaluate in Python
     rows = session.execute(
         select(Job.id, Job.priority)
         .where(
@@ -708,12 +708,6 @@ def _attribute_names(fields: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(_ATTRIBUTE.get(key, key) for key in fields)
 
 
-def _update_leased(db: Session | Connection, job_id: uuid.UUID, worker_id: str, /, **values) -> bool:
-    """Apply `values` to a running job leased by `worker_id`; True if it was."""
-    return db.execute(_leased(**values), {"job": job_id, "worker": worker_id}).rowcount == 1
-
-
-def live_deadline_counts(db: Session | Connection, margin_seconds: float) -> dict[tuple[JobStatus, str], int]:
 _NO_EVENTS = literal_column("CAST('[]' AS jsonb)", JSONB)
 
 
@@ -740,6 +734,12 @@ def _events_appended(recorded: Sequence[dict], *entries: ColumnElement) -> Colum
     return appended
 
 
+def _update_leased(db: Session | Connection, job_id: uuid.UUID, worker_id: str, /, **values) -> bool:
+    """Apply `values` to a running job leased by `worker_id`; True if it was."""
+    return db.execute(_leased(**values), {"job": job_id, "worker": worker_id}).rowcount == 1
+
+
+def live_deadline_counts(db: Session | Connection, margin_seconds: float) -> dict[tuple[JobStatus, str], int]:
     """Queued and running jobs whose deadline has passed ("missed") or is less than `margin_seconds` away
     ("at_risk"), by status: one read of the index of live jobs with a deadline (ix_jobs_live_deadline)."""
     soon = func.now() + func.make_interval(0, 0, 0, 0, 0, 0, margin_seconds)

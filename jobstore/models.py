@@ -189,13 +189,13 @@ class Job(Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     # times a full worker handed it back for more urgent work (bounded, so a job is not preempted forever)
     handbacks: Mapped[int] = mapped_column(SmallInteger, default=0, server_default=text("0"))
-
-    # when its result is wanted (POST /jobs' `deadline`; a batch's jobs: the end of its completion window)
-    deadline: Mapped[datetime | None] = _timestamp()
     # what the columns keep no time of, in the order it happened (jobstore/job_events.py): re-claims, preemptions
     # inside the engine and resumes, hand-backs, lease expiries. NULL until the first; appended by the statements
     # that write the row anyway (claim, progress, result, hand-back, the reconciler's requeue)
     events: Mapped[list | None] = mapped_column(JSONB)
+
+    # when its result is wanted (POST /jobs' `deadline`; a batch's jobs: the end of its completion window)
+    deadline: Mapped[datetime | None] = _timestamp()
 
     # the batch this job is a line of (the Batch API), and the line's index in the batch's input file
     batch_id: Mapped[str | None] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
