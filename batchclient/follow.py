@@ -5,6 +5,7 @@ the progress bar, and knows how much room the key's queued-job cap leaves for th
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from tqdm import tqdm
 
@@ -19,6 +20,7 @@ class Follower:
     def __init__(self, client: Client, state: State, results: Results, bar: tqdm):
         self.client, self.state, self.results, self.bar = client, state, results, bar
         self._lock = threading.Lock()
+        self._room_changed = threading.Condition(self._lock)  # the submitter waits on it for room
         self.pending: dict[str, str] = {}  # job id -> custom_id, submitted and not yet ended
         self.ended_unknown: dict[str, dict] = {}  # ended jobs seen before their submission was recorded
         self.failed = sum(1 for row in results.rows.values() if row["status"] in FAILED)
@@ -45,11 +47,19 @@ class Follower:
         with self._lock:
             return self._fill
 
+    def wait_for_room(self, enough: Callable[[int, int], bool], timeout: float) -> int:
+        """The room (as room()) once `enough(room, fill)` holds, or after `timeout` seconds: woken by the
+        answer that shows the room (a look at what ended, a bulk call's), not by a timer."""
+        with self._room_changed:
+            self._room_changed.wait_for(lambda: enough(self._room or 0, self._fill), timeout)
+            return self._room or 0
+
     def queue_seen(self, queue: dict) -> None:
         """The API's count of the key's queued jobs, against its cap."""
         with self._lock:
             self._fill = int(queue["max_queued"] * CAP_SHARE)
             self._room = self._fill - queue["queued"]
+            self._room_changed.notify_all()
 
     def submitted(self, entries: list[dict]) -> None:
         """Recorded submissions: their jobs are followed; a request the API refused is a result at once."""

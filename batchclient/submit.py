@@ -17,6 +17,7 @@ RETRIED_CODES = ("too_many_queued_jobs", "overloaded")  # an item refused for no
 # a call waits until the cap has room for this many (or all that is left, or a quarter of what the client
 # fills of the cap): at the cap, room frees a few jobs at a time, and a call per few jobs cost the API more
 MIN_BULK = 100
+STOP_CHECK_SECONDS = 0.2  # how often a submitter waiting for room looks whether the run is stopping
 
 
 def read_requests(path: Path) -> list[dict]:
@@ -54,9 +55,9 @@ class Submitter:
             while self.todo and not self.client.stopping.is_set():
                 if self.follower.no_room_ever():
                     raise BatchError("the API allows this key no queued job (its tenant's max_queued is 0)")
-                room = self.follower.room()
-                if room < min(MIN_BULK, self.bulk_size, len(self.todo), max(1, self.follower.fill() // 4)):
-                    self.client.stopping.wait(0.2)
+                # woken as soon as an answer shows the room (a timeout only to look at `stopping` again)
+                room = self.follower.wait_for_room(self.enough, STOP_CHECK_SECONDS)
+                if not self.enough(room, self.follower.fill()):
                     continue
                 self.send(self.take(min(room, self.bulk_size)))
         except BatchError as exc:
@@ -65,6 +66,10 @@ class Submitter:
                 self.client.stopping.set()
         finally:
             self.done.set()
+
+    def enough(self, room: int, fill: int) -> bool:
+        """Whether `room` is worth a bulk call: MIN_BULK, or all that is left, or a quarter of `fill`."""
+        return room >= min(MIN_BULK, self.bulk_size, len(self.todo), max(1, fill // 4))
 
     def take(self, count: int) -> list[tuple[dict, bytes]]:
         """Up to `count` requests from the front of the queue, their bodies together under MAX_BULK_BYTES."""

@@ -295,3 +295,49 @@ def test_a_key_allowed_no_queued_job_is_told_so(served, tmp_path, new_key, sessi
         client_command(url, key, tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 2 and "its tenant's max_queued is 0" in r.stderr
+
+
+def test_the_submitter_sends_once_an_answer_shows_room_not_at_its_next_tick(served, tmp_path, monkeypatch):
+    """A submitter waiting for room is woken by the answer that shows it (here the follower's look at what
+    ended), not by a timer: with its stop check set to 30 s, each bulk call follows within seconds of the
+    answer. Three rounds, each from a cap the client saw full."""
+    from tqdm import tqdm
+
+    from batchclient import submit
+    from batchclient.api import Client
+    from batchclient.follow import Follower
+    from batchclient.run_state import Results, State
+
+    monkeypatch.setattr(submit, "STOP_CHECK_SECONDS", 30.0)
+    stack, _ = served
+    arrivals: list[float] = []
+
+    def timing(environ, start_response):
+        if environ["PATH_INFO"] == "/jobs/bulk":
+            arrivals.append(time.monotonic())
+        return stack.client.application(environ, start_response)
+
+    with http_server(timing) as url:
+        client = Client(url, stack.headers["Authorization"].removeprefix("Bearer "))
+        state, results = State(tmp_path / "state.jsonl"), Results(tmp_path / "out.jsonl")
+        with tqdm(disable=True) as bar:
+            follower = Follower(client, state, results, bar)
+            for round_ in range(3):
+                follower.queue_seen({"queued": 1000, "max_queued": 1000})  # as an answer saying it is full
+                items = [{"custom_id": f"r{round_}-{i}", "prompt": "Room", "max_tokens": 2} for i in range(3)]
+                submitter = submit.Submitter(client, state, items, follower, bulk_size=1000)
+                thread = threading.Thread(target=submitter.run, daemon=True)
+                thread.start()
+                time.sleep(0.3)
+                assert not submitter.done.is_set() and len(arrivals) == round_  # waiting for room
+                follower.poll()  # GET /jobs/ended: its answer shows the cap's room
+                seen = time.monotonic()
+                assert submitter.done.wait(10) and submitter.error is None
+                thread.join()
+                assert len(arrivals) == round_ + 1
+                assert arrivals[-1] - seen < 5.0, (
+                    f"round {round_}: the bulk call came {arrivals[-1] - seen:.1f} s later"
+                )
+        state.close()
+        results.close()
+    assert len(state.entries) == 9 and all(entry["job_id"] for entry in state.entries.values())
