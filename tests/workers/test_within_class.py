@@ -13,15 +13,17 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from contract.dispatch import make_celery
 from contract.settings import Settings
 from jobstore import jobs
-from tests.conftest import ROOT, settings_env, worker_command
+from tests.conftest import ROOT, free_port, settings_env, worker_command
 from tests.workers.conftest import Stack
 
 LONG = {"prompt": "A long story", "temperature": 0.0, "ignore_eos": True}  # runs to max_tokens
@@ -32,15 +34,16 @@ def finished(job: dict) -> datetime:
 
 
 @contextmanager
-def worker(settings: Settings, log: Path) -> Iterator[subprocess.Popen]:
-    """A worker for `settings`, ready; stopped with a warm shutdown (SIGTERM: held jobs handed back)."""
+def worker(settings: Settings, log: Path, metrics_port: int = 0) -> Iterator[subprocess.Popen]:
+    """A worker for `settings`, ready; stopped with a warm shutdown (SIGTERM: held jobs handed back). It serves
+    its metrics on `metrics_port` (0: none)."""
     name = f"wc-{uuid.uuid4().hex[:6]}"
     start = log.stat().st_size if log.exists() else 0
     with log.open("a") as out:
         process = subprocess.Popen(
             worker_command(f"{name}@%h", 2),
             cwd=ROOT,
-            env={**settings_env(settings), "WORKER_METRICS_PORT": "0"},
+            env={**settings_env(settings), "WORKER_METRICS_PORT": str(metrics_port)},
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -159,3 +162,35 @@ def test_a_restarted_worker_takes_the_waiting_jobs_in_the_order_of_their_rows(
     with sessions.begin() as s:
         row = jobs.get_job(s, uuid.UUID(blocker))
     assert row.attempts == 2 and len(row.output_token_ids) == 300  # resumed after the restart
+
+
+def test_the_worker_counts_the_deadlines_of_the_jobs_it_ends(
+    settings, new_key, sessions, redis_client, tmp_path
+):
+    """genq_job_deadlines_total{model,outcome}: a job that ends by its deadline is met; one that waits behind a
+    running job past its deadline is missed (it still runs: a deadline reorders jobs, it cancels none), as their
+    deadline_status says. A job without a deadline is not counted."""
+    log, port = tmp_path / "worker.log", free_port()
+    with (
+        api(settings, new_key, log, "predicted", max_num_seqs=1, reserve=0) as stack,
+        worker(stack.settings, log, metrics_port=port),
+    ):
+        blocker = stack.submit(**LONG, max_tokens=400)
+        stack.wait(blocker, until=lambda j: j["status"] == "running" and j["output"]["token_ids"])
+        now = datetime.now(timezone.utc)
+        late = stack.submit(**LONG, max_tokens=4, deadline=(now + timedelta(seconds=1)).isoformat())
+        on_time = stack.submit(**LONG, max_tokens=4, deadline=(now + timedelta(seconds=600)).isoformat())
+        done = [stack.wait(job_id) for job_id in (blocker, late, on_time)]
+        text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    assert [job["status"] for job in done] == ["succeeded"] * 3
+    assert [job["deadline_status"] for job in done] == [None, "missed", "met"]
+    counted = {
+        (sample.labels["model"], sample.labels["outcome"]): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "genq_job_deadlines_total"
+    }
+    assert counted == {
+        (stack.settings.served_model_name(), "missed"): 1,
+        (stack.settings.served_model_name(), "met"): 1,
+    }
