@@ -25,6 +25,7 @@ import glob
 import os
 import shutil
 import tempfile
+import warnings
 
 from contract.cpus import available_cpus
 from jobstore.db import check_deployment_connections, default_api_workers
@@ -63,7 +64,14 @@ if _json_logs:  # gunicorn's own lines as JSON from its first ("Starting gunicor
             "error_console": {**_handler, "stream": "ext://sys.stderr"},
         },
     }
+# The arbiter imports ssl before a gevent worker patches it (redis, for the start-up checks; transformers, for the
+# tokenizer), so gevent warns in each worker that modules holding the unpatched SSLContext would not be
+# cooperative: redis.asyncio.connection, anyio's TLS streams and truststore, none of which the API uses on Linux
+# (its Redis client is redis-py's synchronous one, and a Hub download's context is ssl.SSLContext looked up when
+# made, which is gevent's by then). Only that warning is silenced.
+warnings.filterwarnings("ignore", message="Monkey-patching ssl after ssl has already been imported")
 preload_app = False  # each worker builds its own app: no database or Redis connection crosses a fork
+# (the tokenizer alone is loaded before the fork, once per host: load_tokenizer_before_fork below)
 # SIGTERM (a redeploy): each process stops accepting and lets the calls in flight, streams included, go on
 # for this long before they are cut (a cut stream resumes with Last-Event-ID). docker-compose.yml's
 # stop_grace_period and deploy/kubernetes' terminationGracePeriodSeconds are longer, so that gunicorn, not a
@@ -89,6 +97,36 @@ def on_starting(server):
     warn_unless_noeviction(StoreSettings.from_env().redis_url, server.log)
     for path in glob.glob(os.path.join(os.environ["PROMETHEUS_MULTIPROC_DIR"], "*.db")):
         os.remove(path)
+    load_tokenizer_before_fork(server)
+
+
+def load_tokenizer_before_fork(server):
+    """One tokenizer per host: the model's tokenizer is loaded here, in gunicorn's arbiter, before it forks its
+    workers, which find it loaded (webapi/prompts.py's cache) and share its memory copy-on-write instead of
+    each loading its own (API_SHARED_TOKENIZER=false: each worker loads its own, as before). bench/api_memory.py
+    measures it.
+
+    Fork-safe as done here: the tokenizer is only loaded, never used, in the arbiter. Its first encode starts
+    the Rust tokenizer's thread pool (rayon), and a process forked after that has parallelism turned off
+    (TOKENIZERS_PARALLELISM=false, with a warning); each worker encodes first after the fork (post_worker_init).
+    No database or Redis connection is made here for the workers (preload_app stays off).
+
+    gc.freeze() moves what is loaded by now out of the collector's sight, so that no worker's collection walks
+    (and so writes to, copying) the shared objects."""
+    if os.environ.get("API_SHARED_TOKENIZER", "true").strip().lower() in ("0", "false", "no", "off"):
+        return
+    from contract.settings import StoreSettings
+    from webapi.prompts import tokenizer_for
+
+    model = StoreSettings.from_env().model
+    try:
+        tokenizer_for(model)
+    except Exception as exc:  # noqa: BLE001 - each worker loads it then (and reports why not)
+        server.log.warning("tokenizer not loaded before the workers start: %s", exc)
+        return
+    gc.collect()
+    gc.freeze()
+    server.log.info("tokenizer of %s loaded once for the workers", model)
 
 
 def check_postgres_connections(server):
@@ -121,10 +159,10 @@ def on_exit(server):
 
 
 def post_worker_init(worker):
-    """Load the model's tokenizer and chat template before the first request (a request would otherwise
-    wait for them); then what is loaded by now (modules, the app, the tokenizer) lives as long as the
-    process: keep it out of the garbage collector's way, so that a full collection walks only the
-    objects of requests."""
+    """Load the model's tokenizer (the arbiter's, already loaded: load_tokenizer_before_fork) and compile its
+    chat template before the first request (a request would otherwise wait for them); then what is loaded by
+    now (modules, the app, the tokenizer) lives as long as the process: keep it out of the garbage collector's
+    way, so that a full collection walks only the objects of requests."""
     from contract.settings import StoreSettings
     from webapi.prompts import warm_up
 
