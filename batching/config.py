@@ -19,7 +19,7 @@ class EngineConfig:
     device: str = "auto"  # "auto": CUDA when present
     # "auto": K/V stored in the model's dtype (exact); "int8": 8 bits per element with a scale per token and KV
     # head (kv_cache.py), about twice the sequences of a 16-bit cache in the same memory, and approximate:
-    # tokens may differ from generate()'s (docs/performance.md has the measured error)
+    # tokens may differ from generate()'s (docs/models.md#8-bit-kv-cache has the measured error)
     kv_cache_dtype: str = "auto"
     block_size: int = 16  # tokens per KV block
     num_device_blocks: int | None = None  # None: sized from free memory

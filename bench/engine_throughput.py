@@ -171,7 +171,8 @@ NO_CONTEXT = "bench_no_context"
 WORKLOADS = {
     "record": (64, (16, 256), (16, 128)),  # the workload of record (issue 2)
     "decode": (64, (16, 64), (512, 512)),  # decode-heavy (issue 38): short prompts, 512 new tokens each
-    "prefill": (16, (2000, 2000), (16, 16)),  # prefill-heavy (issue 38): 2,000-token prompts, 16 new tokens each
+    # prefill-heavy (issue 38): 2,000-token prompts, 16 new tokens each
+    "prefill": (16, (2000, 2000), (16, 16)),
 }
 QUICK_WORKLOADS = {
     "record": (12, (16, 128), (8, 32)),
@@ -337,7 +338,9 @@ class GenqSystem:
 
     label = "genq engine"
 
-    def __init__(self, model_dir, reqs, device, warm_reqs, dtype="float32", attention_backend="auto"):
+    def __init__(
+        self, model_dir, reqs, device, warm_reqs, dtype="float32", attention_backend="auto", **engine_options
+    ):
         from batching import Engine, EngineConfig
 
         max_len = max(len(p) + n for p, n in reqs)
@@ -355,6 +358,7 @@ class GenqSystem:
             max_num_batched_tokens=BUDGET,
             max_model_len=max(max_len, 1024),
             attention_backend=attention_backend,
+            **engine_options,  # e.g. kv_cache_dtype (bench/quantized.py)
         )
         self.engine = Engine(config)
         if attention_backend != "auto":
