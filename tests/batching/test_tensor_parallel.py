@@ -51,13 +51,15 @@ def test_token_identical_to_one_process_under_preemption_swap_and_recompute(llam
     )
     try:
         # sharded: each rank holds half of the heads, of the KV cache's heads and of the MLP
+        # (on the CPU fused_layers.py runs each rank's q/k/v and its gate/up as one product each)
         attention = engine.model.model.layers[0].self_attn
-        assert attention.q_proj.out_features == 2 * 16  # 2 of 4 heads of 16
+        # 2 of 4 heads of 16, and 1 of 2 KV heads (K and V)
+        assert attention.qkv_proj.out_features == (2 + 1 + 1) * 16
         assert isinstance(attention.o_proj, RowParallelLinear) and attention.o_proj.linear.in_features == 32
         assert engine.kv_cache.layers[0].num_kv_heads == 1  # 1 of 2 KV heads
         assert (
-            engine.model.model.layers[0].mlp.gate_proj.out_features
-            == TINY_CONFIGS["llama"]["intermediate_size"] // 2
+            engine.model.model.layers[0].mlp.gate_up_proj.out_features
+            == 2 * TINY_CONFIGS["llama"]["intermediate_size"] // 2
         )
 
         prompts = random_prompts(30, [n for n, *_ in WORKLOAD])
