@@ -202,6 +202,7 @@ class Engine:
             None if deadline is None else float(deadline),
         )
         seq.grammar = grammar
+        seq.stop_ids = self.stop_checker.stop_ids(params)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -244,8 +245,8 @@ class Engine:
         if launched is not None:
             if self.async_scheduling and launched.overlappable:
                 self._hold(launched)
-            else:
-                outputs += self._finish(launched)
+            else:  # (prev's finish may have ended some of its sequences)
+                outputs += self._finish(launched, settled=prev is None)
         seconds = time.perf_counter() - started
         self._record_step(sched, seconds)
         if cost_model and make_up is not None and (costs := cost_model.record(make_up, seconds)) is not None:
@@ -262,8 +263,10 @@ class Engine:
         started); the scheduled sequences advance. None if nothing was sampled."""
         pending = prev.tokens if prev is not None else None
         logits, sample_seqs, prompt_logits, spans = self.runner.execute(sched, pending)
-        prompt_tokens = 0
-        for seq, n in zip(sched.seqs, sched.num_scheduled_tokens, strict=True):
+        prompt_tokens, decodes = 0, sched.num_decodes
+        for seq in sched.seqs[:decodes]:  # the step's decodes come first: a token each
+            seq.num_computed_tokens += 1
+        for seq, n in zip(sched.seqs[decodes:], sched.num_scheduled_tokens[decodes:], strict=True):
             if (
                 seq.num_computed_tokens < len(seq.token_ids) - 1
                 or len(seq.token_ids) == seq.num_prompt_tokens
@@ -283,40 +286,43 @@ class Engine:
         """Leave `launched` in flight: its sequences' tokens wait on the device, placeholders on the host,
         and the next step is scheduled meanwhile (its inputs read them on the device)."""
         launched.logits = None
+        ended = SequenceStatus.FINISHED_STOPPED
         for i, seq in enumerate(launched.seqs):
-            if not seq.finished:  # (one that the last step ended runs moot)
+            if seq.status < ended:  # (one that the last step ended runs moot)
                 seq.token_ids.append(PENDING_TOKEN)
                 seq.pending_row = i
         self._inflight = launched
         self._counters["num_overlapped_steps"] += 1
 
-    def _finish(self, launched: _Launched) -> list[RequestOutput]:
+    def _finish(self, launched: _Launched, settled: bool = False) -> list[RequestOutput]:
         """The host's part of a launched step, once its tokens are there: log probabilities, the tokens
-        appended, stops, outputs. A sequence that ended meanwhile (a stop, a cancel) drops its token."""
+        appended, stops, outputs. A sequence that ended meanwhile (a stop, a cancel) drops its token.
+        `settled`: none can have ended since the launch (finished in the step that launched it, nothing
+        finished before it)."""
         tokens = launched.host_tokens()
         seqs = launched.seqs
         if launched.prompt_logits is not None:
             self._record_prompt_logprobs(launched.prompt_logits, launched.spans)
-        if launched.logits is not None and any(s.params.logprobs is not None for s in seqs):
+        # (an overlappable step asked for no log probabilities)
+        if (
+            launched.logits is not None
+            and not launched.overlappable
+            and any(s.params.logprobs is not None for s in seqs)
+        ):
             self._record_logprobs(launched.logits, seqs, tokens)
-        live = [i for i, seq in enumerate(seqs) if not seq.finished]
-        if len(live) < len(seqs):
-            seqs, tokens = [seqs[i] for i in live], [tokens[i] for i in live]
+        if not settled:
+            ended = SequenceStatus.FINISHED_STOPPED
+            live = [i for i, seq in enumerate(seqs) if seq.status < ended]
+            if len(live) < len(seqs):
+                seqs, tokens = [seqs[i] for i in live], [tokens[i] for i in live]
         return self._postprocess(seqs, tokens)
 
     def _postprocess(self, sample_seqs: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
         self._counters["num_generated_tokens"] += len(tokens)
         now = time.time()
-        for seq, token in zip(sample_seqs, tokens, strict=True):
-            if seq.pending_row >= 0:  # its placeholder, last in token_ids
-                seq.token_ids[-1] = token
-                seq.pending_row = -1
-            else:
-                seq.token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-        statuses = self.stop_checker.check_step(sample_seqs, tokens)
+        statuses = self.stop_checker.advance(sample_seqs, tokens, now)
         outputs = []
+        delta_output, output = self._delta_output, self._output
         for seq, token, status in zip(sample_seqs, tokens, statuses):
             if seq.grammar is not None and seq.grammar.consume_token(token) and seq.grammar.is_stopped():
                 status = SequenceStatus.FINISHED_STOPPED  # its JSON is complete
@@ -325,7 +331,7 @@ class Engine:
                 self.sampler.forget(seq)
                 seq.finish_time = now
                 del self.requests[seq.req_id]
-            outputs.append(self._output(seq))
+            outputs.append(delta_output(seq) if seq.params.output_kind == "delta" else output(seq))
         return outputs
 
     @staticmethod
@@ -384,26 +390,28 @@ class Engine:
         first = reported_tokens == 0 and reported_chars == 0
         token_ids = seq.token_ids[seq.num_prompt_tokens + reported_tokens :]
         finished = status >= SequenceStatus.FINISHED_STOPPED
-        if finished and status != SequenceStatus.FINISHED_ABORTED:
-            end = len(text)
-        else:
-            end = max(reported_chars, len(text) - (p.holdback if p.stop else 0))
+        end = len(text)  # without stop strings the text only grows: all of it is reported
+        if p.stop and (not finished or status == SequenceStatus.FINISHED_ABORTED):
+            end = max(reported_chars, end - p.holdback)
         seq.num_reported_tokens = reported_tokens + len(token_ids)
         seq.num_reported_chars = max(reported_chars, end)
-        return RequestOutput(
-            seq.req_id,
-            seq.token_ids[: seq.num_prompt_tokens] if first else [],
-            token_ids,
-            text[reported_chars:end],
-            finished,
-            FINISH_REASONS.get(status) if finished else None,
-            seq.num_preemptions,
-            seq.arrival_time,
-            seq.first_token_time,
-            seq.finish_time,
-            seq.priority,
-            seq.logprobs[reported_tokens:] if p.logprobs is not None else None,
-            list(seq.prompt_logprobs) if p.prompt_logprobs is not None and first else None,
+        return _new_output(  # RequestOutput(...), built in C: one per request per step
+            RequestOutput,
+            (
+                seq.req_id,
+                seq.token_ids[: seq.num_prompt_tokens] if first else [],
+                token_ids,
+                text[reported_chars:end],
+                finished,
+                FINISH_REASONS.get(status) if finished else None,
+                seq.num_preemptions,
+                seq.arrival_time,
+                seq.first_token_time,
+                seq.finish_time,
+                seq.priority,
+                seq.logprobs[reported_tokens:] if p.logprobs is not None else None,
+                list(seq.prompt_logprobs) if p.prompt_logprobs is not None and first else None,
+            ),
         )
 
     # --- offline use ------------------------------------------------------------------------------
@@ -549,6 +557,9 @@ class _Launched:
         if event is not None:
             event.synchronize()
         return tokens.tolist()
+
+
+_new_output = tuple.__new__
 
 
 def _to_host(tokens: torch.Tensor):

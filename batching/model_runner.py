@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import repeat
 from operator import attrgetter
 from typing import Protocol
 
@@ -141,7 +142,7 @@ class ModelRunner:
                 self.followers.send_step(sched.swap_out, sched.swap_in, None, None)
             self.kv_cache.wait_for_copies()
             return None, [], None, []
-        rows = self.step_rows(sched)
+        rows = self.step_rows(sched, pending=pending_tokens is not None)
         if self.followers is not None:
             self._send_to_followers(sched, rows)
         if rows.pending_rows:
@@ -195,15 +196,22 @@ class ModelRunner:
             logits = logits[batch.logits_indices]
         return logits  # [N, V]
 
-    def step_rows(self, sched: SchedulerOutput) -> StepRows:
+    def step_rows(self, sched: SchedulerOutput, pending: bool = True) -> StepRows:
+        """The step's rows. `pending`: some input tokens may still be on the device (async scheduling:
+        Sequence.pending_row); False: none are, and none is looked for."""
         bs = self.block_size
-        singles = [s for s, n in zip(sched.seqs, sched.num_scheduled_tokens) if n == 1]
-        chunks = [(s, n) for s, n in zip(sched.seqs, sched.num_scheduled_tokens) if n > 1]
+        seqs, counts = sched.seqs, sched.num_scheduled_tokens
+        only_decodes = sched.num_decodes == len(seqs)  # the common step
+        if only_decodes:
+            singles, chunks = list(seqs), []
+        else:
+            singles = [s for s, n in zip(seqs, counts) if n == 1]
+            chunks = [(s, n) for s, n in zip(seqs, counts) if n > 1]
         rows = StepRows([], [], [], [], [], [], [], len(singles))
         # single-query sequences (decodes), longest context first, one token each
         singles.sort(key=_computed, reverse=True)
-        positions = [seq.num_computed_tokens for seq in singles]
-        if all(p + 1 == len(seq.token_ids) for seq, p in zip(singles, positions)):
+        positions = list(map(_computed, singles))
+        if only_decodes or all(p + 1 == len(seq.token_ids) for seq, p in zip(singles, positions)):
             # every one samples (the common step): the rows in a few comprehensions
             rows.input_ids = [seq.token_ids[-1] for seq in singles]
             rows.positions = positions
@@ -212,10 +220,11 @@ class ModelRunner:
             rows.sample_seqs = list(singles)
             rows.seqs = list(singles)
             rows.q_lens = [1] * len(singles)
-            for i, seq in enumerate(singles):
-                if seq.pending_row >= 0:
-                    rows.pending_rows.append(i)
-                    rows.pending_sources.append(seq.pending_row)
+            if pending:
+                for i, seq in enumerate(singles):
+                    if seq.pending_row >= 0:
+                        rows.pending_rows.append(i)
+                        rows.pending_sources.append(seq.pending_row)
             singles = []
         for seq in singles:
             pos = seq.num_computed_tokens
@@ -294,9 +303,9 @@ class ModelRunner:
         n = rows.num_decodes
         if self.attention_kernel is not None:  # reads each context as it is: one group, no padding
             groups = [(0, n)] if n else []
-        else:
-            groups = group_by_length([seq.num_computed_tokens + 1 for seq in rows.seqs[:n]])
-        return [self._decode_group(rows.seqs[start:end], start, end) for start, end in groups]
+        else:  # (a single-query segment's row is its own: its position is its computed tokens)
+            groups = group_by_length([p + 1 for p in rows.positions[:n]])
+        return [self._decode_group(rows, start, end) for start, end in groups]
 
     def _prefill_chunks(self, rows: StepRows) -> tuple[PaddedPrefills | None, PrefillTables | None]:
         """The step's prompt chunks as the torch path reads them (one padded batch) and, with the CPU
@@ -336,13 +345,14 @@ class ModelRunner:
         )
         return padded, tables
 
-    def _decode_group(self, seqs: list[Sequence], start: int, end: int) -> DecodeGroup:
+    def _decode_group(self, rows: StepRows, start: int, end: int) -> DecodeGroup:
+        """Single-query segments [start, end) (sorted longest context first)."""
         bs = self.block_size
-        lens = [seq.num_computed_tokens + 1 for seq in seqs]
-        width = -(-max(lens) // bs)
+        lens = [p + 1 for p in rows.positions[start:end]]
+        width = -(-lens[0] // bs)
         # past a context: whatever its row held (block ids of the pool, masked or never read)
-        tables = torch.from_numpy(self.block_tables.gather(seqs, width).reshape(-1))
-        return DecodeGroup(start, end, tables.to(self.device), torch.tensor(lens, device=self.device), width)
+        tables = torch.from_numpy(self.block_tables.gather(rows.seqs[start:end], width).reshape(-1))
+        return DecodeGroup(start, end, tables.to(self.device), device_tensor(lens, self.device), width)
 
 
 @dataclass(frozen=True, slots=True)
@@ -542,30 +552,46 @@ class BlockTables:
     def __init__(self):
         self.table = np.zeros((0, 0), np.int64)
         self.row_of: dict[Sequence, int] = {}
-        self.source: list[list[int] | None] = []  # the list each row was written from
-        self.filled: list[int] = []  # entries written from it
+        self.source: list[list[int] | None] = []  # the list each row was written from (kept alive)
+        self.source_id = np.zeros(0, np.int64)  # id() of each, 0 for none
+        self.filled = np.zeros(0, np.int64)  # entries written from it
         self.free: list[int] = []
 
     def gather(self, seqs: list[Sequence], width: int) -> np.ndarray:
-        """[len(seqs), width]: each sequence's blocks (past its table: whatever the row held)."""
-        row_of, source, filled = self.row_of, self.source, self.filled
-        longest = max((len(seq.block_table) for seq in seqs), default=0)
+        """[len(seqs), width]: each sequence's blocks (past its table: whatever the row held).
+
+        The check that a row is up to date (its sequence has one, written from the same list, as long as
+        it is) runs in numpy over the rows; only rows that are not go through Python (a block every
+        block_size tokens, a new list)."""
+        n = len(seqs)
+        tables = list(map(_block_table, seqs))
+        lens = np.fromiter(map(len, tables), np.int64, n)
+        longest = int(lens.max()) if n else 0
         if max(longest, width) > self.table.shape[1]:
             self._grow(self.table.shape[0], max(longest, width, 2 * self.table.shape[1]))
-        rows = []
-        for seq in seqs:
-            r = row_of.get(seq)
-            if r is None:
-                r = row_of[seq] = self._take_row(seqs)
-            blocks = seq.block_table
-            if source[r] is not blocks:
-                self.table[r, : len(blocks)] = blocks
-                source[r], filled[r] = blocks, len(blocks)
-            elif len(blocks) > filled[r]:
-                self.table[r, filled[r] : len(blocks)] = blocks[filled[r] :]
-                filled[r] = len(blocks)
-            rows.append(r)
+        rows = np.fromiter(map(self.row_of.get, seqs, repeat(-1)), np.int64, n)
+        if self.table.shape[0]:
+            ids = np.fromiter(map(id, tables), np.int64, n)
+            stale = np.flatnonzero((rows < 0) | (self.source_id[rows] != ids) | (self.filled[rows] != lens))
+        else:
+            stale = np.arange(n)
+        for i in stale.tolist():
+            rows[i] = self._update(seqs[i], seqs)
         return self.table[rows, :width]
+
+    def _update(self, seq: Sequence, seqs: list[Sequence]) -> int:
+        """`seq`'s row, taken if it has none, and written where it is not up to date."""
+        r = self.row_of.get(seq)
+        if r is None:
+            r = self.row_of[seq] = self._take_row(seqs)
+        blocks, filled = seq.block_table, int(self.filled[r])
+        if self.source[r] is not blocks:
+            self.table[r, : len(blocks)] = blocks
+            self.source[r], self.source_id[r], self.filled[r] = blocks, id(blocks), len(blocks)
+        elif len(blocks) > filled:
+            self.table[r, filled : len(blocks)] = blocks[filled:]
+            self.filled[r] = len(blocks)
+        return r
 
     def _take_row(self, seqs: list[Sequence]) -> int:
         if not self.free:
@@ -573,6 +599,7 @@ class BlockTables:
             for seq in [s for s in self.row_of if s not in stepping]:
                 self.free.append(self.row_of.pop(seq))
                 self.source[self.free[-1]] = None
+                self.source_id[self.free[-1]] = 0
         if not self.free:
             n = self.table.shape[0]
             self._grow(max(64, 2 * n), self.table.shape[1])
@@ -583,8 +610,13 @@ class BlockTables:
         grown = np.zeros((rows, cols), np.int64)
         grown[: self.table.shape[0], : self.table.shape[1]] = self.table
         self.table = grown
-        self.source += [None] * (rows - len(self.source))
-        self.filled += [0] * (rows - len(self.filled))
+        extra = rows - len(self.source)
+        self.source += [None] * extra
+        self.source_id = np.concatenate([self.source_id, np.zeros(extra, np.int64)])
+        self.filled = np.concatenate([self.filled, np.zeros(extra, np.int64)])
+
+
+_block_table = attrgetter("block_table")
 
 
 def fill_pending(input_ids: torch.Tensor, rows: StepRows) -> None:

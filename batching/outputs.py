@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from batching.logprobs import TokenLogprob
 
 
-@dataclass(slots=True)
-class RequestOutput:
+class RequestOutput(NamedTuple):
+    """A NamedTuple: the engine makes one per request per step, and a tuple built in C (`tuple.__new__`, as
+    engine.py builds delta outputs) costs a fraction of a class's __init__ of 13 fields."""
+
     request_id: str
     prompt_token_ids: list[int]
     # generated so far and its decoded text (stop string excluded); with SamplingParams(output_kind="delta"),
@@ -25,4 +27,4 @@ class RequestOutput:
     # with SamplingParams.logprobs: token_ids' log probabilities, one each (in a delta, the new ones'); with
     # prompt_logprobs: those of the prompt's tokens but the first, where prompt_token_ids is given
     logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob] | None = field(default=None)
+    prompt_logprobs: list[TokenLogprob] | None = None

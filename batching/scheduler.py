@@ -47,6 +47,8 @@ class SchedulerOutput:
     state_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (slot, host slot)
     state_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, slot)
     preempted: list[Sequence] = field(default_factory=list)
+    # the first num_decodes of seqs are decodes (a token each, scheduled before any chunk: _schedule_decodes)
+    num_decodes: int = 0
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         self.seqs.append(seq)
@@ -55,6 +57,8 @@ class SchedulerOutput:
     def remove(self, seq: Sequence) -> None:
         i = self.seqs.index(seq)
         del self.seqs[i], self.num_scheduled_tokens[i]
+        if i < self.num_decodes:
+            self.num_decodes -= 1
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -89,7 +93,7 @@ class Scheduler:
         self.watermark_blocks = max(1, block_manager.num_device_blocks // 100)
         self.waiting: list[Sequence] = []  # sorted by _place
         self.swapped: list[Sequence] = []  # sorted by _place
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # sorted by _place (the decodes' order: no sort each step)
         # counters
         self.num_preemptions = 0
         self.num_blocks_swapped_out = 0
@@ -158,8 +162,7 @@ class Scheduler:
         """What is left of the step's budget for prefill chunks: what the decodes leave, less the chunks
         taken. Priced decodes take at most half the budget (beyond that, many long contexts): prefills
         keep the other half, so admissions, urgent ones first, never wait for decodes to finish."""
-        decode_cost = sum(fill.decodes.values())
-        charge = max(len(fill.decodes), min(round(decode_cost), self.max_num_batched_tokens // 2))
+        charge = max(len(fill.decodes), min(round(fill.decode_cost), self.max_num_batched_tokens // 2))
         return self.max_num_batched_tokens - charge - fill.taken
 
     def _schedule_decodes(self, fill: _Fill) -> None:
@@ -168,15 +171,12 @@ class Scheduler:
         if that is it). A decode whose last token (still on the device, engine.py) is its last is not
         scheduled: it ends when that token reaches the host."""
         bm = self.block_manager
-        decoding = sorted(
-            (
-                s
-                for s in self.running
-                if s.num_computed_tokens == len(s.token_ids) - 1 > s.num_prompt_tokens - 1
-                and len(s.token_ids) < s.max_num_tokens
-            ),
-            key=_place_key,
-        )
+        decoding = [  # most urgent first: running is in that order
+            s
+            for s in self.running
+            if s.num_computed_tokens == len(s.token_ids) - 1 > s.num_prompt_tokens - 1
+            and len(s.token_ids) < s.max_num_tokens
+        ]
         if len(decoding) <= self.max_num_batched_tokens and self._schedule_decodes_at_once(decoding, fill):
             return
         for seq in decoding:
@@ -192,7 +192,9 @@ class Scheduler:
             if seq.status == SequenceStatus.RUNNING:
                 bm.allocate(seq, 1)
                 fill.out.add(seq, 1)
-                fill.decodes[seq] = self._decode_cost(seq)
+                fill.out.num_decodes += 1
+                fill.decodes.add(seq)
+                fill.decode_cost += self._decode_cost(seq)
 
     def _schedule_decodes_at_once(self, decoding: list[Sequence], fill: _Fill) -> bool:
         """The common step: the pool has a block for every decode that needs one, so none preempts and
@@ -207,18 +209,21 @@ class Scheduler:
         out = fill.out
         out.seqs.extend(decoding)
         out.num_scheduled_tokens.extend([1] * len(decoding))
-        tokens, c = self.costs.decode_tokens, self.costs.decode_context_per_token
-        if c:
-            fill.decodes.update((s, tokens + s.num_computed_tokens / c) for s in decoding)
-        else:
-            fill.decodes.update(dict.fromkeys(decoding, tokens + 0.0))
+        out.num_decodes = len(decoding)
+        fill.decodes.update(decoding)
+        c = self.costs.decode_context_per_token  # the sum of _decode_cost over them
+        context = sum(map(_computed, decoding)) / c if c else 0.0
+        fill.decode_cost += self.costs.decode_tokens * len(decoding) + context
+        fill.all_decoding = len(decoding) == len(self.running)
         return True
 
-    def _prefill_order(self) -> list[Sequence]:
+    def _prefill_order(self, fill: _Fill) -> list[Sequence]:
         """Who gets the budget left after decodes: by priority; within a priority, prefills in progress
         first (stall-free), then swapped and waiting sequences in the class's order (`AdmissionOrder.rank`).
         A less urgent prefill in progress therefore never holds back a more urgent request (its blocks
         stay; it only waits)."""
+        if fill.all_decoding and not self.swapped and not self.waiting:
+            return []  # the common step: nothing to order
         prefilling = [
             s
             for s in self.running
@@ -236,7 +241,7 @@ class Scheduler:
         sequences strictly less urgent than itself (see `_make_room`)."""
         admitting = True
         prefill_priority = None  # the class whose chunks this step carries: one class a step
-        for seq in self._prefill_order():
+        for seq in self._prefill_order(fill):
             if self._budget(fill) <= 0:
                 return
             if seq in fill.out.preempted:  # no ping-pong within one step
@@ -367,7 +372,7 @@ class Scheduler:
             bm.take_cached_prefix(seq, hit)
         bm.allocate(seq, n)
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        bisect.insort(self.running, seq, key=_place)
         out.add(seq, n)
         return self._chunk_cost(seq, n, budget) if self.chunked_prefill else n
 
@@ -490,7 +495,9 @@ class Scheduler:
         """Checkpoint `seq`'s KV to host memory when possible, else drop it for recomputation. A decode
         already scheduled in this step leaves the step."""
         out = fill.out
-        if fill.decodes.pop(seq, None) is not None:
+        if seq in fill.decodes:
+            fill.decodes.remove(seq)
+            fill.decode_cost -= self._decode_cost(seq)
             out.remove(seq)
         self.running.remove(seq)
         seq.num_preemptions += 1
@@ -518,11 +525,14 @@ class _Fill:
     budget its prefill chunks took."""
 
     out: SchedulerOutput
-    decodes: dict[Sequence, float] = field(default_factory=dict)
+    decodes: set[Sequence] = field(default_factory=set)
+    decode_cost: float = 0.0  # their charge: the sum of their _decode_cost
     taken: int = 0
+    # every running sequence is one of its decodes (none prefilling; set where that is known at no cost)
+    all_decoding: bool = False
 
 
-_place_key = attrgetter("priority", "order_key", "arrival_time")  # _place, in C
+_computed = attrgetter("num_computed_tokens")
 
 
 def _place(seq: Sequence) -> tuple[int, float, float]:

@@ -69,6 +69,7 @@ class Sequence:
         "plain",
         "overlappable",
         "pending_row",
+        "stop_ids",
         "max_num_tokens",
         "predicted_output_tokens",
         "deadline",
@@ -109,7 +110,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.sample_seed = sample_seed
-        # incremental detokenization state (see StopChecker._detokenize)
+        # incremental detokenization state (detokenizer.py)
         self.text = ""
         self.prefix_offset = self.num_prompt_tokens
         self.read_offset = self.num_prompt_tokens
@@ -143,6 +144,9 @@ class Sequence:
         # with async scheduling, while its last token is still on the device: token_ids ends with a
         # placeholder (PENDING_TOKEN), and this is that token's row in its step's sampled tokens; else -1
         self.pending_row = -1
+        # the token ids that end it once it has min_tokens: its stop_token_ids and, unless ignore_eos, the
+        # model's end of sequence (the engine sets them: StopChecker.stop_ids)
+        self.stop_ids: frozenset[int] = frozenset(params.stop_token_ids)
         # it stops at this length whatever it samples: max_tokens, or the model's length
         self.max_num_tokens = self.num_prompt_tokens + params.max_tokens
         if max_model_len is not None:

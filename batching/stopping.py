@@ -1,10 +1,12 @@
-"""When a sequence stops, and its text: EOS, stop ids and strings, limits (text by detokenizer.py)."""
+"""A step's sampled tokens recorded: when a sequence stops, and its text (EOS, stop ids and strings, limits;
+text by detokenizer.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
 from batching.detokenizer import Detokenizer
+from batching.sampling_params import SamplingParams
 from batching.sequence import Sequence, SequenceStatus
 
 
@@ -13,46 +15,57 @@ class StopChecker:
         self.detokenize = Detokenizer(tokenizer)
         self.eos_token_ids = frozenset(eos_token_ids)
 
-    def check_step(self, seqs: Seq[Sequence], tokens: Seq[int]) -> list[SequenceStatus | None]:
-        """Called after each of `seqs` had its token of `tokens` appended: their texts updated (in one pass
-        of the detokenizer); each one's finished status, or None.
+    def stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The token ids that end a request with `params` (once it has min_tokens): the end of sequence unless
+        ignored, and its stop_token_ids (Sequence.stop_ids)."""
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        return eos.union(params.stop_token_ids)
+
+    def advance(self, seqs: Seq[Sequence], tokens: Seq[int], now: float) -> list[SequenceStatus | None]:
+        """Each of `seqs` gets its token of `tokens` (in place of its placeholder if it has one, see engine.py),
+        its first token's time, its text (in one pass of the detokenizer); returns each one's finished status, or
+        None. One loop over the step's sequences does all that needs no text; stop strings, the only check that
+        reads the text, run after the detokenizer, for the sequences that have them.
 
         As vLLM: a token that stops the request (the end of sequence, a stop_token_id) adds no text unless
         include_stop_str_in_output; min_tokens holds back every stop before it (stop strings: see below)."""
-        eos = self.eos_token_ids
-        stopped: list[bool] = []
-        to_decode: list[Sequence] = []
-        old_lens: list[int] = []
-        for seq, token in zip(seqs, tokens, strict=True):
-            p = seq.params
-            old_lens.append(len(seq.text))
-            # the sampler held the stop tokens back too before min_tokens
-            stop_token = (
-                (token in eos and not p.ignore_eos) or token in p.stop_token_ids
-            ) and seq.num_output_tokens >= p.min_tokens
-            stopped.append(stop_token)
-            if not stop_token or p.include_stop_str_in_output:
-                to_decode.append(seq)
-        self.detokenize(to_decode)
+        stopped, length = SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH
         statuses: list[SequenceStatus | None] = []
-        for seq, stop_token, old_len in zip(seqs, stopped, old_lens):
+        to_decode: list[Sequence] = []
+        with_strings: list[tuple[int, Sequence, int]] = []  # (its place, it, its text's length before)
+        for seq, token in zip(seqs, tokens, strict=True):
+            ids = seq.token_ids
+            if seq.pending_row >= 0:  # its placeholder, last in token_ids
+                ids[-1] = token
+                seq.pending_row = -1
+            else:
+                ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
             p = seq.params
-            num_tokens = len(seq.token_ids)
-            if stop_token:
-                statuses.append(SequenceStatus.FINISHED_STOPPED)
-            # stop strings end a request once len(output) > min_tokens, matched in the text added since the
-            # last token (and the stop's length - 1 characters before it), as vLLM's detokenizer checks them
-            elif (
-                p.stop
-                and num_tokens - seq.num_prompt_tokens > p.min_tokens
+            # the sampler held the stop tokens back too before min_tokens
+            if token in seq.stop_ids and (
+                not p.min_tokens or len(ids) - seq.num_prompt_tokens >= p.min_tokens
+            ):
+                statuses.append(stopped)
+                if p.include_stop_str_in_output:
+                    to_decode.append(seq)
+                continue
+            to_decode.append(seq)
+            if p.stop:
+                with_strings.append((len(statuses), seq, len(seq.text)))
+            # max_tokens, or the model's length (a stop string found below comes first)
+            statuses.append(length if len(ids) >= seq.max_num_tokens else None)
+        self.detokenize(to_decode)
+        # stop strings end a request once len(output) > min_tokens, matched in the text added since the last
+        # token (and the stop's length - 1 characters before it), as vLLM's detokenizer checks them
+        for i, seq, old_len in with_strings:
+            if (
+                len(seq.token_ids) - seq.num_prompt_tokens > seq.params.min_tokens
                 and len(seq.text) > old_len
                 and self._cut_at_stop_string(seq, old_len)
             ):
-                statuses.append(SequenceStatus.FINISHED_STOPPED)
-            elif num_tokens >= seq.max_num_tokens:  # max_tokens, or the model's length
-                statuses.append(SequenceStatus.FINISHED_LENGTH)
-            else:
-                statuses.append(None)
+                statuses[i] = stopped
         return statuses
 
     @staticmethod
