@@ -6,6 +6,11 @@ Each process sets it up once (`setup_tracing`): the API when its app is made (Fl
 Celery's sends), the worker and beat when Celery's app is loaded (Redis, Celery's own task spans); each
 instruments its database engine when it makes it (`instrument_engine`: SQLAlchemy's statements). A worker adds
 spans for each job's engine phases (workers/job_spans.py).
+
+A job is one trace from the API to the worker: the API stores the W3C `traceparent` of the request that created
+the job on its row (`current_traceparent`, the jobs.traceparent column), and each worker that holds the job starts
+its spans as children of it (`parent_context`). The row, not the queue message, carries it, so a job handed back
+or recovered from a dead worker (sent again from its row) stays in its request's trace.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from contract.settings import StoreSettings
 
 log = logging.getLogger(__name__)
 _provider: Any = None  # this process's TracerProvider once set up
+# W3C Trace Context's header: version-trace id-parent span id-flags (55 characters)
+TRACEPARENT = "traceparent"
 
 
 def tracing_enabled(settings: StoreSettings) -> bool:
@@ -82,6 +89,30 @@ def instrument_engine(engine: Any) -> None:
         # its declared range ends below SQLAlchemy 2.1, which genq runs; it works there
         # (tests/deployment/test_tracing.py checks the statements' spans)
         instrumentor.instrument(engine=engine, tracer_provider=_provider, skip_dep_check=True)
+
+
+def current_traceparent() -> str | None:
+    """The W3C traceparent of this thread's (greenlet's) current span, to store with a job it creates; None when
+    tracing is off or no span is current (a CLI, a background thread)."""
+    if _provider is None:
+        return None
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    carrier: dict[str, str] = {}
+    TraceContextTextMapPropagator().inject(carrier)
+    return carrier.get(TRACEPARENT)
+
+
+def parent_context(traceparent: str | None) -> Any:
+    """The context whose remote parent is `traceparent` (a job's: its spans join the trace of the request that
+    created it); None (a new trace) without one, or for one that does not parse."""
+    if not traceparent:
+        return None
+    from opentelemetry.trace import get_current_span
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    context = TraceContextTextMapPropagator().extract({TRACEPARENT: traceparent})
+    return context if get_current_span(context).get_span_context().is_valid else None
 
 
 def tracer(name: str) -> Any:

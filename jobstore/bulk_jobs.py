@@ -44,11 +44,17 @@ class BulkResult:
 
 
 def create_jobs(
-    conn: Connection, tenant_id: uuid.UUID, items: Sequence[BulkItem], *, max_queued: int
+    conn: Connection,
+    tenant_id: uuid.UUID,
+    items: Sequence[BulkItem],
+    *,
+    max_queued: int,
+    traceparent: str | None = None,
 ) -> tuple[list[BulkResult], int]:
     """Insert the items' jobs (one result per item, in order) and return them with the tenant's queued
     jobs after the insert. Items beyond the cap's room are AT_CAP; a key given twice in `items` makes
-    one job, the second item answered as its retry would be."""
+    one job, the second item answered as its retry would be. `traceparent`: the request's (create_job's),
+    on each of its jobs."""
     tenant_key = int.from_bytes(tenant_id.bytes[:4], "big", signed=True)
     conn.execute(select(func.pg_advisory_xact_lock(TENANT_CAP_LOCKS, tenant_key)))
     queued = conn.scalar(
@@ -85,6 +91,7 @@ def create_jobs(
                     prompt_tokens=item.prompt_tokens,
                     idempotency_key=key,
                     request_hash=fingerprint,
+                    traceparent=traceparent,
                 )
             )
             results[index] = BulkResult(Outcome.CREATED)  # its job filled in below

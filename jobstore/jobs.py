@@ -75,6 +75,7 @@ def create_job(
     prompt_tokens: int | None = None,
     idempotency_key: str | None = None,
     max_queued: int | None = None,
+    traceparent: str | None = None,
 ) -> tuple[Job | None, bool]:
     """Insert a queued job from a validated request, in one statement; returns (job, created).
 
@@ -85,6 +86,9 @@ def create_job(
       connection the next submission's count could miss this insert).
     - With an `idempotency_key` this tenant used before, returns that job (created=False), or raises
       IdempotencyConflict when its request differed. A known key wins over the cap.
+
+    - `traceparent`: the W3C traceparent of the request creating it (contract/tracing.py), kept on the row so
+      that every worker's spans of the job join that request's trace.
 
     `db` may be a Session or a Core Connection (the API uses an autocommit connection: no BEGIN, no
     COMMIT round trip). The returned Job is a plain object, attached to no session.
@@ -99,6 +103,8 @@ def create_job(
         idempotency_key=idempotency_key,
         request_hash=request_fingerprint(request) if idempotency_key else None,
     )
+    if traceparent is not None:  # a column named only when set: the statement of an untraced API is unchanged
+        values["traceparent"] = traceparent
     if max_queued is not None:
         values["max_queued"] = max_queued
         tenant_key = int.from_bytes(

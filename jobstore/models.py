@@ -173,6 +173,9 @@ class Job(Base):
     metadata_: Mapped[dict] = mapped_column("metadata", JSONB, default=dict)
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     request_hash: Mapped[str | None] = mapped_column(String(64))
+    # the W3C traceparent of the API request that created it (tracing on): each worker's spans of the job are its
+    # children, so a job is one trace from its request through every hold (contract/tracing.py); NULL: none
+    traceparent: Mapped[str | None] = mapped_column(String(128))
 
     # the result, written by the worker (progress while running)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)

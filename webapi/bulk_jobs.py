@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from contract.dispatch import model_queue
+from contract.tracing import current_traceparent
 from jobstore.bulk_jobs import BulkItem, BulkResult, Outcome, create_jobs
 from webapi.auth import current_tenant, require_api_key
 from webapi.bulk_schemas import BulkItemResult, BulkResults, BulkSubmit, QueueRoom
@@ -50,7 +51,11 @@ def submit_jobs(body: BulkSubmit):
     overloaded = overloaded_error()
     with services().engine.begin() as conn:
         found, queued = create_jobs(
-            conn, tenant_id, [item for _, item in items], max_queued=0 if overloaded else cap
+            conn,
+            tenant_id,
+            [item for _, item in items],
+            max_queued=0 if overloaded else cap,
+            traceparent=current_traceparent(),  # TRACING: the jobs join this request's trace
         )
     outcomes = dict(zip((index for index, _ in items), found))
     send([r.job for r in found if r.outcome is Outcome.CREATED])

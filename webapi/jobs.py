@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 
 from contract.deltas import Position
 from contract.dispatch import model_queue
+from contract.tracing import current_traceparent
 from jobstore import jobs
 from jobstore.models import Job, JobStatus
 from webapi.auth import current_tenant, require_api_key
@@ -80,6 +81,7 @@ def submit_job(
                 prompt_tokens=prompt_tokens,
                 idempotency_key=key,
                 max_queued=cap if near_cap else None,
+                traceparent=current_traceparent(),  # TRACING: the worker's spans join this request's trace
             )
         except jobs.IdempotencyConflict:
             raise APIError(

@@ -2,7 +2,10 @@
 claim, each step's report of the job (first token time, preemption count) and the end of its hold. Nothing is
 asked of the engine for them. Off (no tracing: contract/tracing.py), each hook is one test of a global.
 
-One trace per hold of a job (an attempt; a job resumed elsewhere has another):
+Each hold of a job (an attempt: a job handed back or recovered is held again) is a genq.job span whose parent is
+the API request that created the job (its row's traceparent, contract/tracing.py), so the request and every hold
+of its job are one trace; a job without one (created with tracing off, or outside a request) starts a trace of
+its own per hold:
 
     genq.job            created (or last sent to the queue) -> the hold ended; attributes: job id, tenant,
                         priority, attempt, outcome, tokens
@@ -20,6 +23,8 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
+
+from contract.tracing import parent_context
 
 _spans: JobSpans | None = None  # set by start() in a worker whose tracing is on
 
@@ -49,6 +54,7 @@ class JobSpans:
         queued_ns = min(_ns(job.enqueued_at or job.created_at, now), now)
         root = self._tracer.start_span(
             "genq.job",
+            context=parent_context(job.traceparent),  # the request that created the job, if traced
             start_time=queued_ns,
             attributes={
                 "genq.job_id": str(job.id),
