@@ -207,7 +207,10 @@ def test_api_queue_depth_jobs_by_priority_and_cancellations(client, auth):
 
 def test_failed_jobs_are_counted_by_code():
     job = SimpleNamespace(
-        priority=6, created_at=worker_metrics.datetime.now(worker_metrics.timezone.utc), output_token_ids=[]
+        priority=6,
+        created_at=worker_metrics.datetime.now(worker_metrics.timezone.utc),
+        output_token_ids=[],
+        deadline=None,
     )
     counter = worker_metrics.FAILURES.labels("6", "engine_error")
     before = counter._value.get()
