@@ -36,6 +36,7 @@ import random
 import sys
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -162,21 +163,26 @@ def body(job: Job, sent: datetime) -> dict:
 
 
 def send_all(stack, keys: dict[str, str], jobs: list[Job]) -> list[tuple[str, datetime | None]]:
-    """Each job sent at its arrival (open loop): (job id, its deadline) in the order of `jobs`."""
-    local = threading.local()
+    """Each job sent at its arrival (open loop): (job id, its deadline) in the order of `jobs`. A connection the
+    API reset (a keep-alive it closed as the client reused it) is sent again, with the same Idempotency-Key."""
+    local, run = threading.local(), uuid.uuid4().hex[:8]
 
-    def send(job: Job) -> tuple[str, datetime | None]:
+    def send(index: int) -> tuple[str, datetime | None]:
+        job = jobs[index]
         time.sleep(max(0.0, start + job.arrival - time.monotonic()))
-        http = getattr(local, "http", None) or requests.Session()
-        local.http = http
         sent = datetime.now(timezone.utc)
         payload = body(job, sent)
-        r = http.post(
-            stack.url + "/jobs",
-            json=payload,
-            headers={"Authorization": f"Bearer {keys[job.tenant]}"},
-            timeout=30,
-        )
+        headers = {"Authorization": f"Bearer {keys[job.tenant]}", "Idempotency-Key": f"{run}-{index}"}
+        for attempt in range(3):
+            http = getattr(local, "http", None) or requests.Session()
+            local.http = http
+            try:
+                r = http.post(stack.url + "/jobs", json=payload, headers=headers, timeout=30)
+                break
+            except requests.ConnectionError:
+                local.http = None
+                if attempt == 2:
+                    raise
         if r.status_code != 202:
             raise RuntimeError(f"POST /jobs answered {r.status_code}: {r.text}")
         deadline = payload.get("deadline")
@@ -184,7 +190,7 @@ def send_all(stack, keys: dict[str, str], jobs: list[Job]) -> list[tuple[str, da
 
     start = time.monotonic()
     with ThreadPoolExecutor(16) as pool:
-        return list(pool.map(send, jobs))
+        return list(pool.map(send, range(len(jobs))))
 
 
 def pilot(args, prompts) -> tuple[float, float]:

@@ -194,8 +194,9 @@ def job_done(job, first_token_at: datetime | None, outcome: Outcome, error_code:
     JOBS.labels(priority, outcome.value).inc()
     if outcome is Outcome.FAILED:
         FAILURES.labels(priority, error_code or "unknown").inc()
-    if job.deadline is not None and outcome in (Outcome.SUCCEEDED, Outcome.FAILED):
-        met = outcome is Outcome.SUCCEEDED and now <= job.deadline
+    deadline = getattr(job, "deadline", None)  # a job row has one (None: no deadline)
+    if deadline is not None and outcome in (Outcome.SUCCEEDED, Outcome.FAILED):
+        met = outcome is Outcome.SUCCEEDED and now <= deadline
         DEADLINES.labels(_served_model(), "met" if met else "missed").inc()
 
 
