@@ -565,10 +565,13 @@ class BlockTables:
         block_size tokens, a new list)."""
         n = len(seqs)
         tables = list(map(_block_table, seqs))
-        lens = np.fromiter(map(len, tables), np.int64, n)
-        longest = int(lens.max()) if n else 0
+        longest = max(map(len, tables), default=0)
         if max(longest, width) > self.table.shape[1]:
             self._grow(self.table.shape[0], max(longest, width, 2 * self.table.shape[1]))
+        if n < 16:  # a few rows: numpy's calls cost more than checking them one by one
+            few = [self._update(seq, seqs) for seq in seqs]  # (first: taking a row may grow the table)
+            return self.table[few, :width]
+        lens = np.fromiter(map(len, tables), np.int64, n)
         rows = np.fromiter(map(self.row_of.get, seqs, repeat(-1)), np.int64, n)
         if self.table.shape[0]:
             ids = np.fromiter(map(id, tables), np.int64, n)
