@@ -57,6 +57,7 @@ from bench.harness import (  # noqa: E402
     write_result,
 )
 from bench.stack import bench_settings, local_stack  # noqa: E402
+from bench.within_class import policy_ratios, ratio_rows  # noqa: E402
 from jobstore.output_length import RECENT_JOBS  # noqa: E402
 
 MAX_TOKENS = 2000
@@ -293,12 +294,7 @@ def main() -> None:
         passes[policy].append(result)
     results = {policy: figures(runs) for policy, runs in passes.items()}
     fcfs, predicted = results["fcfs"], results["predicted"]
-    ratios = {
-        "mean_latency": predicted["mean_latency_s"] / fcfs["mean_latency_s"],
-        "p99_latency": predicted["p99_latency_s"] / fcfs["p99_latency_s"],
-        "throughput": predicted["throughput_tok_s"] / fcfs["throughput_tok_s"],
-    }
-    targets = {"mean_latency": ("<=", 0.6), "p99_latency": ("<=", 1.2), "throughput": (">=", 0.97)}
+    ratios = policy_ratios(fcfs, predicted)
     rows = [
         "| policy | mean latency s (per pass) | p50 s | p99 s | throughput tok/s | deadlines met | others' CPU |",
         "|---|---|---|---|---|---|---|",
@@ -311,11 +307,7 @@ def main() -> None:
             f"| {policy} | {f['mean_latency_s']:.2f} ({each}) | {f['p50_latency_s']:.2f} | {f['p99_latency_s']:.2f} "
             f"| {f['throughput_tok_s']:.0f} | {met} | {others} |"
         )
-    rows += ["", "| predicted / fcfs | ratio | target | met |", "|---|---|---|---|"]
-    for name, ratio in ratios.items():
-        op, bound = targets[name]
-        ok = ratio <= bound if op == "<=" else ratio >= bound
-        rows.append(f"| {name} | {ratio:.2f}x | {op} {bound}x | {'yes' if ok else 'NO'} |")
+    rows += ratio_rows(ratios)
     write_result(
         "within_class_stack",
         {
