@@ -18,7 +18,6 @@ import argparse
 import itertools
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,9 +29,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batching.tokenizer import byte_level_tokenizer  # noqa: E402
-from bench.stack import _delete_keys, _start, _stop, bench_settings, wait_for  # noqa: E402
-from jobstore.db import create_database_if_missing, drop_database, make_engine, make_session_factory  # noqa: E402
-from jobstore.keys import create_key  # noqa: E402
+from bench.stack import _start, _stop, bench_database, bench_settings, wait_for  # noqa: E402
 from tests.conftest import BIN, ROOT, free_port, settings_env  # noqa: E402
 
 FIELDS = ("Rss", "Pss", "Shared_Clean", "Shared_Dirty", "Private_Clean", "Private_Dirty")
@@ -73,21 +70,8 @@ def api(settings, workers: int, env: dict, log: Path):
     """gunicorn (gunicorn.conf.py) with `workers` processes for `settings`; yields (url, arbiter pid, key)."""
     port = free_port()
     with ExitStack() as cleanup:
-        create_database_if_missing(settings.database_url)
-        cleanup.callback(drop_database, settings.database_url)
-        cleanup.callback(_delete_keys, settings)
         base = {**settings_env(settings), "PYTHONPATH": str(ROOT)}
-        subprocess.run(
-            [sys.executable, "-m", "alembic", "upgrade", "head"],
-            cwd=ROOT,
-            env=base,
-            check=True,
-            capture_output=True,
-        )
-        engine = make_engine(settings.database_url)
-        with make_session_factory(engine).begin() as session:
-            key = create_key(session, "bench")
-        engine.dispose()
+        key = bench_database(settings, base, cleanup)
         process = _start(
             [
                 BIN / "gunicorn",

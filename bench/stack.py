@@ -170,20 +170,7 @@ def local_stack(
     api_port = free_port()
     env = {**settings_env(settings), "PYTHONPATH": str(ROOT)}  # this tree's code, whatever the venv installed
     with ExitStack() as cleanup:
-        create_database_if_missing(settings.database_url)
-        cleanup.callback(drop_database, settings.database_url)
-        cleanup.callback(_delete_keys, settings)
-        subprocess.run(
-            [sys.executable, "-m", "alembic", "upgrade", "head"],
-            cwd=ROOT,
-            env=env,
-            check=True,
-            capture_output=True,
-        )
-        engine = make_engine(settings.database_url)
-        with make_session_factory(engine).begin() as session:
-            key = create_key(session, "bench")
-        engine.dispose()
+        key = bench_database(settings, env, cleanup)
         sizes = [
             *(["--workers", str(api_workers)] if api_workers else []),
             *(["--threads", str(api_threads)] if api_threads else []),
@@ -329,6 +316,26 @@ class StackClient:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the workers hold {self.held()} jobs, not {at_least}, after {timeout}s")
             time.sleep(0.05)
+
+
+def bench_database(settings, env: dict, cleanup: ExitStack) -> str:
+    """The stack's own database, migrated to head (dropped with its Redis keys by `cleanup`); returns an API key
+    of a tenant "bench"."""
+    create_database_if_missing(settings.database_url)
+    cleanup.callback(drop_database, settings.database_url)
+    cleanup.callback(_delete_keys, settings)
+    subprocess.run(
+        [sys.executable, "-m", "alembic", "upgrade", "head"],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+    engine = make_engine(settings.database_url)
+    with make_session_factory(engine).begin() as session:
+        key = create_key(session, "bench")
+    engine.dispose()
+    return key
 
 
 def _start(command: list, env: dict, log: Path) -> subprocess.Popen:
