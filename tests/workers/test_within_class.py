@@ -175,10 +175,12 @@ def test_the_worker_counts_the_deadlines_of_the_jobs_it_ends(
         api(settings, new_key, log, "predicted", max_num_seqs=1, reserve=0) as stack,
         worker(stack.settings, log, metrics_port=port),
     ):
-        blocker = stack.submit(**LONG, max_tokens=400)
+        # 2,000 tokens take the width-1 engine seconds (a step is a millisecond or more), the late job's
+        # deadline half a second: it cannot start before it (with 400 tokens, a quiet machine met it)
+        blocker = stack.submit(**LONG, max_tokens=2000)
         stack.wait(blocker, until=lambda j: j["status"] == "running" and j["output"]["token_ids"])
         now = datetime.now(timezone.utc)
-        late = stack.submit(**LONG, max_tokens=4, deadline=(now + timedelta(seconds=1)).isoformat())
+        late = stack.submit(**LONG, max_tokens=4, deadline=(now + timedelta(seconds=0.5)).isoformat())
         on_time = stack.submit(**LONG, max_tokens=4, deadline=(now + timedelta(seconds=600)).isoformat())
         done = [stack.wait(job_id) for job_id in (blocker, late, on_time)]
         text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
