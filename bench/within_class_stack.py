@@ -17,21 +17,30 @@ workers/queue_order.py) and in the engine, and end by themselves. Workload (seed
   pilot of max_num_seqs long jobs through the stack) / the workload's mean length: by default a burst at 1.5x
   what the worker can do, then the queue drains.
 
-Each pass is a fresh stack (its own database and Redis keys) with one worker; passes alternate
-fcfs, predicted, predicted, fcfs (`--passes 2`). A job's latency is its row's finished_at - created_at; throughput
-is the output tokens over the first creation to the last finish. Every job's output length is checked against
-the engine alone (greedy: the same whatever the order). The policy's times are the defaults (cost 0.02 s a token,
-aging 30 s), as a deployment runs them. Prints per policy: mean, p50, p99, throughput, deadlines met, the machine's
-CPU others used; then predicted / fcfs ratios against the issue's targets (mean <= 0.6x, p99 <= 1.2x,
-throughput >= 0.97x).
+Each pass is a fresh stack (its own database and Redis keys) with one worker. By default (`--together`) each
+round runs both policies at once, a stack each, the same jobs sent at the same moments: whatever else the
+shared machine runs weighs on both alike (one after the other, passes of one policy differed 1.5-3.8x in mean
+as others' load came and went). `--no-together` alternates them, fcfs, predicted, predicted, fcfs. A job's
+latency is its row's finished_at - created_at; throughput is the output tokens over the first creation to the
+last finish. Every job's output length is checked against the engine alone (greedy: the same whatever the
+order). The policy's times are the defaults (cost 0.02 s a token, aging 30 s), as a deployment runs them.
 
-    .venv/bin/python bench/within_class_stack.py           # about 5 minutes on 2 cores
+Prints each pass (mean, p50, p99, tok/s, deadlines met, the load average before and after, the CPU others
+used); per policy: mean, p50, p99, throughput, deadlines met; predicted / fcfs ratios against the issue's
+targets (mean <= 0.6x, p99 <= 1.2x, throughput >= 0.97x), pooled and per round; per tenant and kind of job
+(short, long): the mean latency and where it went (in Redis: created to claimed; held by the worker before its
+first token: the reserve, the engine's waiting list, the prefill; running); and the ratios an ideal worker
+gives on the same jobs (bench/within_class_model.py: the slots and nothing else), what the policy and its
+predictor can buy on this workload at all.
+
+    .venv/bin/python bench/within_class_stack.py --jobs 160 --load 2.0 --passes 3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import threading
@@ -47,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import requests  # noqa: E402
 from sqlalchemy import text as sql  # noqa: E402
 
+from batching.config import EngineConfig  # noqa: E402
 from bench.harness import (  # noqa: E402
     OUT,
     Interference,
@@ -58,6 +68,7 @@ from bench.harness import (  # noqa: E402
 )
 from bench.stack import bench_settings, local_stack  # noqa: E402
 from bench.within_class import policy_ratios, ratio_rows  # noqa: E402
+from bench.within_class_model import ModelJob, simulate  # noqa: E402
 from jobstore.output_length import RECENT_JOBS  # noqa: E402
 
 MAX_TOKENS = 2000
@@ -195,29 +206,57 @@ def send_all(stack, keys: dict[str, str], jobs: list[Job]) -> list[tuple[str, da
 
 
 def pilot(args, prompts) -> tuple[float, float]:
-    """(output tokens per second, seconds per step) of a worker kept full: max_num_seqs long jobs together."""
+    """(output tokens per second, seconds per step) of a worker kept full: max_num_seqs long jobs together. With
+    --together, two such stacks at once (as the passes run), their mean."""
+    if args.together:
+        start = threading.Barrier(2, timeout=900)
+        with ThreadPoolExecutor(2) as pool:
+            rates = list(pool.map(lambda name: pilot_rate(args, prompts, name, start), ("a", "b")))
+    else:
+        rates = [pilot_rate(args, prompts, "a", None)]
+    rate = sum(rates) / len(rates)
+    return rate, args.max_num_seqs / rate
+
+
+def pilot_rate(args, prompts, name: str, start: threading.Barrier | None) -> float:
     settings = bench_settings(max_num_seqs=args.max_num_seqs, engine_threads=args.threads)
     longs = [prompts["long"][i % len(prompts["long"])] for i in range(args.max_num_seqs)]
-    with local_stack(settings, log_dir=OUT / "logs" / "within_class_stack") as stack:
+    with local_stack(settings, log_dir=OUT / "logs" / f"within_class_stack_pilot_{name}") as stack:
+        if start is not None:
+            start.wait()
         ids = stack.client.submit_all(
             [{"input_ids": p, "max_tokens": MAX_TOKENS, "temperature": 0.0} for p, _ in longs]
         )
         rows = stack.client.wait(ids)
     span = (max(r["finished_at"] for r in rows) - min(r["created_at"] for r in rows)).total_seconds()
-    rate = sum(r["tokens"] for r in rows) / span
-    return rate, args.max_num_seqs / rate
+    return sum(r["tokens"] for r in rows) / span
 
 
-def one_pass(args, policy: str, jobs: list[Job], past: dict[str, list[int]]) -> dict:
+def one_pass(
+    args,
+    policy: str,
+    jobs: list[Job],
+    past: dict[str, list[int]],
+    start: threading.Barrier | None = None,
+    workers: list | None = None,
+) -> dict:
+    """One policy's pass on a fresh stack. With `start` (passes run together), every pass's stack is built
+    before any sends; `workers` (shared by those passes) counts every pass's worker as the measured system."""
     settings = bench_settings(
         max_num_seqs=args.max_num_seqs, engine_threads=args.threads, scheduling_policy=policy
     )
-    with local_stack(settings, log_dir=OUT / "logs" / "within_class_stack") as stack:
+    workers = [] if workers is None else workers
+    with local_stack(settings, log_dir=OUT / "logs" / f"within_class_stack_{policy}") as stack:
         keys = tenant_keys(stack, past)
-        own = lambda: sum(filter(None, (tree_cpu_seconds(w.pid) for w in stack.workers)))  # noqa: E731
+        workers.extend(stack.workers)
+        own = lambda: sum(filter(None, (tree_cpu_seconds(w.pid) for w in workers)))  # noqa: E731
+        if start is not None:
+            start.wait()
+        load_before = os.getloadavg()[0]
         with Interference(own) as load:
             sent = send_all(stack, keys, jobs)
             rows = stack.client.wait([job_id for job_id, _ in sent])
+        load_after = os.getloadavg()[0]
     wrong = [(j.length, r["tokens"]) for j, r in zip(jobs, rows, strict=True) if r["tokens"] != j.length]
     if wrong or any(r["status"].value != "succeeded" for r in rows):
         raise SystemExit(f"{policy}: jobs ended otherwise than alone (length expected, made): {wrong[:10]}")
@@ -227,12 +266,128 @@ def one_pass(args, policy: str, jobs: list[Job], past: dict[str, list[int]]) -> 
     return {
         "policy": policy,
         "latencies": latencies,
+        "waits": [job_waits(r) for r in rows],
         "tokens": sum(r["tokens"] for r in rows),
         "span_s": span,
         "met": met,
         "handbacks": sum(r["handbacks"] for r in rows),
         "others_cpu_share": load.share,
+        "loadavg": (load_before, load_after),
     }
+
+
+def job_waits(row: dict) -> tuple[float, float, float]:
+    """Where a job's time went (seconds): in Redis (created to claimed), held by the worker before its first
+    token (the reserve and the engine's waiting list, and its prefill), and running (first token to last)."""
+    return (
+        (row["started_at"] - row["created_at"]).total_seconds(),
+        (row["first_token_at"] - row["started_at"]).total_seconds(),
+        (row["finished_at"] - row["first_token_at"]).total_seconds(),
+    )
+
+
+def run_passes(args, jobs: list[Job], past: dict[str, list[int]]) -> dict[str, list[dict]]:
+    """The passes, `args.passes` of each policy. --together: each round runs both policies at once, a stack
+    each, sending the same jobs at the same moments (the machine's load, whatever it is, the same for both);
+    otherwise one after the other, fcfs predicted, predicted fcfs, ..."""
+    passes: dict[str, list[dict]] = {"fcfs": [], "predicted": []}
+    for round_ in range(args.passes):
+        wait_for_quiet(args.wait_quiet)
+        if args.together:
+            start, workers = threading.Barrier(2, timeout=900), []
+            with ThreadPoolExecutor(2) as pool:
+                running = {
+                    policy: pool.submit(one_pass, args, policy, jobs, past, start, workers)
+                    for policy in ("fcfs", "predicted")
+                }
+                results = {policy: future.result() for policy, future in running.items()}
+        else:
+            pair = ("fcfs", "predicted") if round_ % 2 == 0 else ("predicted", "fcfs")
+            results = {}
+            for policy in pair:
+                wait_for_quiet(args.wait_quiet)
+                results[policy] = one_pass(args, policy, jobs, past)
+        for policy in ("fcfs", "predicted"):
+            result = results[policy]
+            passes[policy].append(result)
+            print(f"round {round_ + 1} {policy}: {pass_line(result)}", flush=True)
+    return passes
+
+
+def pass_line(result: dict) -> str:
+    lat = result["latencies"]
+    others = result["others_cpu_share"]
+    return (
+        f"mean {sum(lat) / len(lat):.2f} s, p50 {pct(lat, 50):.2f}, p99 {pct(lat, 99):.2f}, "
+        f"{result['tokens'] / result['span_s']:.0f} tok/s, deadlines met {sum(result['met'])}/{len(result['met'])}, "
+        f"load {result['loadavg'][0]:.1f}-{result['loadavg'][1]:.1f}, others' CPU "
+        f"{'?' if others is None else f'{others:.0%}'}"
+    )
+
+
+def round_ratios(passes: dict[str, list[dict]]) -> list[dict[str, float]]:
+    """predicted / fcfs of each round's two passes (run together, or one after the other)."""
+    return [
+        policy_ratios(figures([fcfs]), figures([predicted]))
+        for fcfs, predicted in zip(passes["fcfs"], passes["predicted"], strict=True)
+    ]
+
+
+def breakdown(args, jobs: list[Job], passes: dict[str, list[dict]]) -> list[str]:
+    """Per tenant and kind of job (short, long): mean latency and where it went, per policy."""
+    rows = [
+        "",
+        "| tenant, jobs | policy | mean latency s | in Redis s | held before first token s | running s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for tenant in TENANTS:
+        for kind, long_ in (("short", False), ("long", True)):
+            which = [i for i, j in enumerate(jobs) if j.tenant == tenant and (j.length >= LONG[0]) == long_]
+            if not which:
+                continue
+            for policy, runs in passes.items():
+                lat = [p["latencies"][i] for p in runs for i in which]
+                waits = [p["waits"][i] for p in runs for i in which]
+                mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+                rows.append(
+                    f"| {tenant}, {len(which)} {kind} | {policy} | {mean(lat):.2f} | {mean([w[0] for w in waits]):.2f} "
+                    f"| {mean([w[1] for w in waits]):.2f} | {mean([w[2] for w in waits]):.2f} |"
+                )
+    return rows
+
+
+def model_ratios(args, jobs: list[Job], past: dict[str, list[int]], step_seconds: float) -> dict:
+    """The ratios an ideal worker (bench/within_class_model.py) gives on these jobs, at the pilot's step time
+    and the policy's default times."""
+    defaults = EngineConfig()
+    model_jobs = [
+        ModelJob(j.tenant, j.arrival, j.length, None if j.deadline is None else j.arrival + j.deadline)
+        for j in jobs
+    ]
+    runs = {
+        policy: simulate(
+            model_jobs,
+            past,
+            policy,
+            slots=args.max_num_seqs,
+            step_seconds=step_seconds,
+            max_tokens=MAX_TOKENS,
+            cost_seconds_per_token=defaults.cost_seconds_per_token,
+            aging_seconds=defaults.aging_seconds,
+            margin_seconds=defaults.deadline_margin_seconds,
+        )
+        for policy in ("fcfs", "predicted")
+    }
+    out = {
+        policy: {
+            "mean_latency_s": sum(r.latencies) / len(r.latencies),
+            "p99_latency_s": pct(r.latencies, 99),
+            "throughput_tok_s": r.tokens / r.span,
+            "deadlines_met": sum(r.met) / len(r.met) if r.met else None,
+        }
+        for policy, r in runs.items()
+    }
+    return {**policy_ratios(out["fcfs"], out["predicted"]), "figures": out}
 
 
 def figures(passes: list[dict]) -> dict:
@@ -256,9 +411,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--jobs", type=int, default=80)
-    parser.add_argument(
-        "--passes", type=int, default=2, help="passes per policy: fcfs predicted, predicted fcfs"
-    )
+    parser.add_argument("--passes", type=int, default=2, help="rounds: a pass of each policy per round")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--load", type=float, default=1.5)
     parser.add_argument("--max-num-seqs", type=int, default=8)
@@ -269,6 +422,13 @@ def main() -> None:
         "--prompts", type=int, default=24, help="short prompts to find (a quarter as many long)"
     )
     parser.add_argument("--wait-quiet", type=float, default=0.0)
+    parser.add_argument(
+        "--together",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each round runs both policies at once, a stack each (the same load for both); --no-together: one "
+        "after the other, fcfs predicted, predicted fcfs",
+    )
     args = parser.parse_args()
     info = run_info()
     prompts = find_prompts(args)
@@ -285,13 +445,7 @@ def main() -> None:
         f"sequences); {len(jobs)} jobs at {rate:.2f}/s over {jobs[-1].arrival:.0f} s, "
         f"{sum(j.length >= LONG[0] for j in jobs)} long, {sum(j.deadline is not None for j in jobs)} with deadlines"
     )
-    passes: dict[str, list[dict]] = {"fcfs": [], "predicted": []}
-    order = [("fcfs", "predicted") if i % 2 == 0 else ("predicted", "fcfs") for i in range(args.passes)]
-    for policy in [p for pair in order for p in pair]:
-        wait_for_quiet(args.wait_quiet)
-        result = one_pass(args, policy, jobs, past)
-        print(f"{policy}: mean {sum(result['latencies']) / len(result['latencies']):.2f} s")
-        passes[policy].append(result)
+    passes = run_passes(args, jobs, past)
     results = {policy: figures(runs) for policy, runs in passes.items()}
     fcfs, predicted = results["fcfs"], results["predicted"]
     ratios = policy_ratios(fcfs, predicted)
@@ -308,6 +462,20 @@ def main() -> None:
             f"| {f['throughput_tok_s']:.0f} | {met} | {others} |"
         )
     rows += ratio_rows(ratios)
+    each_round = round_ratios(passes)
+    rows += ["", "| round | mean | p99 | throughput |", "|---|---|---|---|"]
+    for i, r in enumerate(each_round):
+        rows.append(
+            f"| {i + 1} | {r['mean_latency']:.2f}x | {r['p99_latency']:.2f}x | {r['throughput']:.2f}x |"
+        )
+    rows += breakdown(args, jobs, passes)
+    ideal = model_ratios(args, jobs, past, step_seconds)
+    rows += [
+        "",
+        f"An ideal worker (bench/within_class_model.py: {args.max_num_seqs} slots, {step_seconds * 1000:.1f} ms a "
+        f"step, nothing else costing time) on these jobs: predicted / fcfs mean {ideal['mean_latency']:.2f}x, "
+        f"p99 {ideal['p99_latency']:.2f}x, throughput {ideal['throughput']:.2f}x.",
+    ]
     write_result(
         "within_class_stack",
         {
@@ -316,6 +484,9 @@ def main() -> None:
             "rate": rate,
             "figures": results,
             "ratios": ratios,
+            "round_ratios": each_round,
+            "ideal": ideal,
+            "passes": passes,
             "args": vars(args),
         },
         "\n".join(rows),
