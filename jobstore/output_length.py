@@ -8,11 +8,14 @@ statistic is per tenant, and per model (two models answer the same prompt at dif
     predicted = min(max_tokens, mean output tokens of the tenant's last RECENT_JOBS succeeded jobs on the model)
 
 and max_tokens with no history. It is bounded (RECENT_JOBS rows, read through the index of a tenant's
-jobs by status and creation time) and cheap: one query for any number of jobs.
+jobs in the order they ended) and cheap: one query for any number of jobs.
 
-The history of a job is the tenant's jobs that were **created and had finished before it was created**:
-a fixed set of rows, so the prediction (and with it the order of waiting jobs) is the same whenever it
-is computed, by a worker that restarts and queues the job again included.
+The history of a job is the tenant's jobs that **had finished before it was created** (and so were created
+before it too), the last RECENT_JOBS of them to finish: a fixed set of rows, so the prediction (and with it
+the order of waiting jobs) is the same whenever it is computed, by a worker that restarts and queues the job
+again included. (Taken in creation order instead, the walk to them passed every job created before it that
+was still queued or running when it was created: a tenant's whole backlog, ~1,000 rows a job for genq-batch
+at its queued-job cap, read twice a job, by the window's costs and by the claim's prediction.)
 
 `queued_costs` gives the same prediction for jobs still waiting in Redis, with what else places them in their
 class (workers/queue_order.py): a worker choosing which waiting messages to take reads it for a window of them.
@@ -97,16 +100,15 @@ def queued_costs(db: Session | Connection, job_ids: Sequence[uuid.UUID]) -> dict
 
 
 # For each (tenant, created_at) asked about, the output lengths of that tenant's last RECENT_JOBS succeeded jobs
-# created and finished before then. The inner query walks ix_jobs_tenant_status_created backwards from
-# `created`; `finished_at < created` keeps jobs still running then out of the history.
+# to finish before then. The inner query walks ix_jobs_tenant_finished backwards from `created`, past the few
+# failed or cancelled jobs and other models' among them.
 _HISTORY = text(
     """
     SELECT asked.i, array(
         SELECT cardinality(j.output_token_ids) FROM jobs j
-        WHERE j.tenant_id = asked.tenant_id AND j.status = 'succeeded'
-          AND j.model IS NOT DISTINCT FROM asked.model
-          AND j.created_at < asked.created AND j.finished_at < asked.created
-        ORDER BY j.created_at DESC, j.id DESC
+        WHERE j.tenant_id = asked.tenant_id AND j.finished_at < asked.created
+          AND j.status = 'succeeded' AND j.model IS NOT DISTINCT FROM asked.model
+        ORDER BY j.finished_at DESC, j.id DESC
         LIMIT :limit
     )
     FROM unnest(:tenants, :created, :models) WITH ORDINALITY AS asked(tenant_id, created, model, i)
@@ -124,10 +126,9 @@ _QUEUED = text(
     SELECT j.id, j.created_at, j.deadline, coalesce(j.prompt_tokens, 0), coalesce(cardinality(j.output_token_ids), 0),
            j.max_tokens, array(
         SELECT cardinality(h.output_token_ids) FROM jobs h
-        WHERE h.tenant_id = j.tenant_id AND h.status = 'succeeded'
-          AND h.model IS NOT DISTINCT FROM j.model
-          AND h.created_at < j.created_at AND h.finished_at < j.created_at
-        ORDER BY h.created_at DESC, h.id DESC
+        WHERE h.tenant_id = j.tenant_id AND h.finished_at < j.created_at
+          AND h.status = 'succeeded' AND h.model IS NOT DISTINCT FROM j.model
+        ORDER BY h.finished_at DESC, h.id DESC
         LIMIT :limit
     )
     FROM jobs j WHERE j.id = ANY(:ids) AND j.status = 'queued'
