@@ -9,7 +9,8 @@ database, no claim). The waiting jobs start in the order of the policy:
 - predicted: as batching/admission_order.py orders them, with its formulas (`place`, `at_risk`): a deadline at
   risk first, earliest first; then by arrival + predicted output x cost_seconds_per_token, moved back by at
   most the aging bound. The prediction is jobstore/output_length.py's statistic: the mean output of the
-  tenant's last RECENT_JOBS jobs created and finished before the job arrived (its history, then this run's).
+  tenant's last RECENT_JOBS jobs created and finished before the job arrived (its history, then this run's);
+  or, `oracle`, the job's own length.
 
 bench/within_class_stack.py runs it on its own workload: the ratios a stack without overheads would reach,
 beside the ratios the stack reached. The gap between the two is what the stack loses; the model's own ratio is
@@ -53,8 +54,10 @@ def simulate(
     cost_seconds_per_token: float,
     aging_seconds: float,
     margin_seconds: float,
+    oracle: bool = False,
 ) -> ModelRun:
-    """Each job's latency (finish - arrival) when `jobs` (sorted by arrival) go through the ideal worker."""
+    """Each job's latency (finish - arrival) when `jobs` go through the ideal worker. `oracle`: the prediction
+    is the job's own length (the bound a better predictor could reach), not the tenant statistic."""
     order = sorted(range(len(jobs)), key=lambda i: jobs[i].arrival)
     finished_at: dict[int, float] = {}
     done: dict[str, list[tuple[float, float, int]]] = {t: [] for t in history}  # (arrival, finish, length)
@@ -65,6 +68,8 @@ def simulate(
 
     def prediction(i: int) -> int:
         job = jobs[i]
+        if oracle:
+            return job.length
         recent = [n for a, f, n in done.get(job.tenant, []) if a < job.arrival and f < job.arrival]
         return predict_output_tokens(max_tokens, (history.get(job.tenant, []) + recent)[-RECENT_JOBS:])
 

@@ -83,12 +83,16 @@ class Job:
     prompt: list[int]
     length: int  # its greedy output's length (it ends there)
     deadline: float | None  # seconds after its send
+    ignore_eos: bool = False  # a long job of `--long max`: it runs to max_tokens
 
 
 def find_prompts(args) -> dict[str, list[tuple[list[int], int]]]:
-    """Prompts whose greedy output ends after SHORT and LONG tokens: (prompt, output length) of each class."""
+    """Prompts whose greedy output ends after SHORT tokens, and long ones: (prompt, output length) of each class.
+    `--long eos`: prompts whose greedy output ends after LONG tokens (a search of 64 prompts run to 2,000
+    tokens a round: an hour on a busy 2-core machine); `--long max`: any prompt, the job run to max_tokens
+    with ignore_eos (every job asks the same max_tokens, so nothing of its length reaches the predictor)."""
     cache = OUT / "within_class_prompts.json"
-    key = f"{args.model}:{args.seed}"
+    key = f"{args.model}:{args.seed}" + (":max" if args.long == "max" else "")
     if cache.exists() and key in (saved := json.loads(cache.read_text())):
         return saved[key]
     from batching import Engine, EngineConfig, SamplingParams
@@ -96,7 +100,8 @@ def find_prompts(args) -> dict[str, list[tuple[list[int], int]]]:
     engine = Engine(EngineConfig(model=args.model, dtype="float32", device="cpu", max_num_seqs=64))
     rng = random.Random(args.seed)
     found: dict[str, list[tuple[list[int], int]]] = {"short": [], "long": []}
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    longest = MAX_TOKENS if args.long == "eos" else SHORT[1]  # `max` searches short prompts only
+    params = SamplingParams(max_tokens=longest, temperature=0)
     for round_ in range(40):
         prompts = [[rng.randrange(3, 259) for _ in range(rng.randint(8, 32))] for _ in range(64)]
         for prompt, out in zip(prompts, engine.generate(prompts, params), strict=True):
@@ -105,7 +110,12 @@ def find_prompts(args) -> dict[str, list[tuple[list[int], int]]]:
                 found["short"].append((prompt, n))
             elif out.finish_reason == "stop" and LONG[0] <= n <= LONG[1]:
                 found["long"].append((prompt, n))
-        print(f"prompt search, round {round_ + 1}: {len(found['short'])} short, {len(found['long'])} long")
+            elif args.long == "max" and len(found["long"]) < args.prompts // 4:
+                found["long"].append((prompt, MAX_TOKENS))
+        print(
+            f"prompt search, round {round_ + 1}: {len(found['short'])} short, {len(found['long'])} long",
+            flush=True,
+        )
         if len(found["short"]) >= args.prompts and len(found["long"]) >= args.prompts // 4:
             break
     if not found["short"] or not found["long"]:
@@ -126,16 +136,16 @@ def workload(args, prompts, rate: float, step_seconds: float) -> list[Job]:
         tenant = rng.choices(names, weights)[0]
         prompt, length = rng.choice(prompts["long" if rng.random() < TENANTS[tenant][1] else "short"])
         deadline = 3 * length * step_seconds + 1.0 if rng.random() < args.deadline_share else None
-        jobs.append(Job(tenant, now, prompt, length, deadline))
+        jobs.append(Job(tenant, now, prompt, length, deadline, args.long == "max" and length > SHORT[1]))
     return jobs
 
 
-def history(seed: int) -> dict[str, list[int]]:
-    """Each tenant's past: RECENT_JOBS output lengths drawn from its mix."""
+def history(seed: int, long: tuple[int, int]) -> dict[str, list[int]]:
+    """Each tenant's past: RECENT_JOBS output lengths drawn from its mix (long ones from `long`)."""
     rng = random.Random(seed + 2)
 
     def length(long_share: float) -> int:
-        return rng.randint(*LONG) if rng.random() < long_share else rng.randint(*SHORT)
+        return rng.randint(*long) if rng.random() < long_share else rng.randint(*SHORT)
 
     return {t: [length(long) for _ in range(RECENT_JOBS)] for t, (_, long) in TENANTS.items()}
 
@@ -169,6 +179,8 @@ def tenant_keys(stack, past: dict[str, list[int]]) -> dict[str, str]:
 
 def body(job: Job, sent: datetime) -> dict:
     out = {"input_ids": job.prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "priority": 5}
+    if job.ignore_eos:
+        out["ignore_eos"] = True
     if job.deadline is not None:
         out["deadline"] = (sent + timedelta(seconds=job.deadline)).isoformat()
     return out
@@ -225,7 +237,15 @@ def pilot_rate(args, prompts, name: str, start: threading.Barrier | None) -> flo
         if start is not None:
             start.wait()
         ids = stack.client.submit_all(
-            [{"input_ids": p, "max_tokens": MAX_TOKENS, "temperature": 0.0} for p, _ in longs]
+            [
+                {
+                    "input_ids": p,
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0.0,
+                    "ignore_eos": args.long == "max",
+                }
+                for p, _ in longs
+            ]
         )
         rows = stack.client.wait(ids)
     span = (max(r["finished_at"] for r in rows) - min(r["created_at"] for r in rows)).total_seconds()
@@ -356,9 +376,11 @@ def breakdown(args, jobs: list[Job], passes: dict[str, list[dict]]) -> list[str]
     return rows
 
 
-def model_ratios(args, jobs: list[Job], past: dict[str, list[int]], step_seconds: float) -> dict:
+def model_ratios(
+    args, jobs: list[Job], past: dict[str, list[int]], step_seconds: float, oracle: bool = False
+) -> dict:
     """The ratios an ideal worker (bench/within_class_model.py) gives on these jobs, at the pilot's step time
-    and the policy's default times."""
+    and the policy's default times; `oracle`: predicting each job's own length."""
     defaults = EngineConfig()
     model_jobs = [
         ModelJob(j.tenant, j.arrival, j.length, None if j.deadline is None else j.arrival + j.deadline)
@@ -375,12 +397,14 @@ def model_ratios(args, jobs: list[Job], past: dict[str, list[int]], step_seconds
             cost_seconds_per_token=defaults.cost_seconds_per_token,
             aging_seconds=defaults.aging_seconds,
             margin_seconds=defaults.deadline_margin_seconds,
+            oracle=oracle,
         )
         for policy in ("fcfs", "predicted")
     }
     out = {
         policy: {
             "mean_latency_s": sum(r.latencies) / len(r.latencies),
+            "p50_latency_s": pct(r.latencies, 50),
             "p99_latency_s": pct(r.latencies, 99),
             "throughput_tok_s": r.tokens / r.span,
             "deadlines_met": sum(r.met) / len(r.met) if r.met else None,
@@ -423,6 +447,13 @@ def main() -> None:
     )
     parser.add_argument("--wait-quiet", type=float, default=0.0)
     parser.add_argument(
+        "--long",
+        choices=["max", "eos"],
+        default="max",
+        help="long jobs: run to max_tokens (2,000) with ignore_eos (max), or prompts whose greedy output ends at "
+        "1,000-2,000 tokens (eos: a long search first)",
+    )
+    parser.add_argument(
         "--together",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -433,7 +464,7 @@ def main() -> None:
     info = run_info()
     prompts = find_prompts(args)
     capacity, step_seconds = pilot(args, prompts)
-    past = history(args.seed)
+    past = history(args.seed, LONG if args.long == "eos" else (MAX_TOKENS, MAX_TOKENS))
     mean = {kind: sum(n for _, n in found) / len(found) for kind, found in prompts.items()}
     mix_mean = sum(
         share * (long * mean["long"] + (1 - long) * mean["short"]) for share, long in TENANTS.values()
@@ -470,11 +501,14 @@ def main() -> None:
         )
     rows += breakdown(args, jobs, passes)
     ideal = model_ratios(args, jobs, past, step_seconds)
+    oracle = model_ratios(args, jobs, past, step_seconds, oracle=True)
     rows += [
         "",
         f"An ideal worker (bench/within_class_model.py: {args.max_num_seqs} slots, {step_seconds * 1000:.1f} ms a "
         f"step, nothing else costing time) on these jobs: predicted / fcfs mean {ideal['mean_latency']:.2f}x, "
-        f"p99 {ideal['p99_latency']:.2f}x, throughput {ideal['throughput']:.2f}x.",
+        f"p99 {ideal['p99_latency']:.2f}x, throughput {ideal['throughput']:.2f}x (fcfs p50 "
+        f"{ideal['figures']['fcfs']['p50_latency_s']:.2f} s); predicting each job's own length: mean "
+        f"{oracle['mean_latency']:.2f}x, p99 {oracle['p99_latency']:.2f}x, throughput {oracle['throughput']:.2f}x.",
     ]
     write_result(
         "within_class_stack",
@@ -486,6 +520,7 @@ def main() -> None:
             "ratios": ratios,
             "round_ratios": each_round,
             "ideal": ideal,
+            "ideal_oracle": oracle,
             "passes": passes,
             "args": vars(args),
         },
