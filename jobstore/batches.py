@@ -69,6 +69,7 @@ JOB_COLUMNS = (
     "batch_index",
     "enqueued_at",
     "model",
+    "traceparent",
 )
 EXPIRED_CODE = "batch_expired"
 EXPIRED_MESSAGE = "this request could not be executed before the batch's completion window expired"
@@ -84,9 +85,17 @@ def new_batch_id() -> str:
 
 
 def job_row(
-    tenant_id: uuid.UUID, batch_id: str, index: int, request: dict, prompt_tokens: int, sent_at: datetime
+    tenant_id: uuid.UUID,
+    batch_id: str,
+    index: int,
+    request: dict,
+    prompt_tokens: int,
+    sent_at: datetime,
+    traceparent: str | None = None,
 ) -> tuple[uuid.UUID, tuple]:
     """(the new job's id, its row in JOB_COLUMNS order) for a validated request (JobCreate's fields).
+    `traceparent`: the W3C traceparent of the request creating the batch (None: untraced), so that each
+    worker's spans of the job join that request's trace, as a POST /jobs job's do.
 
     The row says it was sent at `sent_at` (enqueued_at): the batch's jobs are sent right after their
     commit, and marking 10,000 rows sent afterwards cost a tenth of a batch's submission. If the send
@@ -119,6 +128,7 @@ def job_row(
         index,
         sent_at,
         request.get("model"),  # the served model its line names (webapi/batch_lines.py)
+        traceparent,
     )
 
 

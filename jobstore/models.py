@@ -317,6 +317,8 @@ class Batch(Base):
     priority: Mapped[int] = mapped_column(SmallInteger)
     metadata_: Mapped[dict | None] = mapped_column("metadata", JSONB)
     errors: Mapped[list | None] = mapped_column(JSONB)  # validation errors: [{code, message, param, line}]
+    # the served models its valid requests run on, in the order the file first names them (migration 0016)
+    models: Mapped[list[str] | None] = mapped_column(ARRAY(String(128)))
     total: Mapped[int] = mapped_column(Integer, default=0)
     completed: Mapped[int] = mapped_column(Integer, default=0)  # written when it is finalized
     failed: Mapped[int] = mapped_column(Integer, default=0)

@@ -79,6 +79,8 @@ class BatchBuilder:
     served_models: frozenset[str] | None = None  # the names a body's `model` may give (None: any)
     vocabulary: Callable[[str | None], tuple[str, int | None] | None] | None = None  # logit_bias's: spec.py
     deadline: datetime | None = None  # every job's: the end of the batch's completion window (its expires_at)
+    # every job's: the W3C traceparent of the request creating the batch (contract/tracing.py); None: untraced
+    traceparent: str | None = None
     errors: list[LineError] = field(default_factory=list)
     error_count: int = 0
     requests: int = 0  # valid lines so far
@@ -87,6 +89,11 @@ class BatchBuilder:
     sent_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     _custom_ids: set[str] = field(default_factory=set)
     _models: dict[str | None, FleetModel] = field(default_factory=dict)  # each name resolved once a file
+
+    @property
+    def models(self) -> list[str]:
+        """The served models the valid lines run on, each once, in the order the file first names them."""
+        return list(dict.fromkeys(self.job_models))
 
     def add(self, lines: Sequence[tuple[int, bytes]]) -> list[tuple]:
         """Job rows (jobstore.batches.JOB_COLUMNS) of the valid lines among `lines` ((line number, text))."""
@@ -239,7 +246,13 @@ class BatchBuilder:
             self._validation_error(request.line, exc, fields, prefix="body.")
             return None
         job_id, row = job_row(
-            self.tenant_id, self.batch_id, request.index, job, request.prompt_tokens, self.sent_at
+            self.tenant_id,
+            self.batch_id,
+            request.index,
+            job,
+            request.prompt_tokens,
+            self.sent_at,
+            self.traceparent,
         )
         self.job_ids.append(job_id)
         self.job_models.append(request.served.name)

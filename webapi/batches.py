@@ -7,7 +7,7 @@ not done by its expires_at (its completion_window, "24h": BATCH_WINDOW_SECONDS) 
 reconciler: its unfinished requests go to the error file with code `batch_expired`. Each job of a batch has that
 expires_at as its deadline: within its priority, the engine runs first the jobs whose window is about to close.
 A file may mix models (webapi/batch_lines.py): each job goes to its own model's queue, and its output line names
-its model."""
+its model. The batch's `model` is the model of its requests, or null when its file mixes models."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 from sqlalchemy import func
 
 from contract.dispatch import model_queue
+from contract.tracing import current_traceparent
 from jobstore import batches
 from jobstore.files import iter_chunks, iter_lines
 from jobstore.models import Batch, BatchStatus
@@ -84,6 +85,7 @@ def create_batch(body: BatchCreate):
         session.add(batch)
         session.flush()
         builder = validate_and_insert(session, batch, file.id, expires_at)
+        batch.models = builder.models
         if builder.error_count or not builder.requests:
             batch.status, batch.failed_at = BatchStatus.FAILED, func.now()
             batch.errors = [e.as_dict() for e in builder.errors] or [
@@ -129,6 +131,7 @@ def validate_and_insert(session, batch: Batch, file_id: str, deadline: datetime)
         fleet.names(),
         model_vocabulary,
         deadline,
+        current_traceparent(),  # TRACING: each job joins this request's trace, as POST /jobs' jobs do
     )
     savepoint = session.begin_nested()
     try:  # the file is read on a connection of its own: the session's carries the COPY
@@ -229,4 +232,13 @@ def owned_batch(batch_id: str) -> Batch:
 def batch_object(batch: Batch) -> dict:
     total, completed, failed = batches.request_counts(db(), batch)
     counts = RequestCounts(total=total, completed=completed, failed=failed)
-    return BatchObject.of(batch, counts, services().settings.model).model_dump()
+    return BatchObject.of(batch, counts, batch_model(batch)).model_dump()
+
+
+def batch_model(batch: Batch) -> str | None:
+    """OpenAI's Batch.model, the model of the batch's requests: the one its valid lines run on; None when its
+    file mixes models (each output line names its own; OpenAI takes one model a file) or has no valid line. A
+    batch created before batches kept their models (batches.models NULL) names the fleet's default, as it did."""
+    if batch.models is None:
+        return services().settings.model
+    return batch.models[0] if len(batch.models) == 1 else None

@@ -727,7 +727,10 @@ class BatchObject(BaseModel):
     id: str
     object: Literal["batch"] = "batch"
     endpoint: str
-    model: str
+    model: str | None = Field(
+        description="The model of the batch's requests; null when its file mixes models (each output line "
+        "names its own)."
+    )
     errors: BatchErrors | None
     input_file_id: str
     completion_window: str
@@ -747,7 +750,7 @@ class BatchObject(BaseModel):
     metadata: dict[str, str] | None
 
     @classmethod
-    def of(cls, batch: Batch, counts: RequestCounts, model: str) -> BatchObject:
+    def of(cls, batch: Batch, counts: RequestCounts, model: str | None) -> BatchObject:
         return cls(
             id=batch.id,
             endpoint=batch.endpoint,
