@@ -12,12 +12,15 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from operator import attrgetter
+from typing import TypeVar
 
 import torch
 
-from batching import engine_builder, model_probe, step_cost
+from batching import engine_builder, model_probe, step_cost, step_deltas
 from batching.block_manager import blocks_for
 from batching.config import EngineConfig
 from batching.cuda_graphs import StepGraphs
@@ -29,9 +32,11 @@ from batching.sampler import Sampler
 from batching.sampling_params import SamplingParams
 from batching.scheduler import SchedulerOutput
 from batching.sequence import FINISH_REASONS, PENDING_TOKEN, Sequence, SequenceStatus
+from batching.step_deltas import StepDeltas
 from batching.stopping import StopChecker
 
 log = logging.getLogger(__name__)
+_Report = TypeVar("_Report")  # what a step returns: its outputs (step) or its columns (step_deltas)
 
 
 class Engine:
@@ -65,7 +70,7 @@ class Engine:
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids)
 
         self.requests: dict[str, Sequence] = {}
-        self._pending_outputs: list[RequestOutput] = []  # aborted between steps, reported by the next
+        self._aborted: list[Sequence] = []  # aborted between steps, reported by the next
         # async scheduling: the step whose tokens are still on their way to the host (step())
         # (not with tensor-parallel ranks: they take each step's input tokens from the host)
         default_async = self.device.type == "cuda" and self.ranks is None
@@ -218,16 +223,26 @@ class Engine:
         self.sampler.forget(seq)
         seq.finish_time = time.time()
         self._counters["num_aborted"] += 1
-        self._pending_outputs.append(self._output(seq))
+        self._aborted.append(seq)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending_outputs) or self._inflight is not None
+        return bool(self.requests) or bool(self._aborted) or self._inflight is not None
 
     # --- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; returns the outputs of requests that changed (new tokens, finished, aborted).
+        """Run one batch; returns the outputs of requests that changed (new tokens, finished, aborted)."""
+        return self._step(self._outputs)
+
+    def step_deltas(self) -> StepDeltas:
+        """Run one batch; returns what the requests that changed add, by columns (step_deltas.py): every request
+        is reported as its delta, whatever its output_kind, and no object is made per request."""
+        return self._step(step_deltas.report)
+
+    def _step(self, report: Callable[[list[Sequence]], _Report]) -> _Report:
+        """Run one batch; returns `report` of the sequences that changed (new tokens, finished, aborted), in
+        order, made before a step left in flight puts its placeholders in their tokens.
 
         With async scheduling the step launches its batch, then finishes the last step's (its tokens come
         to the host while this one runs), so its outputs are the last step's: schedule → run → postprocess,
@@ -237,16 +252,22 @@ class Engine:
         prev, self._inflight = self._inflight, None
         sched = self.scheduler.schedule()
         cost_model = self.step_costs if sched.seqs else None  # it learns from steps that ran a batch
-        make_up = step_cost.features(sched.seqs, sched.num_scheduled_tokens) if cost_model else None
+        make_up = (
+            step_cost.features(sched.seqs, sched.num_scheduled_tokens, sched.num_decodes)
+            if cost_model
+            else None
+        )
         launched = self._launch(sched, prev)
-        outputs, self._pending_outputs = self._pending_outputs, []
+        changed, self._aborted = self._aborted, []
         if prev is not None:
-            outputs += self._finish(prev)
-        if launched is not None:
-            if self.async_scheduling and launched.overlappable:
-                self._hold(launched)
-            else:  # (prev's finish may have ended some of its sequences)
-                outputs += self._finish(launched, settled=prev is None)
+            changed += self._finish(prev)
+        hold = launched is not None and self.async_scheduling and launched.overlappable
+        if launched is not None and not hold:  # (prev's finish may have ended some of its sequences)
+            changed += self._finish(launched, settled=prev is None)
+        reported = report(changed)
+        if hold:
+            assert launched is not None
+            self._hold(launched)
         seconds = time.perf_counter() - started
         self._record_step(sched, seconds)
         if cost_model and make_up is not None and (costs := cost_model.record(make_up, seconds)) is not None:
@@ -256,7 +277,7 @@ class Engine:
                 costs,
             )
             self.scheduler.set_costs(costs)
-        return outputs
+        return reported
 
     def _launch(self, sched: SchedulerOutput, prev: _Launched | None) -> _Launched | None:
         """Run the step's forward and sample its tokens, which stay on the device (their copy to the host
@@ -279,7 +300,7 @@ class Engine:
                 self._record_prompt_logprobs(prompt_logits, spans)
             return None
         tokens = self.sampler.sample(logits, sample_seqs)
-        overlappable = prompt_logits is None and all(s.overlappable for s in sample_seqs)
+        overlappable = prompt_logits is None and all(map(_overlappable, sample_seqs))
         return _Launched(sample_seqs, tokens, _to_host(tokens), logits, prompt_logits, spans, overlappable)
 
     def _hold(self, launched: _Launched) -> None:
@@ -294,11 +315,11 @@ class Engine:
         self._inflight = launched
         self._counters["num_overlapped_steps"] += 1
 
-    def _finish(self, launched: _Launched, settled: bool = False) -> list[RequestOutput]:
+    def _finish(self, launched: _Launched, settled: bool = False) -> list[Sequence]:
         """The host's part of a launched step, once its tokens are there: log probabilities, the tokens
-        appended, stops, outputs. A sequence that ended meanwhile (a stop, a cancel) drops its token.
-        `settled`: none can have ended since the launch (finished in the step that launched it, nothing
-        finished before it)."""
+        appended, stops; returns the sequences that changed. A sequence that ended meanwhile (a stop, a
+        cancel) drops its token. `settled`: none can have ended since the launch (finished in the step that
+        launched it, nothing finished before it)."""
         tokens = launched.host_tokens()
         seqs = launched.seqs
         if launched.prompt_logits is not None:
@@ -317,22 +338,23 @@ class Engine:
                 seqs, tokens = [seqs[i] for i in live], [tokens[i] for i in live]
         return self._postprocess(seqs, tokens)
 
-    def _postprocess(self, sample_seqs: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
+    def _postprocess(self, sample_seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
+        """Each sequence gets its token (stop_checker.advance); those that ended leave. All of them changed."""
         self._counters["num_generated_tokens"] += len(tokens)
         now = time.time()
-        statuses = self.stop_checker.advance(sample_seqs, tokens, now)
-        outputs = []
-        delta_output, output = self._delta_output, self._output
-        for seq, token, status in zip(sample_seqs, tokens, statuses):
-            if seq.grammar is not None and seq.grammar.consume_token(token) and seq.grammar.is_stopped():
-                status = SequenceStatus.FINISHED_STOPPED  # its JSON is complete
-            if status is not None:
-                self.scheduler.finish(seq, status)
-                self.sampler.forget(seq)
-                seq.finish_time = now
-                del self.requests[seq.req_id]
-            outputs.append(delta_output(seq) if seq.params.output_kind == "delta" else output(seq))
-        return outputs
+        ended, with_grammar = self.stop_checker.advance(sample_seqs, tokens, now)
+        for i in with_grammar:
+            grammar = sample_seqs[i].grammar
+            assert grammar is not None
+            if grammar.consume_token(tokens[i]) and grammar.is_stopped():
+                ended[i] = SequenceStatus.FINISHED_STOPPED  # its JSON is complete
+        for i, status in ended.items():
+            seq = sample_seqs[i]
+            self.scheduler.finish(seq, status)
+            self.sampler.forget(seq)
+            seq.finish_time = now
+            del self.requests[seq.req_id]
+        return sample_seqs
 
     @staticmethod
     def _record_prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Sequence, int, int]]) -> None:
@@ -361,9 +383,44 @@ class Engine:
         for i, logprob in zip(rows, found, strict=True):
             seqs[i].logprobs.append(logprob)
 
+    def _outputs(self, changed: list[Sequence]) -> list[RequestOutput]:
+        """A RequestOutput per changed sequence: its delta (from step_deltas.report's columns, the same rows
+        `step_deltas()` gives) with output_kind "delta", else all it has."""
+        deltas = step_deltas.report([s for s in changed if s.params.output_kind == "delta"])
+        outputs = []
+        row = 0
+        for seq in changed:
+            if seq.params.output_kind != "delta":
+                outputs.append(self._output(seq))
+                continue
+            reason = deltas.finish_reasons[row]
+            first = deltas.token_starts[row] == 0 and deltas.text_starts[row] == 0  # its first output
+            p = seq.params
+            outputs.append(
+                _new_output(  # RequestOutput(...), built in C: one per request per step
+                    RequestOutput,
+                    (
+                        seq.req_id,
+                        seq.token_ids[: seq.num_prompt_tokens] if first else [],
+                        deltas.token_ids[row],
+                        deltas.texts[row],
+                        reason is not None,
+                        reason,
+                        seq.num_preemptions,
+                        seq.arrival_time,
+                        seq.first_token_time,
+                        seq.finish_time,
+                        seq.priority,
+                        deltas.logprobs[row] if deltas.logprobs is not None else None,
+                        list(seq.prompt_logprobs) if p.prompt_logprobs is not None and first else None,
+                    ),
+                )
+            )
+            row += 1
+        return outputs
+
     def _output(self, seq: Sequence) -> RequestOutput:
-        if seq.params.output_kind == "delta":
-            return self._delta_output(seq)
+        """All a request has so far (output_kind "cumulative")."""
         return RequestOutput(
             request_id=seq.req_id,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
@@ -378,40 +435,6 @@ class Engine:
             priority=seq.priority,
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
             prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
-        )
-
-    @staticmethod
-    def _delta_output(seq: Sequence) -> RequestOutput:
-        """What changed since the request's last output: new token ids and new text (the prompt ids only in
-        the first). Until it ends (stopped or at its length), the text's last `holdback` characters wait: a
-        stop string may cut them. An aborted request keeps them back too: it may be resumed elsewhere."""
-        p, status, text = seq.params, seq.status, seq.text
-        reported_tokens, reported_chars = seq.num_reported_tokens, seq.num_reported_chars
-        first = reported_tokens == 0 and reported_chars == 0
-        token_ids = seq.token_ids[seq.num_prompt_tokens + reported_tokens :]
-        finished = status >= SequenceStatus.FINISHED_STOPPED
-        end = len(text)  # without stop strings the text only grows: all of it is reported
-        if p.stop and (not finished or status == SequenceStatus.FINISHED_ABORTED):
-            end = max(reported_chars, end - p.holdback)
-        seq.num_reported_tokens = reported_tokens + len(token_ids)
-        seq.num_reported_chars = max(reported_chars, end)
-        return _new_output(  # RequestOutput(...), built in C: one per request per step
-            RequestOutput,
-            (
-                seq.req_id,
-                seq.token_ids[: seq.num_prompt_tokens] if first else [],
-                token_ids,
-                text[reported_chars:end],
-                finished,
-                FINISH_REASONS.get(status) if finished else None,
-                seq.num_preemptions,
-                seq.arrival_time,
-                seq.first_token_time,
-                seq.finish_time,
-                seq.priority,
-                seq.logprobs[reported_tokens:] if p.logprobs is not None else None,
-                list(seq.prompt_logprobs) if p.prompt_logprobs is not None and first else None,
-            ),
         )
 
     # --- offline use ------------------------------------------------------------------------------
@@ -440,7 +463,7 @@ class Engine:
         except ValueError:
             for rid in added:
                 self.abort(rid)
-            self._pending_outputs = [o for o in self._pending_outputs if o.request_id not in added]
+            self._aborted = [s for s in self._aborted if s.req_id not in added]
             raise
         results: dict[str, RequestOutput] = {}
         bar = _progress(len(ids), use_tqdm)
@@ -560,6 +583,7 @@ class _Launched:
 
 
 _new_output = tuple.__new__
+_overlappable = attrgetter("overlappable")
 
 
 def _to_host(tokens: torch.Tensor):

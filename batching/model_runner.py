@@ -142,6 +142,10 @@ class ModelRunner:
                 self.followers.send_step(sched.swap_out, sched.swap_in, None, None)
             self.kv_cache.wait_for_copies()
             return None, [], None, []
+        if self._decodes_by_columns and pending_tokens is None and sched.num_decodes == len(sched.seqs):
+            batch = self._decode_step(sched.seqs)  # the common step on the CPU kernels' path
+            self.kv_cache.wait_for_copies()
+            return self.forward(batch), batch.sample_seqs, None, []
         rows = self.step_rows(sched, pending=pending_tokens is not None)
         if self.followers is not None:
             self._send_to_followers(sched, rows)
@@ -159,6 +163,50 @@ class ModelRunner:
         self.kv_cache.wait_for_copies()
         logits = self.forward(batch)  # [N + P, V]
         return logits[:n], rows.sample_seqs, logits[n:] if extra else None, rows.logprob_spans
+
+    @property
+    def _decodes_by_columns(self) -> bool:
+        """Whether a step of decodes only may take `_decode_step`: the CPU kernels' path, one rank, no state
+        layers, no captured graphs (each of those reads the step's StepRows)."""
+        return (
+            self.attention_kernel is not None
+            and self.state_cache is None
+            and self.followers is None
+            and self.graphs is None
+        )
+
+    def _decode_step(self, seqs: list[Sequence]) -> ModelInput:
+        """A step of decodes only (none with its token still on the device), as `prepare(step_rows(...))`
+        builds it on the CPU kernels' path, by columns: the sequences' positions and tokens read in a pass
+        each, the slots and lengths computed in numpy, the block tables one gather from the persistent array.
+        Same rows, same order (longest context first, ties in the step's order)."""
+        n, bs = len(seqs), self.block_size
+        seqs = sorted(seqs, key=_computed, reverse=True)  # (stable)
+        positions = np.array(list(map(_computed, seqs)), np.int64)
+        input_ids = np.array([seq.token_ids[-1] for seq in seqs], np.int64)
+        table_rows = self.block_tables.rows(seqs)
+        tables = self.block_tables.table
+        slots = tables[table_rows, positions // bs] * bs + positions % bs
+        flat = torch.from_numpy(np.concatenate([input_ids, positions, slots, np.arange(n)]))
+        lens = positions + 1
+        width = -(-int(lens[0]) // bs)
+        # past a context: whatever its row held (block ids of the pool, never read)
+        block_ids = torch.from_numpy(tables[table_rows, :width].reshape(-1))
+        attn = AttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=flat[2 * n : 3 * n],
+            decodes=[DecodeGroup(0, n, block_ids, torch.from_numpy(lens), width)],
+            prefills=None,
+            attention_kernel=self.attention_kernel,
+            mask_patterns=self.mask_patterns,
+        )
+        return ModelInput(
+            input_ids=flat[:n].view(1, n),
+            position_ids=flat[n : 2 * n].view(1, n),
+            logits_indices=flat[3 * n :],
+            attn=attn,
+            sample_seqs=seqs,
+        )
 
     def _send_to_followers(self, sched: SchedulerOutput, rows: StepRows) -> None:
         """The step to the other ranks (tensor parallel), with its sequences' block tables [S, W] gathered from
@@ -558,7 +606,12 @@ class BlockTables:
         self.free: list[int] = []
 
     def gather(self, seqs: list[Sequence], width: int) -> np.ndarray:
-        """[len(seqs), width]: each sequence's blocks (past its table: whatever the row held).
+        """[len(seqs), width]: each sequence's blocks (past its table: whatever the row held)."""
+        rows = self.rows(seqs, width)
+        return self.table[rows, :width]
+
+    def rows(self, seqs: list[Sequence], width: int = 0) -> np.ndarray | list[int]:
+        """Each sequence's row of `table`, written up to date, the table at least `width` wide.
 
         The check that a row is up to date (its sequence has one, written from the same list, as long as
         it is) runs in numpy over the rows; only rows that are not go through Python (a block every
@@ -569,8 +622,7 @@ class BlockTables:
         if max(longest, width) > self.table.shape[1]:
             self._grow(self.table.shape[0], max(longest, width, 2 * self.table.shape[1]))
         if n < 16:  # a few rows: numpy's calls cost more than checking them one by one
-            few = [self._update(seq, seqs) for seq in seqs]  # (first: taking a row may grow the table)
-            return self.table[few, :width]
+            return [self._update(seq, seqs) for seq in seqs]  # (first: taking a row may grow the table)
         lens = np.fromiter(map(len, tables), np.int64, n)
         rows = np.fromiter(map(self.row_of.get, seqs, repeat(-1)), np.int64, n)
         if self.table.shape[0]:
@@ -580,7 +632,7 @@ class BlockTables:
             stale = np.arange(n)
         for i in stale.tolist():
             rows[i] = self._update(seqs[i], seqs)
-        return self.table[rows, :width]
+        return rows
 
     def _update(self, seq: Sequence, seqs: list[Sequence]) -> int:
         """`seq`'s row, taken if it has none, and written where it is not up to date."""

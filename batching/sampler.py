@@ -6,6 +6,8 @@ request draws the same tokens alone, in any batch, after preemption or a restart
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
 
 from batching.grammar import allowed_tokens
@@ -13,6 +15,7 @@ from batching.host_to_device import device_tensor
 from batching.sequence import Sequence
 from batching.token_counts import TokenCounts
 
+_plain = attrgetter("plain")
 _MASK64 = (1 << 63) - 1
 _GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed 64-bit integer (torch has no uint64 math)
 _MIX1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
@@ -110,7 +113,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The tokens [N] (int64, on the logits' device; nothing waits for the device) of `__call__`."""
-        if all(s.plain for s in seqs):  # the common step: greedy rows only
+        if all(map(_plain, seqs)):  # the common step: greedy rows only
             return logits.argmax(dim=-1)
         if any(s.params.logit_bias for s in seqs):  # a copy, as below: before everything else
             logits = apply_logit_bias(logits, seqs)

@@ -63,6 +63,7 @@ class Sequence:
         "read_offset",
         "num_reported_tokens",
         "num_reported_chars",
+        "reported_facts",
         "logprobs",
         "prompt_logprobs",
         "grammar",
@@ -117,6 +118,8 @@ class Sequence:
         # output_kind "delta": output tokens and text characters reported in earlier outputs
         self.num_reported_tokens = 0
         self.num_reported_chars = 0
+        # (num_preemptions, first_token_time) as last reported (step_deltas.py); None: never reported
+        self.reported_facts: tuple[int, float | None] | None = None
         # with params.logprobs: output token j's (TokenLogprob); with params.prompt_logprobs: prompt token
         # i + 1's (the first has none). A preempted sequence keeps them; a resumed one computes its resumed
         # tokens' from their prefill

@@ -22,12 +22,14 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
 REFIT_EVERY = 256  # steps between fits
 WINDOW = 4096  # steps a fit looks at
 MIN_STEPS = 512  # steps before the first fit
+_computed = attrgetter("num_computed_tokens")
 NAMES = ("prefill_tokens", "prefill_attention", "chunk_context", "decodes", "decode_context")
 
 
@@ -57,10 +59,13 @@ def attention_context_per_token(model, query_width: float | None = None) -> floa
     return weights / mc.num_hidden_layers / (2 * query_width)
 
 
-def features(seqs, num_scheduled_tokens) -> tuple[float, ...]:
-    """A scheduled step's make-up (see NAMES), from its sequences before they advance."""
-    tokens = attention = chunk_context = decodes = decode_context = 0.0
-    for seq, n in zip(seqs, num_scheduled_tokens):
+def features(seqs, num_scheduled_tokens, num_decodes: int = 0) -> tuple[float, ...]:
+    """A scheduled step's make-up (see NAMES), from its sequences before they advance. The first `num_decodes`
+    of `seqs` are known decodes (SchedulerOutput.num_decodes): summed in one pass, not tested one by one."""
+    tokens = attention = chunk_context = 0.0
+    decodes = float(num_decodes)
+    decode_context = float(sum(map(_computed, seqs[:num_decodes])))
+    for seq, n in zip(seqs[num_decodes:], num_scheduled_tokens[num_decodes:]):
         s = seq.num_computed_tokens
         if n == 1 and seq.is_decoding:
             decodes += 1

@@ -21,19 +21,24 @@ class StopChecker:
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         return eos.union(params.stop_token_ids)
 
-    def advance(self, seqs: Seq[Sequence], tokens: Seq[int], now: float) -> list[SequenceStatus | None]:
+    def advance(
+        self, seqs: Seq[Sequence], tokens: Seq[int], now: float
+    ) -> tuple[dict[int, SequenceStatus], list[int]]:
         """Each of `seqs` gets its token of `tokens` (in place of its placeholder if it has one, see engine.py),
-        its first token's time, its text (in one pass of the detokenizer); returns each one's finished status, or
-        None. One loop over the step's sequences does all that needs no text; stop strings, the only check that
-        reads the text, run after the detokenizer, for the sequences that have them.
+        its first token's time, its text (in one pass of the detokenizer). Returns the rows that finished, with
+        their status, and the rows whose sequence has a grammar (the engine feeds it the token). One loop over
+        the step's sequences does all that needs no text; stop strings, the only check that reads the text,
+        run after the detokenizer, for the sequences that have them.
 
         As vLLM: a token that stops the request (the end of sequence, a stop_token_id) adds no text unless
         include_stop_str_in_output; min_tokens holds back every stop before it (stop strings: see below)."""
         stopped, length = SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH
-        statuses: list[SequenceStatus | None] = []
+        ended: dict[int, SequenceStatus] = {}
+        with_grammar: list[int] = []
         to_decode: list[Sequence] = []
-        with_strings: list[tuple[int, Sequence, int]] = []  # (its place, it, its text's length before)
-        for seq, token in zip(seqs, tokens, strict=True):
+        with_strings: list[tuple[int, Sequence, int]] = []  # (its row, it, its text's length before)
+        for i, seq in enumerate(seqs):
+            token = tokens[i]
             ids = seq.token_ids
             if seq.pending_row >= 0:  # its placeholder, last in token_ids
                 ids[-1] = token
@@ -43,19 +48,22 @@ class StopChecker:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             p = seq.params
+            if p.json_schema is not None:
+                with_grammar.append(i)
             # the sampler held the stop tokens back too before min_tokens
             if token in seq.stop_ids and (
                 not p.min_tokens or len(ids) - seq.num_prompt_tokens >= p.min_tokens
             ):
-                statuses.append(stopped)
+                ended[i] = stopped
                 if p.include_stop_str_in_output:
                     to_decode.append(seq)
                 continue
             to_decode.append(seq)
             if p.stop:
-                with_strings.append((len(statuses), seq, len(seq.text)))
+                with_strings.append((i, seq, len(seq.text)))
             # max_tokens, or the model's length (a stop string found below comes first)
-            statuses.append(length if len(ids) >= seq.max_num_tokens else None)
+            if len(ids) >= seq.max_num_tokens:
+                ended[i] = length
         self.detokenize(to_decode)
         # stop strings end a request once len(output) > min_tokens, matched in the text added since the last
         # token (and the stop's length - 1 characters before it), as vLLM's detokenizer checks them
@@ -65,8 +73,8 @@ class StopChecker:
                 and len(seq.text) > old_len
                 and self._cut_at_stop_string(seq, old_len)
             ):
-                statuses[i] = stopped
-        return statuses
+                ended[i] = stopped
+        return ended, with_grammar
 
     @staticmethod
     def _cut_at_stop_string(seq: Sequence, old_len: int) -> bool:

@@ -2,8 +2,11 @@
 
 A Llama whose forward is nearly free (2 layers, hidden 64, 4 heads, the byte-level tokenizer's 259 ids,
 so every generated token is also detokenized and stop-checked as in real use) runs W sequences of short
-prompts in pure decode, with delta outputs as the worker asks. For each width the bench times
-`engine.step()` and, inside it, the model's forward (from a forward pre-hook to its post-hook, the device
+prompts in pure decode, with delta outputs as the worker asks. For each width the bench times a step as
+the worker's engine process runs it (`--report deltas`, the default: `engine.step_deltas()` and the
+StepReport the process sends, built by workers/engine_process.py's Reporter, not pickled; code from before
+step_deltas: `engine.step()`'s outputs through its Reporter; `--report outputs`: `engine.step()` alone)
+and, inside it, the model's forward (from a forward pre-hook to its post-hook, the device
 synchronized at both ends on CUDA), over `--steps` steady decode steps: host work = step time - forward
 time, per step and per sequence, and the same in the engine thread's CPU time (what other processes on
 a busy machine inflate less), with the issue's target beside it (<= 1 us a sequence + 100 us a step;
@@ -96,17 +99,34 @@ class ForwardTimer:
             h.remove()
 
 
-def measure(engine: Engine, width: int, steps: int, profile: bool = False) -> dict:
+def stepper(engine: Engine, report: str):
+    """What one timed step runs (see the module's docstring)."""
+    if report == "outputs":
+        return engine.step
+    from workers.engine_process import Reporter
+
+    class Discard:  # the events pipe, minus the pickling (the same for every version of the report)
+        def send(self, message) -> None:
+            pass
+
+    reporter = Reporter(Discard())
+    if hasattr(engine, "step_deltas"):
+        return lambda: reporter.send(engine.step_deltas(), engine.stats())
+    return lambda: reporter.send(engine.step(), engine.stats())  # the code before step_deltas
+
+
+def measure(engine: Engine, width: int, steps: int, profile: bool = False, report: str = "deltas") -> dict:
     """Host work per step of `width` sequences in steady decode, over `steps` steps (median of 3 runs)."""
+    step = stepper(engine, report)
     # deltas, as the worker asks (workers/engine_process.py)
     params = SamplingParams(max_tokens=steps * 3 + 64, temperature=0, ignore_eos=True, output_kind="delta")
     prompts = [[3 + (i * 7 + j) % 250 for j in range(8)] for i in range(width)]
     for i, prompt in enumerate(prompts):
         engine.add_request(f"w{width}-{i}", prompt, params)
     while engine.stats()["num_running"] < width or engine.stats()["num_waiting"]:
-        engine.step()
+        step()
     for _ in range(8):  # every sequence decoding
-        engine.step()
+        step()
     timer = ForwardTimer(engine.model, engine.device)
     rounds = []
     profiler = None
@@ -119,7 +139,7 @@ def measure(engine: Engine, width: int, steps: int, profile: bool = False) -> di
         timer.total = timer.cpu_total = 0.0
         started, cpu_started = time.perf_counter(), time.thread_time()
         for _ in range(steps):
-            engine.step()
+            step()
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
         wall, cpu = time.perf_counter() - started, time.thread_time() - cpu_started
@@ -129,7 +149,7 @@ def measure(engine: Engine, width: int, steps: int, profile: bool = False) -> di
     timer.close()
     for i in range(width):
         engine.abort(f"w{width}-{i}")
-    engine.step()
+    step()
     wall, forward, _ = sorted(rounds, key=lambda r: r[0] - r[1])[1]
     host_cpu_us = sorted(r[2] for r in rounds)[1] / steps * 1e6
     step_us = wall / steps * 1e6
@@ -200,6 +220,7 @@ def measure_widths(
     profile: bool = False,
     attention: str = "auto",
     text: str = "ascii",
+    report: str = "deltas",
 ) -> dict:
     """The figures for `widths` on `device` (and, on CUDA, the device's idle time between steps)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -219,7 +240,7 @@ def measure_widths(
         gc.collect()
         gc.freeze()
         try:
-            results = [measure(engine, w, steps, profile) for w in widths]
+            results = [measure(engine, w, steps, profile, report) for w in widths]
             gaps = [device_gaps(engine, w, steps) for w in widths] if engine.device.type == "cuda" else []
         finally:
             gc.unfreeze()
@@ -227,6 +248,7 @@ def measure_widths(
         device=str(engine.device),
         device_name=_device_name(engine.device),
         text=text,
+        report=report,
         async_scheduling=engine.async_scheduling,
         torch=torch.__version__,
         results=results,
@@ -238,7 +260,7 @@ def table(report: dict) -> list[str]:
     lines = [
         f"host work outside the forward: {report['device_name']}, async scheduling "
         f"{'on' if report['async_scheduling'] else 'off'}, torch {report['torch']}, "
-        f"{report.get('text', 'bytes')} text",
+        f"{report.get('text', 'bytes')} text, steps reported as {report.get('report', 'outputs')}",
         "",
         "| width | step us | forward us | host us | host us / seq | host CPU us | target us | met |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -293,10 +315,18 @@ def main(argv=None) -> int:
         default="ascii",
         help="what the model writes: printable ASCII (whole characters, as real text) or any byte",
     )
+    ap.add_argument(
+        "--report",
+        choices=("deltas", "outputs"),
+        default="deltas",
+        help="what a step reports: the engine process's StepReport (deltas) or engine.step()'s outputs",
+    )
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     widths = [int(w) for w in args.widths.split(",")]
-    report = measure_widths(widths, args.steps, args.device, args.profile, args.attention, args.text)
+    report = measure_widths(
+        widths, args.steps, args.device, args.profile, args.attention, args.text, args.report
+    )
     print("\n".join(table(report)))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -6,9 +6,9 @@ Python here, so no thread of the worker (Celery's delivery, claims, batched data
 takes the GIL from the step loop; the worker process imports no torch at all.
 
 What goes back is one message per step (`StepReport`): for the requests that changed, the fields of a
-contract.deltas.Delta each (the step's new token ids and new stable text, at absolute offsets: the engine runs
-every request with output_kind="delta", set here, where the reports rely on it), what else changed for some
-of them (`RequestNews`), and the engine's stats and step time. So the bytes sent grow with the tokens made,
+contract.deltas.Delta each (the step's new token ids and new stable text, at absolute offsets: the engine's
+`step_deltas()`, by columns, with no object per request), what else changed for some of them (`RequestNews`),
+and the engine's stats and step time. So the bytes sent grow with the tokens made,
 never with the output's length, and every step's tokens reach the worker as the step ends. The messages
 both ways are workers/engine_protocol.py's.
 
@@ -28,7 +28,6 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
-from contract.deltas import Position
 from contract.log_setup import configure
 from workers.engine_protocol import (
     AbortRequest,
@@ -50,67 +49,42 @@ PR_SET_NAME = 15  # prctl(2): the name `ps -o comm` and `top` show
 
 
 class Reporter:
-    """Turns each step's delta outputs into one StepReport, with each request's absolute offsets."""
+    """Sends each step's deltas (batching's StepDeltas: by columns, with each request's absolute offsets, which
+    the engine keeps) as one StepReport: the columns pass through as they are, and only the rows with news or
+    log probabilities are looked at one by one."""
 
     def __init__(self, events: Connection):
         self._events = events
-        # request id -> what it was sent so far: (tokens and characters, preemptions, first token's time)
-        self._sent: dict[str, tuple[Position, int, float | None]] = {}
 
-    def send(self, outputs, stats: dict) -> None:
-        ids, starts, token_ids, text_starts, texts, reasons, fields = [], [], [], [], [], [], []
-        news: dict[str, RequestNews] = {}
-        for out in outputs:
-            request_id = out.request_id
-            sent = self._sent.pop(request_id, None)
-            first = sent is None
-            if first or sent[1:] != (out.num_preemptions, out.first_token_time):
-                news[request_id] = RequestNews(
-                    out.num_preemptions,
-                    out.first_token_time,
-                    out.prompt_token_ids if first else None,
-                    _prompt_logprobs(out) if first else None,
-                )
-            at = Position() if first else sent[0]
-            ids.append(request_id)
-            starts.append(at.tokens)
-            token_ids.append(out.token_ids)
-            text_starts.append(at.chars)
-            texts.append(out.text)
-            reasons.append(out.finish_reason)
-            fields.append(
-                None if out.logprobs is None else {"logprobs": [lp.as_list() for lp in out.logprobs]}
-            )
-            if not out.finished:
-                end = Position(at.tokens + len(out.token_ids), at.chars + len(out.text))
-                self._sent[request_id] = (end, out.num_preemptions, out.first_token_time)
-        has_fields = any(f is not None for f in fields)
+    def send(self, deltas, stats: dict) -> None:
+        news = {n.request_id: RequestNews(*n[1:4], _prompt_logprobs(n)) for n in deltas.news}
+        fields = None
+        if deltas.logprobs is not None:
+            fields = [
+                None if row is None else {"logprobs": [lp.as_list() for lp in row]} for row in deltas.logprobs
+            ]
         report = StepReport(
-            ids,
-            starts,
-            token_ids,
-            text_starts,
-            texts,
-            reasons,
-            fields if has_fields else None,
+            deltas.request_ids,
+            deltas.token_starts,
+            deltas.token_ids,
+            deltas.text_starts,
+            deltas.texts,
+            deltas.finish_reasons,
+            fields,
             news,
             stats,
             stats["last_step_time_s"],
         )
         self._events.send(report)
 
-    def forget(self, request_ids) -> None:
-        for request_id in request_ids:
-            self._sent.pop(request_id, None)
 
-
-def _prompt_logprobs(out) -> list | None:
+def _prompt_logprobs(news) -> list | None:
     """A prompt's log probabilities as sent: one [token, logprob, top] per prompt token. The engine gives
     those of every token but the first, which has none (nothing comes before it): its logprob is None."""
-    if out.prompt_logprobs is None:
+    if news.prompt_logprobs is None or news.prompt_token_ids is None:
         return None
-    return [[token, None, []] for token in out.prompt_token_ids[:1]] + [
-        lp.as_list() for lp in out.prompt_logprobs
+    return [[token, None, []] for token in news.prompt_token_ids[:1]] + [
+        lp.as_list() for lp in news.prompt_logprobs
     ]
 
 
@@ -164,7 +138,7 @@ def _apply_commands(engine, commands: Connection, events: Connection, block: boo
         block = False
         match commands.recv():
             case AddRequest() as add:
-                add.params.output_kind = "delta"  # the reports are deltas (Reporter)
+                add.params.output_kind = "delta"  # (step_deltas reports every request as deltas anyway)
                 try:
                     engine.add_request(
                         add.request_id,
@@ -190,7 +164,7 @@ def _apply_commands(engine, commands: Connection, events: Connection, block: boo
 def _step(engine, reporter: Reporter, events: Connection) -> None:
     """One step; what changed goes to the worker. A failing step fails every request in the engine."""
     try:
-        outputs = engine.step()
+        deltas = engine.step_deltas()
     except Exception as exc:
         from batching.collectives import RankFailure  # the engine (and torch) is loaded by now
 
@@ -202,11 +176,10 @@ def _step(engine, reporter: Reporter, events: Connection) -> None:
         failed = list(engine.requests)
         for request_id in failed:
             engine.abort(request_id)
-        reporter.send(engine.step(), engine.stats())  # the aborts; runs nothing: every request is gone
-        reporter.forget(failed)
+        reporter.send(engine.step_deltas(), engine.stats())  # the aborts; runs nothing: every request is gone
         events.send(StepFailed(failed, isinstance(exc, ValueError), f"{exc.__class__.__name__}: {exc}"))
         return
-    reporter.send(outputs, engine.stats())
+    reporter.send(deltas, engine.stats())
 
 
 def _describe(engine) -> dict:
