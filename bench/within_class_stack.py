@@ -151,7 +151,9 @@ def history(seed: int, long: tuple[int, int]) -> dict[str, list[int]]:
 
 
 def tenant_keys(stack, past: dict[str, list[int]]) -> dict[str, str]:
-    """A key per tenant, and its history written as jobs that succeeded an hour ago."""
+    """A key per tenant, and its history written as jobs that succeeded an hour ago, on the model the API names
+    in the jobs it stores (the predictor reads a tenant's jobs on the job's model only: history rows with no
+    model, as this wrote them before, were invisible to it, and the stack ran the policy without them)."""
     from jobstore.jobs import create_job
     from jobstore.keys import create_key, tenant_for_key
 
@@ -164,7 +166,7 @@ def tenant_keys(stack, past: dict[str, list[int]]) -> dict[str, str]:
             for i, n in enumerate(lengths):
                 request = dict(
                     prompt="past", input_ids=None, max_tokens=MAX_TOKENS, temperature=0.0, top_p=1.0, top_k=0,
-                    seed=None, stop=[], priority=5, metadata={},
+                    seed=None, stop=[], priority=5, metadata={}, model=stack.settings.served_model_name(),
                 )  # fmt: skip
                 job, _ = create_job(s, tenant_id, request, prompt_tokens=4)
                 s.execute(
