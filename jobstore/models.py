@@ -260,6 +260,14 @@ class Job(Base):
             "id",
             postgresql_where=text("finished_at IS NOT NULL"),
         ),
+        # the output-length history (jobstore/output_length.py): a tenant's succeeded jobs in the order they ended
+        Index(
+            "ix_jobs_tenant_succeeded",
+            "tenant_id",
+            "finished_at",
+            "id",
+            postgresql_where=text("status = 'succeeded'"),
+        ),
         # a batch's jobs in input order: its request counts, its output file
         Index("ix_jobs_batch", "batch_id", "batch_index", postgresql_where=text("batch_id IS NOT NULL")),
         # /metrics: the live jobs past or near their deadline (a claim changes status anyway; a progress write

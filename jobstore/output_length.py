@@ -8,7 +8,7 @@ statistic is per tenant, and per model (two models answer the same prompt at dif
     predicted = min(max_tokens, mean output tokens of the tenant's last RECENT_JOBS succeeded jobs on the model)
 
 and max_tokens with no history. It is bounded (RECENT_JOBS rows, read through the index of a tenant's
-jobs in the order they ended) and cheap: one query for any number of jobs.
+succeeded jobs in the order they ended) and cheap: one query for any number of jobs.
 
 The history of a job is the tenant's jobs that **had finished before it was created** (and so were created
 before it too), the last RECENT_JOBS of them to finish: a fixed set of rows, so the prediction (and with it
@@ -100,8 +100,8 @@ def queued_costs(db: Session | Connection, job_ids: Sequence[uuid.UUID]) -> dict
 
 
 # For each (tenant, created_at) asked about, the output lengths of that tenant's last RECENT_JOBS succeeded jobs
-# to finish before then. The inner query walks ix_jobs_tenant_finished backwards from `created`, past the few
-# failed or cancelled jobs and other models' among them.
+# to finish before then. The inner query walks ix_jobs_tenant_succeeded (migration 0017) backwards from `created`,
+# past the other models' jobs among them.
 _HISTORY = text(
     """
     SELECT asked.i, array(

@@ -41,3 +41,4 @@ def test_the_history_walks_no_backlog(sessions, tenant):  # noqa: F811
             )
         )
     assert "Rows Removed by Filter" not in plan, plan  # the 300 jobs of the backlog are not read
+    assert "Sort" not in plan, plan  # read in the order of an index
