@@ -27,8 +27,9 @@ run: install services
 	$(VENV)/bin/honcho run $(VENV)/bin/alembic upgrade head
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/honcho start
 
+# The engine's tests as two sessions side by side, then the service tests alone (scripts/run_tests.sh).
 test: install services
-	$(VENV)/bin/pytest -q tests
+	PYTEST=$(VENV)/bin/pytest bash scripts/run_tests.sh
 
 # On a GPU host, whether genq is right there and how fast, in one command (bench/gpu_check.py): the
 # device tests on every engine path the machine has, then the throughput bench; figures in
