@@ -36,7 +36,7 @@ import click
 from tqdm import tqdm
 
 from batchclient.api import BatchError, Client
-from batchclient.follow import Follower
+from batchclient.follow import RELIST_AFTER_SECONDS, Follower
 from batchclient.run_state import Results, State
 from batchclient.submit import Submitter, read_requests
 
@@ -52,6 +52,7 @@ def run_batch(
     bulk_size: int = 1000,
     poll_interval: float = 0.5,
     progress: bool = True,
+    relist_after: float = RELIST_AFTER_SECONDS,
 ) -> None:
     """Submit what the state lacks while following what ends; every request's row is in `results` when
     this returns (KeyboardInterrupt on Ctrl-C, BatchError when going on is pointless)."""
@@ -62,7 +63,7 @@ def run_batch(
             total=len(items), initial=len(results.rows), unit="job", disable=not progress, smoothing=0.1
         ) as bar,
     ):
-        follower = Follower(client, state, results, bar)
+        follower = Follower(client, state, results, bar, relist_after)
         submitter = Submitter(client, state, items, follower, bulk_size)
         thread = threading.Thread(target=submitter.run, name="genq-batch submit", daemon=True)
         thread.start()

@@ -5,6 +5,7 @@ the progress bar, and knows how much room the key's queued-job cap leaves for th
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 from tqdm import tqdm
@@ -14,11 +15,23 @@ from batchclient.run_state import Results, State
 
 CAP_SHARE = 0.9  # of the key's queued-job cap this client fills: room for the cap's count being a second old
 FAILED = ("failed", "cancelled", "rejected")
+# GET /jobs/ended's cursor trails the API's clock by a second, so a job whose end commits later than that
+# after its end was timed is passed over. With nothing ending for this long while jobs are pending, the
+# follower lists again from the creation of the oldest pending job (no job ends before it was created)
+RELIST_AFTER_SECONDS = 30.0
 
 
 class Follower:
-    def __init__(self, client: Client, state: State, results: Results, bar: tqdm):
+    def __init__(
+        self,
+        client: Client,
+        state: State,
+        results: Results,
+        bar: tqdm,
+        relist_after: float = RELIST_AFTER_SECONDS,
+    ):
         self.client, self.state, self.results, self.bar = client, state, results, bar
+        self.relist_after, self._progress_at = relist_after, time.monotonic()
         self._lock = threading.Lock()
         self._room_changed = threading.Condition(self._lock)  # the submitter waits on it for room
         self.pending: dict[str, str] = {}  # job id -> custom_id, submitted and not yet ended
@@ -83,6 +96,8 @@ class Follower:
                 return
             more = self.poll()
             self.bar.set_postfix(failed=self.failed, submitted=len(self.state.entries), refresh=False)
+            if not more and time.monotonic() - self._progress_at > self.relist_after:
+                self._relist()
             if not more:
                 self.client.stopping.wait(poll_interval)
 
@@ -106,10 +121,21 @@ class Follower:
 
         return page["more"]
 
+    def _relist(self) -> None:
+        """Nothing ended for `relist_after` seconds: look again from the oldest pending job's creation, so a
+        job whose end was recorded behind the cursor is found (the jobs seen again are skipped)."""
+        with self._lock:
+            pending = list(self.pending.values())
+            created = [self.state.entries[c].get("created_at") for c in pending if c in self.state.entries]
+            self._progress_at = time.monotonic()
+        if pending and created and all(created):
+            self.since = min(created)
+
     def _write(self, custom_id: str, job: dict | None, error: dict | None = None) -> None:
         row = result_row(custom_id, job, error)
         if custom_id in self.results.rows:
             return
+        self._progress_at = time.monotonic()
         self.results.write(row)
         self.failed += row["status"] in FAILED
         self.bar.update(1)

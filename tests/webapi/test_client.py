@@ -341,3 +341,58 @@ def test_the_submitter_sends_once_an_answer_shows_room_not_at_its_next_tick(serv
         state.close()
         results.close()
     assert len(state.entries) == 9 and all(entry["job_id"] for entry in state.entries.values())
+
+
+def test_a_job_whose_end_is_recorded_behind_the_cursor_is_still_found(app, new_key, tmp_path, sessions):
+    """GET /jobs/ended's cursor trails the API's clock by a second: a job whose end is recorded with an earlier
+    time than that (its commit came late) is passed over by the listing, and the follower, finding nothing
+    ended for a while with jobs pending, lists again from the oldest pending job's creation."""
+    from sqlalchemy import text as sql
+
+    from batchclient.api import Client
+    from batchclient.cli import run_batch
+    from batchclient.run_state import Results, State
+
+    def end(custom_id: str, finished_at: str) -> None:
+        with sessions.begin() as s:
+            s.execute(
+                sql(
+                    "UPDATE jobs SET status = 'succeeded', started_at = created_at, output_text = 'ok', "
+                    f"finished_at = {finished_at} WHERE id = :id"
+                ),
+                {"id": state.entries[custom_id]["job_id"]},
+            )
+
+    def wait(what: str, done) -> None:
+        deadline = time.monotonic() + 30
+        while not done():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.05)
+
+    key = new_key()
+    with http_server(app) as url:  # no worker: the jobs stay queued until the test ends them
+        client = Client(url, key)
+        state, results = State(tmp_path / "state.jsonl"), Results(tmp_path / "out.jsonl")
+        items = [{"custom_id": c, "prompt": "Hello", "max_tokens": 4} for c in ("on time", "late")]
+        args = dict(bulk_size=5, poll_interval=0.1, progress=False, relist_after=1.5)
+        follower = threading.Thread(target=run_batch, args=(items, client, state, results), kwargs=args)
+        follower.start()
+        try:
+            wait("the submissions", lambda: len(state.entries) == 2)
+            time.sleep(1.2)
+            end(
+                "on time", "statement_timestamp()"
+            )  # listed: the cursor moves a second behind the API's clock
+            wait("the first result", lambda: "on time" in results.rows)
+            end("late", "created_at + interval '1 millisecond'")  # behind the cursor now
+            follower.join(timeout=20)
+            assert not follower.is_alive(), "the late job's result was never found"
+        finally:
+            client.stopping.set()
+            follower.join(timeout=10)
+            state.close()
+            results.close()
+    assert {c: row["status"] for c, row in results.rows.items()} == {
+        "on time": "succeeded",
+        "late": "succeeded",
+    }
