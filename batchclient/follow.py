@@ -96,9 +96,9 @@ class Follower:
                 return
             more = self.poll()
             self.bar.set_postfix(failed=self.failed, submitted=len(self.state.entries), refresh=False)
-            if not more and time.monotonic() - self._progress_at > self.relist_after:
-                self._relist()
             if not more:
+                if time.monotonic() - self._progress_at > self.relist_after:
+                    self._relist()
                 self.client.stopping.wait(poll_interval)
 
     def poll(self) -> bool:
