@@ -1,7 +1,9 @@
 """The lines of a batch's output and error files, in OpenAI's shape: a succeeded request's line holds the
 response body its endpoint answers (`chat.completion` or `text_completion`, with `choices` and `usage`);
 a failed or cancelled one holds the error instead (`batch_expired` for the requests an expired batch cut
-short: jobstore/batches.py records that code on their jobs)."""
+short: jobstore/batches.py records that code on their jobs). A line refused as its endpoint would refuse the
+request alone (a model the fleet does not serve) also holds that answer as its `response`: the status and
+OpenAI's error body, as OpenAI's error file holds a request answered with an error."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ from contract.logprob_shapes import chat_logprobs, completion_logprobs, vllm_pro
 from jobstore.models import JobStatus
 
 CHAT_ENDPOINT = "/v1/chat/completions"
+# error codes of lines refused as their request alone would be: the HTTP status and the field it names
+REFUSALS = {"model_not_found": (404, "model")}
 
 
 def output_line(job, endpoint: str, model: str, batch_cancelled: bool = False, tokenizer=None) -> dict:
@@ -27,6 +31,15 @@ def output_line(job, endpoint: str, model: str, batch_cancelled: bool = False, t
         else:
             error = {"code": "cancelled", "message": f"this request's job ({job.id}) was cancelled"}
         line["error"] = error
+        if job.error_code in REFUSALS:
+            status, param = REFUSALS[job.error_code]
+            body = {
+                "message": error["message"],
+                "type": "invalid_request_error",
+                "param": param,
+                "code": error["code"],
+            }
+            line["response"] = {"status_code": status, "request_id": str(job.id), "body": {"error": body}}
         return line
     line["response"] = {
         "status_code": 200,

@@ -6,6 +6,10 @@ cancelling it, and finalizing it (writing the output and error files once every 
           │                     └──expires_at passed──▶ expired (its unfinished jobs cancelled)
           └─(a line is invalid: nothing queued)──▶ failed
 
+A line naming a model the fleet does not serve fails alone, as OpenAI's error file reports a request its endpoint
+answered with an error: its job is written `failed` (code `model_not_found`, never queued), and the rest of the
+file runs.
+
 Finalizing runs where it is durable and prompt: the reconciler (celery beat, every RECONCILE_INTERVAL)
 finalizes every batch whose jobs have all ended, and GET /v1/batches/<id> finalizes the batch it reads
 when it finds it ready, so a client polling sees `completed` at once. Both run `finalize_batch`, one
@@ -70,6 +74,9 @@ JOB_COLUMNS = (
     "enqueued_at",
     "model",
     "traceparent",
+    "error_code",  # the last three are set only on a refused line's job (job_row's `refusal`)
+    "error_message",
+    "finished_at",
 )
 EXPIRED_CODE = "batch_expired"
 EXPIRED_MESSAGE = "this request could not be executed before the batch's completion window expired"
@@ -92,6 +99,7 @@ def job_row(
     prompt_tokens: int,
     sent_at: datetime,
     traceparent: str | None = None,
+    refusal: tuple[str, str] | None = None,
 ) -> tuple[uuid.UUID, tuple]:
     """(the new job's id, its row in JOB_COLUMNS order) for a validated request (JobCreate's fields).
     `traceparent`: the W3C traceparent of the request creating the batch (None: untraced), so that each
@@ -100,13 +108,16 @@ def job_row(
     The row says it was sent at `sent_at` (enqueued_at): the batch's jobs are sent right after their
     commit, and marking 10,000 rows sent afterwards cost a tenth of a batch's submission. If the send
     fails, `mark_unsent` clears the mark and the reconciler sends them; if the API process dies between
-    commit and send, the reconciler sends them again RESEND_AFTER_SECONDS after `sent_at`."""
+    commit and send, the reconciler sends them again RESEND_AFTER_SECONDS after `sent_at`.
+
+    `refusal` ((error code, message)): the line cannot run (it names a model the fleet does not serve); its job
+    is written failed, ended at `sent_at`, never sent, and its error file line says why."""
     job_id = uuid.uuid4()
     prompt = request.get("prompt")
     return job_id, (
         job_id,
         tenant_id,
-        JobStatus.QUEUED.value,
+        JobStatus.QUEUED.value if refusal is None else JobStatus.FAILED.value,
         request["priority"],
         None if prompt is None else prompt.encode("utf-8"),
         _int_array(request.get("input_ids")),
@@ -126,9 +137,10 @@ def job_row(
         request.get("deadline"),  # the end of the batch's completion window (webapi/batches.py)
         batch_id,
         index,
-        sent_at,
-        request.get("model"),  # the served model its line names (webapi/batch_lines.py)
+        sent_at if refusal is None else None,
+        request.get("model"),  # the served model its line names (webapi/batch_lines.py), or the refused name
         traceparent,
+        *((None, None, None) if refusal is None else (*refusal, sent_at)),
     )
 
 

@@ -6,7 +6,10 @@ checked against that model as POST /jobs checks a job: its prompt rendered and c
 tokenizer, its length against that model's max_model_len, logit_bias against its vocabulary; its job names the
 model (so it goes to that model's queue). The job a line makes is checked with JobCreate, the schema the worker
 checks stored jobs with. Every invalid line is reported (line number, field, message); the caller queues nothing
-of a file with any invalid line. The prompts of a group are rendered and tokenized in one call per model.
+of a file with any invalid line. A line naming a model the fleet does not serve is not invalid: it fails alone, as
+the request alone would (404 model_not_found), in the batch's error file (its job is written failed, never queued;
+jobstore/batches.py), and the rest of the file runs. The prompts of a group are rendered and tokenized in one call
+per model.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from datetime import datetime, timezone
 
 from pydantic import ValidationError
 
-from contract.fields import SERVED_MODELS, VOCAB_SIZE
+from contract.fields import VOCAB_SIZE
 from contract.requests import JobCreate
 from jobstore.batches import job_row
 from webapi.fleet import FleetModel, ModelNotServed
@@ -61,7 +64,7 @@ class _Request:
     index: int
     custom_id: str
     body: ChatCompletionRequest | CompletionRequest
-    served: FleetModel  # the model it runs on
+    served: FleetModel | ModelNotServed  # the model it runs on, or why none does (the line fails alone)
     prompt_ids: list[int] | None = None
     prompt_tokens: int = 0
 
@@ -76,7 +79,6 @@ class BatchBuilder:
     priority: int
     # a body's `model` (None: the fleet's default) -> the served model it runs on (webapi/fleet.py's resolve)
     resolve: Callable[[str | None], FleetModel]
-    served_models: frozenset[str] | None = None  # the names a body's `model` may give (None: any)
     vocabulary: Callable[[str | None], tuple[str, int | None] | None] | None = None  # logit_bias's: spec.py
     deadline: datetime | None = None  # every job's: the end of the batch's completion window (its expires_at)
     # every job's: the W3C traceparent of the request creating the batch (contract/tracing.py); None: untraced
@@ -84,11 +86,13 @@ class BatchBuilder:
     errors: list[LineError] = field(default_factory=list)
     error_count: int = 0
     requests: int = 0  # valid lines so far
+    refused: int = 0  # of which naming a model the fleet does not serve (each fails alone)
     job_ids: list[uuid.UUID] = field(default_factory=list)
     job_models: list[str] = field(default_factory=list)  # each job's model, as job_ids
     sent_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     _custom_ids: set[str] = field(default_factory=set)
-    _models: dict[str | None, FleetModel] = field(default_factory=dict)  # each name resolved once a file
+    # each body's `model` resolved once a file
+    _models: dict[str | None, FleetModel | ModelNotServed] = field(default_factory=dict)
 
     @property
     def models(self) -> list[str]:
@@ -138,31 +142,23 @@ class BatchBuilder:
                 "custom_id",
             )
             return None
-        served = self._served(line.body.model)
-        if served is None:  # named a model the fleet stopped serving since the file's check began
-            names = ", ".join(f"`{name}`" for name in sorted(self.served_models or ()))
-            self._error(
-                number,
-                "model_not_found",
-                f"body.model: the model `{line.body.model}` does not exist here; this server serves {names}",
-                "body.model",
-            )
-            return None
         self._custom_ids.add(line.custom_id)
         index, self.requests = self.requests, self.requests + 1
-        return _Request(number, index, line.custom_id, line.body, served)
+        return _Request(number, index, line.custom_id, line.body, self._served(line.body.model))
 
-    def _served(self, name: str | None) -> FleetModel | None:
+    def _served(self, name: str | None) -> FleetModel | ModelNotServed:
         if name not in self._models:
             try:
                 self._models[name] = self.resolve(name)
-            except ModelNotServed:
-                return None
+            except ModelNotServed as exc:
+                self._models[name] = exc
         return self._models[name]
 
     @property
     def _context(self) -> dict:
-        return {SERVED_MODELS: self.served_models, VOCAB_SIZE: self.vocabulary}
+        """Any `model` passes the line's checks (one the fleet does not serve fails its line alone: _job_row);
+        logit_bias is checked against the vocabulary of the model it names."""
+        return {VOCAB_SIZE: self.vocabulary}
 
     def _validation_error(self, number: int, exc: ValidationError, document, prefix: str = "") -> None:
         """The line's first problem (enough to fix it), worded as POST /jobs and /v1 word it."""
@@ -173,11 +169,12 @@ class BatchBuilder:
 
     def _prepare_prompts(self, requests: list[_Request]) -> None:
         """Render chats, and count text prompts, in one call per model per group of lines."""
-        by_model: dict[str, list[_Request]] = {}
+        by_model: dict[str, list[_Request]] = {}  # checkpoint -> its lines
         for request in requests:
-            by_model.setdefault(request.served.name, []).append(request)
-        for group in by_model.values():
-            self._prepare_model_prompts(group[0].served.model, group)
+            if isinstance(request.served, FleetModel):  # a refused line's prompt is not read
+                by_model.setdefault(request.served.model, []).append(request)
+        for model, group in by_model.items():
+            self._prepare_model_prompts(model, group)
 
     def _prepare_model_prompts(self, model: str, requests: list[_Request]) -> None:
         """The prompts of lines that all run on the checkpoint `model`, with its tokenizer."""
@@ -211,6 +208,8 @@ class BatchBuilder:
     def _job_row(self, request: _Request) -> tuple | None:
         if request.prompt_tokens < 0:  # its prompt was refused
             return None
+        if isinstance(request.served, ModelNotServed):
+            return self._refused_row(request, request.served)
         body = request.body
         chat = isinstance(body, ChatCompletionRequest)
         max_model_len = request.served.max_model_len
@@ -256,4 +255,35 @@ class BatchBuilder:
         )
         self.job_ids.append(job_id)
         self.job_models.append(request.served.name)
+        return row
+
+    def _refused_row(self, request: _Request, refusal: ModelNotServed) -> tuple:
+        """The failed job of a line naming a model the fleet does not serve: the request as its line gives it
+        (JobCreate's defaults for what only its model would say: a chat is never rendered, its prompt left
+        empty), the refused name as its model (cut to the column's 200 characters), code model_not_found."""
+        self.refused += 1
+        body = request.body
+        fields = {
+            name: info.get_default(call_default_factory=True) for name, info in JobCreate.model_fields.items()
+        }
+        fields.update(
+            body.sampling(),
+            max_tokens=body.requested_max_tokens() or 1,
+            priority=self.priority,
+            deadline=self.deadline,
+            model=refusal.name[:200],
+            metadata={"batch_id": self.batch_id, "custom_id": request.custom_id},
+        )
+        prompt = getattr(body, "prompt", "")  # a chat's: never rendered, without the model's template
+        fields["prompt" if isinstance(prompt, str) else "input_ids"] = prompt
+        _, row = job_row(
+            self.tenant_id,
+            self.batch_id,
+            request.index,
+            fields,
+            0,
+            self.sent_at,
+            self.traceparent,
+            refusal=("model_not_found", str(refusal)),
+        )
         return row

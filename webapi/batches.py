@@ -7,7 +7,8 @@ not done by its expires_at (its completion_window, "24h": BATCH_WINDOW_SECONDS) 
 reconciler: its unfinished requests go to the error file with code `batch_expired`. Each job of a batch has that
 expires_at as its deadline: within its priority, the engine runs first the jobs whose window is about to close.
 A file may mix models (webapi/batch_lines.py): each job goes to its own model's queue, and its output line names
-its model. The batch's `model` is the model of its requests, or null when its file mixes models."""
+its model; a line naming a model the fleet does not serve fails alone (404 model_not_found in the error file). The
+batch's `model` is the model its runnable requests run on, or null when they run on several."""
 
 from __future__ import annotations
 
@@ -108,12 +109,13 @@ def create_batch(body: BatchCreate):
     if batch.status == BatchStatus.IN_PROGRESS:
         send(batch, builder)
     log.info(
-        "batch %s of tenant %s: %s, %d requests at priority %d",
+        "batch %s of tenant %s: %s, %d requests at priority %d (%d naming no served model)",
         batch.id,
         current_tenant().name,
         batch.status.value,
         builder.requests,
         priority,
+        builder.refused,
     )
     return batch_object(batch)
 
@@ -128,7 +130,6 @@ def validate_and_insert(session, batch: Batch, file_id: str, deadline: datetime)
         batch.endpoint,
         batch.priority,
         fleet.resolve,  # each line's model: the one its body names, the fleet's default if none
-        fleet.names(),
         model_vocabulary,
         deadline,
         current_traceparent(),  # TRACING: each job joins this request's trace, as POST /jobs' jobs do
@@ -236,8 +237,9 @@ def batch_object(batch: Batch) -> dict:
 
 
 def batch_model(batch: Batch) -> str | None:
-    """OpenAI's Batch.model, the model of the batch's requests: the one its valid lines run on; None when its
-    file mixes models (each output line names its own; OpenAI takes one model a file) or has no valid line. A
+    """OpenAI's Batch.model, the model of the batch's requests: the one its valid lines run on (a line naming a
+    model the fleet does not serve runs on none); None when they run on several (each output line names its own;
+    OpenAI takes one model a file) or when none runs. A
     batch created before batches kept their models (batches.models NULL) names the fleet's default, as it did."""
     if batch.models is None:
         return services().settings.model
