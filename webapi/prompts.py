@@ -19,6 +19,8 @@ from functools import lru_cache
 
 from jinja2 import TemplateError
 
+from webapi.errors import APIError
+
 
 @dataclass(frozen=True, slots=True)
 class PromptError:
@@ -36,10 +38,22 @@ class NoChatTemplate(ValueError):
 
 
 def tokenizer_for(model: str):
-    """The model's tokenizer (loaded once per process; no model weights), or None if it ships none."""
+    """The model's tokenizer (loaded once per process; no model weights), or None if it ships none; 503
+    tokenizer_unavailable when it cannot be loaded here (a checkpoint a worker announces, absent on the API's
+    host): the request is not at fault, and another API host, or this one once the files are there, takes it."""
     from batching.tokenizer import load_tokenizer  # imports no model code
 
-    return load_tokenizer(model)
+    try:
+        return load_tokenizer(model)
+    except ValueError as exc:
+        raise APIError(
+            503,
+            "tokenizer_unavailable",
+            f"the API cannot load the tokenizer of {model!r} to check this request ({exc}); the API's host "
+            "needs the model's tokenizer files (or access to the Hugging Face Hub)",
+            {"Retry-After": "30"},
+            param=None,
+        ) from None
 
 
 @lru_cache(maxsize=8)

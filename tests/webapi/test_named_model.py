@@ -241,3 +241,30 @@ def test_a_batch_line_is_refused_by_its_own_models_limits(fleet, auth, sessions)
     assert f"vocabulary of the model `tiny-llama`: ids are below {TINY_VOCAB}" in errors[3]["message"]
     with sessions() as s:
         assert s.scalar(text("SELECT count(*) FROM jobs WHERE batch_id = :b"), {"b": batch["id"]}) == 0
+
+
+def test_a_model_whose_tokenizer_the_api_cannot_load_is_503_not_500(fleet, auth, redis_client, tmp_path):
+    """A worker announces a checkpoint absent from the API's host: the request is not at fault (503 naming the
+    checkpoint, Retry-After), and nothing is queued."""
+    app, settings = fleet
+    gone = Announcement(
+        worker=f"host:{uuid.uuid4().hex[:6]}",
+        name="gone",
+        model=str(tmp_path / "not-here"),
+        max_model_len=WIDE_LEN,
+        capacity=4,
+        held=0,
+        heartbeat=time.time(),
+    )
+    announce(redis_client, settings.redis_key_prefix, gone, heartbeat_seconds=60)
+    client, headers = app.test_client(), auth()
+    time.sleep(1.1)  # the API reads the announcements at most once a second
+    refused = client.post("/jobs", json={"prompt": "hi", "model": "gone"}, headers=headers)
+    assert refused.status_code == 503, refused.json
+    assert refused.json["error"]["code"] == "tokenizer_unavailable"
+    assert "not-here" in refused.json["error"]["message"] and refused.headers["Retry-After"] == "30"
+    v1 = client.post(COMPLETIONS, json={"prompt": "hi", "model": "gone", "max_tokens": 2}, headers=headers)
+    assert v1.status_code == 503 and v1.json["error"]["code"] == "tokenizer_unavailable", v1.json
+    bulk = client.post("/jobs/bulk", json={"jobs": [{"prompt": "hi", "model": "gone"}]}, headers=headers)
+    assert bulk.json["results"][0]["status"] == 503, bulk.json
+    assert redis_client.llen(queue_key(settings, "generate.gone", 5)) == 0
