@@ -61,7 +61,7 @@ def at_risk(deadline: float, now: float, seconds_to_finish: float, margin: float
 class AdmissionOrder:
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.time):
         """`clock`: seconds since the epoch (deadlines and arrival times are in these); tests pass their own."""
-        self.predicted = config.scheduling_policy == "predicted"
+        self.predicted = config.scheduling_policy in ("predicted", "preemptive")  # preemptive: scheduler.py
         self.aging_seconds = config.aging_seconds
         self.seconds_per_token = config.cost_seconds_per_token
         self.margin = config.deadline_margin_seconds

@@ -8,7 +8,7 @@ DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("swap", "recompute")
 ATTENTION_BACKENDS = ("auto", "triton", "cpu_kernel", "torch")
-SCHEDULING_POLICIES = ("fcfs", "predicted")
+SCHEDULING_POLICIES = ("fcfs", "predicted", "preemptive")
 KV_CACHE_DTYPES = ("auto", "int8")
 
 
@@ -52,7 +52,8 @@ class EngineConfig:
     # order of waiting sequences within a priority class (admission_order.py): "fcfs" by arrival; "predicted"
     # (bench/within_class.py: mean latency 0.25x fcfs's) by arrival + predicted cost (uncomputed prompt +
     # predicted output tokens) x cost_seconds_per_token, that shift capped at aging_seconds, deadlines at risk
-    # first (earliest first)
+    # first (earliest first); "preemptive": predicted, and a running sequence yields to waiting ones of its class
+    # that have made fewer tokens (least attained service, scheduler.py)
     scheduling_policy: str = "predicted"
     aging_seconds: float = 30.0  # the most a place moves back: overtaken only by arrivals this much later
     # predicted tokens to seconds of place; also the step time assumed until steps are measured

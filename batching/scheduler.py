@@ -15,6 +15,16 @@ yet scheduled (maybe itself); a prefill chunk or an admission that lacks room pr
 sequences strictly less urgent than itself, least urgent first, a decode already in this step
 included (it leaves the step and gives its budget back).
 
+Under "preemptive" a sequence also yields to its own class (least attained service, multi-level feedback as in
+FastServe): one that cannot start for want of a slot or blocks preempts a running sequence of its class at a
+higher *level* (levels by output tokens made: below QUANTUM_TOKENS, then one more at each doubling) that has
+run its quantum since it last started (QUANTUM_TOKENS x 2^k after k preemptions: a long job yields at most
+about log2(its length / QUANTUM_TOKENS) times) and whose deadline is not at risk, the highest level first. Its
+KV goes to host memory (never recomputed: only a sequence that can be swapped out yields), and it resumes
+where it stopped. Within a class, not-running sequences rank by level before their place; one preempted
+aging_seconds ago or more is back at level 0, placed as if it arrived when it stopped (with the whole aging
+shift), so a stream of new short jobs cannot hold it back for good. Between classes nothing changes.
+
 The budget is priced, not counted (with `attention_aware_chunks`): a chunk pays for its attention and
 its context, a decode for its row work and its context, at `StepCosts` prices that the engine fits on
 its own step times (step_cost.py); until then a chunk pays for its attention only and a decode 1.
@@ -28,11 +38,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
 
-from batching.admission_order import AdmissionOrder
+from batching.admission_order import AT_RISK, AdmissionOrder
 from batching.block_manager import BlockManager, CachedPrefix, blocks_for
 from batching.config import EngineConfig
 from batching.sequence import Sequence, SequenceStatus
 from batching.step_cost import StepCosts
+
+# "preemptive": the first level's output tokens, and the first quantum a sequence runs (Scheduler.quantum_tokens)
+QUANTUM_TOKENS = 64
 
 
 @dataclass(slots=True)
@@ -88,6 +101,14 @@ class Scheduler:
         self.swap_enabled = config.preemption_mode == "swap"
         self.block_manager = block_manager
         self.order = AdmissionOrder(config) if clock is None else AdmissionOrder(config, clock)
+        # "preemptive": a sequence's output tokens when it last started running, and when it was last preempted
+        self.preemptive = config.scheduling_policy == "preemptive"
+        self._started_at: dict[Sequence, int] = {}
+        self._stopped_at: dict[Sequence, float] = {}
+        self._ranks: dict[Sequence, tuple[int, int, int, float, float]] = {}  # this step's, as first computed
+        self.quantum_tokens = QUANTUM_TOKENS
+        # a sequence's urgency, the order of every decision of a step (tests check theirs against it)
+        self.rank = self._preemptive_rank if self.preemptive else self.order.rank
         self.last_budget_used = 0  # of the last schedule(): decodes' charge + chunks' costs
         # keep free a few blocks when admitting without preemption, so running decodes can grow
         self.watermark_blocks = max(1, block_manager.num_device_blocks // 100)
@@ -119,6 +140,10 @@ class Scheduler:
         }.get(seq.status)
         if queue is not None:
             queue.remove(seq)
+        if self.preemptive:
+            self._started_at.pop(seq, None)
+            self._stopped_at.pop(seq, None)
+            self._ranks.pop(seq, None)
         self.block_manager.free(seq)
         seq.status = status
 
@@ -127,6 +152,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         fill = _Fill(SchedulerOutput())
         self.order.start_step()
+        self._ranks.clear()
         self.block_manager.start_step()
         bm, bs = self.block_manager, self.block_manager.block_size
         if bm.enable_prefix_caching:  # the last step computed their KV: full blocks join the prefix cache
@@ -229,7 +255,7 @@ class Scheduler:
             for s in self.running
             if not s.num_computed_tokens == len(s.token_ids) - 1 > s.num_prompt_tokens - 1
         ]  # not is_decoding
-        rank = self.order.rank
+        rank = self.rank
         return sorted(
             prefilling + self.swapped + self.waiting,
             key=lambda s: (s.priority, s.status != SequenceStatus.RUNNING, rank(s)),
@@ -257,7 +283,7 @@ class Scheduler:
                 # still: nobody behind it starts meanwhile (a step or so: the prefill computes them now)
                 admitting = False
                 continue
-            elif any(self.order.rank(v) < self.order.rank(seq) for v in fill.out.preempted):
+            elif any(self.rank(v) < self.rank(seq) for v in fill.out.preempted):
                 # a sequence preempted in this step keeps its place: nobody behind it starts in the
                 # room it left
                 admitting = False
@@ -357,6 +383,8 @@ class Scheduler:
         blocks or a slot; returns the budget it took (0: it cannot start)."""
         bm = self.block_manager
         self._make_room(seq, fill, lambda: self._lacks_room(seq, fill))
+        if self.preemptive:
+            self._yield_in_class(seq, fill)
         hit, _, n = self._plan_admission(seq, fill)
         if n == 0:
             return 0
@@ -373,6 +401,9 @@ class Scheduler:
         bm.allocate(seq, n)
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=_place)
+        if self.preemptive:
+            self._started_at[seq] = seq.num_output_tokens
+            self._stopped_at.pop(seq, None)
         out.add(seq, n)
         return self._chunk_cost(seq, n, budget) if self.chunked_prefill else n
 
@@ -486,10 +517,56 @@ class Scheduler:
                 continue
             if less_urgent_than is not None and seq.priority <= less_urgent_than.priority:
                 continue
-            rank = self.order.rank(seq)
+            rank = self.rank(seq)
             if victim_rank is None or rank > victim_rank:
                 victim, victim_rank = seq, rank
         return victim
+
+    def _yield_in_class(self, seq: Sequence, fill: _Fill) -> None:
+        """Under "preemptive": while `seq` cannot start at all (no slot, or no blocks), preempt the running
+        sequence of its class that yields to it (`_yields_to`) at the highest level, the last in the class's
+        order among equals."""
+        level = self._preemptive_rank(seq)[2]
+        while (plan := self._plan_admission(seq, fill))[1] > 0 and plan[2] == 0:
+            victims = [r for r in self.running if self._yields_to(r, seq, level, fill)]
+            if not victims:
+                return
+            self._preempt(max(victims, key=self._preemptive_rank), fill)
+
+    def _yields_to(self, running: Sequence, seq: Sequence, level: int, fill: _Fill) -> bool:
+        """Whether `running` gives its slot to `seq` (of level `level`): the same class, a higher level, its
+        quantum run since it started, no deadline at risk, no chunk in this step, and room on the host for its
+        KV (a yield never costs a recomputation)."""
+        if running.priority != seq.priority:
+            return False
+        rank = self._preemptive_rank(running)
+        ran = running.num_output_tokens - self._started_at.get(running, 0)
+        return (
+            rank[2] > level  # a deadline at risk is at level 0
+            and ran >= self.quantum_tokens << min(running.num_preemptions, 32)
+            and self.swap_enabled
+            and (running in fill.decodes or running not in fill.out.seqs)
+            and self.block_manager.can_swap_out(running)
+        )
+
+    def _preemptive_rank(self, seq: Sequence) -> tuple[int, int, int, float, float]:
+        """Under "preemptive", its urgency: (priority, deadline at risk or not, level, place or deadline, arrival),
+        the class's order (admission_order.py) with the level before the place. A deadline at risk is at level 0;
+        so is a sequence preempted aging_seconds ago or more, placed at its stop + aging_seconds. As first
+        computed in the step, whatever the step does to it (one order for all its decisions)."""
+        rank = self._ranks.get(seq)
+        if rank is not None:
+            return rank
+        priority, risk, key, arrival = self.order.rank(seq)
+        stopped = self._stopped_at.get(seq)
+        if risk == AT_RISK:
+            rank = (priority, risk, 0, key, arrival)
+        elif stopped is not None and self.order.now - stopped >= self.order.aging_seconds:
+            rank = (priority, risk, 0, stopped + self.order.aging_seconds, arrival)
+        else:
+            rank = (priority, risk, level(seq.num_output_tokens, self.quantum_tokens), key, arrival)
+        self._ranks[seq] = rank
+        return rank
 
     def _preempt(self, seq: Sequence, fill: _Fill) -> None:
         """Checkpoint `seq`'s KV to host memory when possible, else drop it for recomputation. A decode
@@ -500,6 +577,9 @@ class Scheduler:
             fill.decode_cost -= self._decode_cost(seq)
             out.remove(seq)
         self.running.remove(seq)
+        if self.preemptive:
+            self._started_at.pop(seq, None)
+            self._stopped_at[seq] = self.order.now
         seq.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(seq)
@@ -533,6 +613,12 @@ class _Fill:
 
 
 _computed = attrgetter("num_computed_tokens")
+
+
+def level(num_output_tokens: int, quantum: int) -> int:
+    """A sequence's level under "preemptive", by its output tokens: 0 below `quantum`, then one more at each
+    doubling (bench/within_class_model.py's `level`)."""
+    return 0 if num_output_tokens < quantum else (num_output_tokens // quantum).bit_length()
 
 
 def _place(seq: Sequence) -> tuple[int, float, float]:

@@ -2,8 +2,9 @@
 
 1. The Scheduler alone, with a fake runner (pure Python, fast, many examples): token budget, max_num_seqs,
    stall-free decodes, no chunking when it is off, admission in strict urgency order (a preempted
-   sequence keeps its place) under either policy within a class (admission_order.py: by arrival, or by
-   predicted cost with deadlines at risk first), no deadlock, every block free at the end.
+   sequence keeps its place) under each policy within a class (admission_order.py: by arrival, or by
+   predicted cost with deadlines at risk first; under "preemptive" by level first, running sequences yielding
+   to their class), no deadlock, every block free at the end.
 2. The real Engine over a tiny float64 checkpoint (small pools, block sizes 1-4, both preemption modes,
    chunked prefill on and off):
    random add / abort / step never leak or double-own a block, every request finishes exactly once,
@@ -50,7 +51,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         mode=st.sampled_from(["swap", "recompute"]),
         chunked=st.booleans(),
         stateful=st.booleans(),
-        policy=st.sampled_from(["fcfs", "predicted"]),
+        policy=st.sampled_from(["fcfs", "predicted", "preemptive"]),
         seconds_per_token=st.sampled_from(
             [0.02, 0.5]
         ),  # 0.5: predicted costs reorder arrivals a second apart
@@ -84,6 +85,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(device, host, block_size)
         self.stateful = stateful  # a model with state layers: no prompt's last token alone in a chunk
         self.sched = Scheduler(self.config, self.bm, stateful=stateful, clock=lambda: self.clock)
+        self.sched.quantum_tokens = 2  # "preemptive": yields within a class at these lengths (1-8 tokens)
 
     @rule(
         priority=st.integers(0, 9),
@@ -129,7 +131,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
         self.clock += 0.1  # a step's time: the scheduler's step-time estimate and deadlines follow it
         out = sched.schedule()
-        urgency = sched.order.rank  # the order of this step's decisions (its clock reading)
+        # the order of this step's decisions (its clock reading; levels first under preemptive)
+        urgency = sched.rank
 
         scheduled = dict(zip([s.req_id for s in out.seqs], out.num_scheduled_tokens, strict=True))
         assert len(scheduled) == len(out.seqs), "a sequence was scheduled twice"
