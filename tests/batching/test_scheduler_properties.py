@@ -85,7 +85,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(device, host, block_size)
         self.stateful = stateful  # a model with state layers: no prompt's last token alone in a chunk
         self.sched = Scheduler(self.config, self.bm, stateful=stateful, clock=lambda: self.clock)
-        self.sched.quantum_tokens = 2  # "preemptive": yields within a class at these lengths (1-8 tokens)
+        self.sched.quantum_tokens = 1  # "preemptive": yields within a class at these lengths (1-8 tokens)
+        # "preemptive": three classes, so that sequences often share one (and yield to each other)
+        self.classes = 3 if policy == "preemptive" else 10
 
     @rule(
         priority=st.integers(0, 9),
@@ -100,6 +102,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if blocks_for(prompt + max_tokens - 1, self.bm.block_size) > self.bm.num_device_blocks:
             return  # the engine refuses what the pool can never hold
         req_id = f"r{len(self.requests)}"
+        priority %= self.classes
         self.clock += 1.0
         seq = Sequence(
             req_id,
