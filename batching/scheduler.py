@@ -126,6 +126,9 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         seq.order_key = self.order.place(seq)  # kept through preemption: it never loses its place
+        if self.preemptive and seq.num_output_tokens:
+            # resumed (a worker restarted): as if preempted when queued, so aging brings it back to level 0
+            self._stopped_at[seq] = self.order.clock()
         bisect.insort(self.waiting, seq, key=_place)
 
     def live_sequences(self) -> list[Sequence]:

@@ -169,6 +169,32 @@ def test_quanta_double_and_a_preempted_sequence_is_overtaken_only_within_aging_s
         assert ran >= QUANTUM_TOKENS << k, f"yielded after {ran} tokens in its run {k}"
 
 
+def test_a_resumed_sequence_ages_back_to_level_0_as_a_preempted_one_does():
+    """A sequence queued with QUANTUM_TOKENS x 4 tokens made before (a worker restarted) waits behind new short
+    ones at its level, until aging_seconds after it was queued: then it starts ahead of those sent later."""
+    clock = Clock()
+    sched = make_scheduler(clock)
+    resumed = Sequence(
+        "resumed",
+        [5, 5],
+        SamplingParams(max_tokens=8 * QUANTUM_TOKENS, temperature=0, ignore_eos=True),
+        5,
+        sample_seed=0,
+        resume_token_ids=[7] * (4 * QUANTUM_TOKENS),
+        arrival_time=clock.now - 100.0,
+    )
+    sched.add(resumed)
+    started_at = None
+    for n in range(400):  # a short one every 2 steps of 0.5 s (each takes 2): the slot is never free
+        if n % 2 == 0:
+            sched.add(sequence(f"s{n}", clock.now, output=2, predicted=2))
+        if resumed in step(sched, clock, seconds=0.5).seqs:
+            started_at = clock.now - 0.5
+            break
+    assert started_at is not None, "the resumed sequence never started under the stream"
+    assert 1000.0 + AGING <= started_at <= 1000.0 + AGING + 1.0
+
+
 @pytest.mark.parametrize("chunked", [True, False])
 def test_exact_whatever_the_in_class_preemptions(make_engine, llama_path, reference, chunked):
     """Long requests of one class yield to short ones arriving after their first quantum (greedy and
