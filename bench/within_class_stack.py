@@ -1,5 +1,6 @@
 """Scheduling within a priority class through the whole stack (issue 44): API, worker, Postgres and Redis, the
-same jobs under SCHEDULING_POLICY=fcfs and =predicted in one run.
+same jobs under SCHEDULING_POLICY=fcfs and =predicted in one run (`--policies`: also preemptive, each against
+fcfs).
 
 bench/within_class.py measures the engine alone; here the jobs go through `POST /jobs`, wait in Redis (the worker
 holds max_num_seqs + its reserve; the rest wait in its queue, where the intake's window orders them:
@@ -57,6 +58,7 @@ import requests  # noqa: E402
 from sqlalchemy import text as sql  # noqa: E402
 
 from batching.config import EngineConfig  # noqa: E402
+from batching.scheduler import QUANTUM_TOKENS  # noqa: E402
 from bench.harness import (  # noqa: E402
     OUT,
     Interference,
@@ -68,7 +70,7 @@ from bench.harness import (  # noqa: E402
 )
 from bench.stack import bench_settings, local_stack  # noqa: E402
 from bench.within_class import policy_ratios, ratio_rows  # noqa: E402
-from bench.within_class_model import ModelJob, simulate  # noqa: E402
+from bench.within_class_model import ModelJob, simulate, simulate_preemptive  # noqa: E402
 from jobstore.output_length import RECENT_JOBS  # noqa: E402
 
 MAX_TOKENS = 2000
@@ -221,11 +223,12 @@ def send_all(stack, keys: dict[str, str], jobs: list[Job]) -> list[tuple[str, da
 
 def pilot(args, prompts) -> tuple[float, float]:
     """(output tokens per second, seconds per step) of a worker kept full: max_num_seqs long jobs together. With
-    --together, two such stacks at once (as the passes run), their mean."""
+    --together, as many such stacks at once as there are policies (as the passes run), their mean."""
     if args.together:
-        start = threading.Barrier(2, timeout=900)
-        with ThreadPoolExecutor(2) as pool:
-            rates = list(pool.map(lambda name: pilot_rate(args, prompts, name, start), ("a", "b")))
+        names = [chr(ord("a") + i) for i in range(len(args.policies))]
+        start = threading.Barrier(len(names), timeout=900)
+        with ThreadPoolExecutor(len(names)) as pool:
+            rates = list(pool.map(lambda name: pilot_rate(args, prompts, name, start), names))
     else:
         rates = [pilot_rate(args, prompts, "a", None)]
     rate = sum(rates) / len(rates)
@@ -309,27 +312,27 @@ def job_waits(row: dict) -> tuple[float, float, float]:
 
 
 def run_passes(args, jobs: list[Job], past: dict[str, list[int]]) -> dict[str, list[dict]]:
-    """The passes, `args.passes` of each policy. --together: each round runs both policies at once, a stack
-    each, sending the same jobs at the same moments (the machine's load, whatever it is, the same for both);
+    """The passes, `args.passes` of each policy. --together: each round runs every policy at once, a stack
+    each, sending the same jobs at the same moments (the machine's load, whatever it is, the same for all);
     otherwise one after the other, fcfs predicted, predicted fcfs, ..."""
-    passes: dict[str, list[dict]] = {"fcfs": [], "predicted": []}
+    passes: dict[str, list[dict]] = {policy: [] for policy in args.policies}
     for round_ in range(args.passes):
         wait_for_quiet(args.wait_quiet)
         if args.together:
-            start, workers = threading.Barrier(2, timeout=900), []
-            with ThreadPoolExecutor(2) as pool:
+            start, workers = threading.Barrier(len(args.policies), timeout=900), []
+            with ThreadPoolExecutor(len(args.policies)) as pool:
                 running = {
                     policy: pool.submit(one_pass, args, policy, jobs, past, start, workers)
-                    for policy in ("fcfs", "predicted")
+                    for policy in args.policies
                 }
                 results = {policy: future.result() for policy, future in running.items()}
         else:
-            pair = ("fcfs", "predicted") if round_ % 2 == 0 else ("predicted", "fcfs")
+            order = args.policies if round_ % 2 == 0 else args.policies[::-1]
             results = {}
-            for policy in pair:
+            for policy in order:
                 wait_for_quiet(args.wait_quiet)
                 results[policy] = one_pass(args, policy, jobs, past)
-        for policy in ("fcfs", "predicted"):
+        for policy in args.policies:
             result = results[policy]
             passes[policy].append(result)
             print(f"round {round_ + 1} {policy}: {pass_line(result)}", flush=True)
@@ -347,11 +350,11 @@ def pass_line(result: dict) -> str:
     )
 
 
-def round_ratios(passes: dict[str, list[dict]]) -> list[dict[str, float]]:
-    """predicted / fcfs of each round's two passes (run together, or one after the other)."""
+def round_ratios(passes: dict[str, list[dict]], policy: str = "predicted") -> list[dict[str, float]]:
+    """`policy` / fcfs of each round's passes (run together, or one after the other)."""
     return [
-        policy_ratios(figures([fcfs]), figures([predicted]))
-        for fcfs, predicted in zip(passes["fcfs"], passes["predicted"], strict=True)
+        policy_ratios(figures([fcfs]), figures([other]))
+        for fcfs, other in zip(passes["fcfs"], passes[policy], strict=True)
     ]
 
 
@@ -379,30 +382,36 @@ def breakdown(args, jobs: list[Job], passes: dict[str, list[dict]]) -> list[str]
 
 
 def model_ratios(
-    args, jobs: list[Job], past: dict[str, list[int]], step_seconds: float, oracle: bool = False
+    args,
+    jobs: list[Job],
+    past: dict[str, list[int]],
+    step_seconds: float,
+    oracle: bool = False,
+    policy: str = "predicted",
 ) -> dict:
-    """The ratios an ideal worker (bench/within_class_model.py) gives on these jobs, at the pilot's step time
-    and the policy's default times; `oracle`: predicting each job's own length."""
+    """The ratios `policy` / fcfs an ideal worker (bench/within_class_model.py) gives on these jobs, at the
+    pilot's step time and the policy's default times; `oracle`: predicting each job's own length. Under
+    preemptive the engine holds what the worker holds (worker_capacity)."""
     defaults = EngineConfig()
     model_jobs = [
         ModelJob(j.tenant, j.arrival, j.length, None if j.deadline is None else j.arrival + j.deadline)
         for j in jobs
     ]
-    runs = {
-        policy: simulate(
-            model_jobs,
-            past,
-            policy,
-            slots=args.max_num_seqs,
-            step_seconds=step_seconds,
-            max_tokens=MAX_TOKENS,
-            cost_seconds_per_token=defaults.cost_seconds_per_token,
-            aging_seconds=defaults.aging_seconds,
-            margin_seconds=defaults.deadline_margin_seconds,
-            oracle=oracle,
-        )
-        for policy in ("fcfs", "predicted")
-    }
+    times = dict(
+        slots=args.max_num_seqs,
+        step_seconds=step_seconds,
+        max_tokens=MAX_TOKENS,
+        cost_seconds_per_token=defaults.cost_seconds_per_token,
+        aging_seconds=defaults.aging_seconds,
+        margin_seconds=defaults.deadline_margin_seconds,
+        oracle=oracle,
+    )
+    runs = {"fcfs": simulate(model_jobs, past, "fcfs", **times)}
+    if policy == "preemptive":
+        held = bench_settings(scheduling_policy=policy).worker_capacity(args.max_num_seqs)
+        runs[policy] = simulate_preemptive(model_jobs, past, quantum=QUANTUM_TOKENS, held=held, **times)
+    else:
+        runs[policy] = simulate(model_jobs, past, policy, **times)
     out = {
         policy: {
             "mean_latency_s": sum(r.latencies) / len(r.latencies),
@@ -413,7 +422,7 @@ def model_ratios(
         }
         for policy, r in runs.items()
     }
-    return {**policy_ratios(out["fcfs"], out["predicted"]), "figures": out}
+    return {**policy_ratios(out["fcfs"], out[policy]), "figures": out}
 
 
 def figures(passes: list[dict]) -> dict:
@@ -449,6 +458,13 @@ def main() -> None:
     )
     parser.add_argument("--wait-quiet", type=float, default=0.0)
     parser.add_argument(
+        "--policies",
+        nargs="+",
+        choices=["fcfs", "predicted", "preemptive"],
+        default=["fcfs", "predicted"],
+        help="fcfs and the policies to measure against it (each / fcfs)",
+    )
+    parser.add_argument(
         "--long",
         choices=["max", "eos"],
         default="max",
@@ -478,40 +494,52 @@ def main() -> None:
         f"sequences); {len(jobs)} jobs at {rate:.2f}/s over {jobs[-1].arrival:.0f} s, "
         f"{sum(j.length >= LONG[0] for j in jobs)} long, {sum(j.deadline is not None for j in jobs)} with deadlines"
     )
+    if args.policies[0] != "fcfs" or len(set(args.policies)) != len(args.policies):
+        raise SystemExit("--policies: fcfs first, then the policies measured against it, each once")
     passes = run_passes(args, jobs, past)
     results = {policy: figures(runs) for policy, runs in passes.items()}
-    fcfs, predicted = results["fcfs"], results["predicted"]
-    ratios = policy_ratios(fcfs, predicted)
+    others = args.policies[1:]
+    ratios = {policy: policy_ratios(results["fcfs"], results[policy]) for policy in others}
     rows = [
         "| policy | mean latency s (per pass) | p50 s | p99 s | throughput tok/s | deadlines met | others' CPU |",
         "|---|---|---|---|---|---|---|",
     ]
     for policy, f in results.items():
         met = f"{f['deadlines_met']:.0%} of {f['num_deadlines']}" if f["deadlines_met"] is not None else "-"
-        others = f"{f['others_cpu_share']:.0%}" if f["others_cpu_share"] is not None else "?"
+        others_cpu = f"{f['others_cpu_share']:.0%}" if f["others_cpu_share"] is not None else "?"
         each = ", ".join(f"{m:.1f}" for m in f["per_pass_mean_s"])
         rows.append(
             f"| {policy} | {f['mean_latency_s']:.2f} ({each}) | {f['p50_latency_s']:.2f} | {f['p99_latency_s']:.2f} "
-            f"| {f['throughput_tok_s']:.0f} | {met} | {others} |"
+            f"| {f['throughput_tok_s']:.0f} | {met} | {others_cpu} |"
         )
-    rows += ratio_rows(ratios)
-    each_round = round_ratios(passes)
-    rows += ["", "| round | mean | p99 | throughput |", "|---|---|---|---|"]
-    for i, r in enumerate(each_round):
-        rows.append(
-            f"| {i + 1} | {r['mean_latency']:.2f}x | {r['p99_latency']:.2f}x | {r['throughput']:.2f}x |"
-        )
+    each_round, ideal, oracle = {}, {}, {}
+    for policy in others:
+        table = ratio_rows(ratios[policy])
+        table[1] = table[1].replace("predicted / fcfs", f"{policy} / fcfs")
+        rows += table
+        each_round[policy] = round_ratios(passes, policy)
+        rows += ["", f"| round: {policy} / fcfs | mean | p99 | throughput |", "|---|---|---|---|"]
+        for i, r in enumerate(each_round[policy]):
+            rows.append(
+                f"| {i + 1} | {r['mean_latency']:.2f}x | {r['p99_latency']:.2f}x | {r['throughput']:.2f}x |"
+            )
+        ideal[policy] = model_ratios(args, jobs, past, step_seconds, policy=policy)
+        oracle[policy] = model_ratios(args, jobs, past, step_seconds, oracle=True, policy=policy)
     rows += breakdown(args, jobs, passes)
-    ideal = model_ratios(args, jobs, past, step_seconds)
-    oracle = model_ratios(args, jobs, past, step_seconds, oracle=True)
+    step_ms = step_seconds * 1000
     rows += [
         "",
-        f"An ideal worker (bench/within_class_model.py: {args.max_num_seqs} slots, {step_seconds * 1000:.1f} ms a "
-        f"step, nothing else costing time) on these jobs: predicted / fcfs mean {ideal['mean_latency']:.2f}x, "
-        f"p99 {ideal['p99_latency']:.2f}x, throughput {ideal['throughput']:.2f}x (fcfs p50 "
-        f"{ideal['figures']['fcfs']['p50_latency_s']:.2f} s); predicting each job's own length: mean "
-        f"{oracle['mean_latency']:.2f}x, p99 {oracle['p99_latency']:.2f}x, throughput {oracle['throughput']:.2f}x.",
+        f"An ideal worker (bench/within_class_model.py: {args.max_num_seqs} slots, {step_ms:.1f} ms a step, "
+        "nothing else costing time) on these jobs:",
     ]
+    for policy in others:
+        i, o = ideal[policy], oracle[policy]
+        rows.append(
+            f"- {policy} / fcfs mean {i['mean_latency']:.2f}x, p99 {i['p99_latency']:.2f}x, throughput "
+            f"{i['throughput']:.2f}x (fcfs p50 {i['figures']['fcfs']['p50_latency_s']:.2f} s); predicting each "
+            f"job's own length: mean {o['mean_latency']:.2f}x, p99 {o['p99_latency']:.2f}x, throughput "
+            f"{o['throughput']:.2f}x."
+        )
     write_result(
         "within_class_stack",
         {
