@@ -31,11 +31,6 @@ def create_key(session: Session, tenant_name: str) -> str:
     return key
 
 
-def tenant_for_key(session: Session, key: str) -> Tenant | None:
-    """The tenant owning `key`, or None when the key is unknown or revoked."""
-    return tenant_for_key_hash(session, hash_key(key))
-
-
 def tenant_for_key_hash(session: Session, key_hash: str) -> Tenant | None:
     """The tenant owning the key whose `hash_key` is `key_hash`, or None when unknown or revoked."""
     return session.scalars(

@@ -26,7 +26,8 @@ import requests
 
 from contract.settings import Settings
 from jobstore.db import create_database_if_missing, drop_database, make_engine, make_session_factory
-from jobstore.keys import create_key
+from jobstore.keys import create_key, hash_key, tenant_for_key_hash
+from jobstore.models import Tenant
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the virtual environment's commands: celery, gunicorn, flask
@@ -55,6 +56,11 @@ def worker_command(node: str, concurrency: int, loglevel: str = "INFO") -> list:
         "-n",
         node,
     ]
+
+
+def tenant_of(session, key: str) -> Tenant | None:
+    """The tenant owning the API key `key` (None if unknown or revoked), as the API's auth finds it."""
+    return tenant_for_key_hash(session, hash_key(key))
 
 
 def job_request(**fields) -> dict:

@@ -19,9 +19,9 @@ from sqlalchemy.exc import DBAPIError
 
 from jobstore import jobs
 from jobstore.db import check_deployment_connections, engine_url, make_engine, make_session_factory
-from jobstore.keys import create_key, tenant_for_key
+from jobstore.keys import create_key
 from jobstore.models import JobStatus
-from tests.conftest import free_port, job_request
+from tests.conftest import free_port, job_request, tenant_of
 
 PGBOUNCER = Path("/usr/sbin/pgbouncer")
 SERVER_CONNECTIONS = 2  # PgBouncer's pool: every client below shares these two Postgres connections
@@ -112,7 +112,7 @@ def test_jobs_live_their_lives_through_pgbouncer(pgbouncer, database):
     sessions = make_session_factory(engine)
     autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
     with sessions.begin() as s:
-        tenant = tenant_for_key(s, create_key(s, f"bouncer-{uuid.uuid4().hex[:8]}")).id
+        tenant = tenant_of(s, create_key(s, f"bouncer-{uuid.uuid4().hex[:8]}")).id
 
     def life(client: int) -> list[uuid.UUID]:
         ids = []

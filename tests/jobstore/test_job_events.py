@@ -11,14 +11,15 @@ import pytest
 
 from jobstore import jobs
 from jobstore.job_events import EventKind, event, job_events
-from jobstore.keys import create_key, tenant_for_key
+from jobstore.keys import create_key
+from tests.conftest import tenant_of
 from tests.jobstore.test_jobs import LEASE, create, progress
 
 
 @pytest.fixture()
 def tenant_id(sessions):
     with sessions.begin() as s:
-        return tenant_for_key(s, create_key(s, f"t-{uuid.uuid4().hex[:8]}")).id
+        return tenant_of(s, create_key(s, f"t-{uuid.uuid4().hex[:8]}")).id
 
 
 def stored(sessions, job_id):

@@ -9,9 +9,9 @@ from sqlalchemy import select
 from sqlalchemy import text as sql
 
 from jobstore import jobs
-from jobstore.keys import create_key, hash_key, tenant_for_key
+from jobstore.keys import create_key, hash_key
 from jobstore.models import ApiKey, JobStatus, Tenant
-from tests.conftest import job_request
+from tests.conftest import job_request, tenant_of
 
 REQUEST = job_request(metadata={"run": 1})
 LEASE = 30.0
@@ -21,7 +21,7 @@ LEASE = 30.0
 def tenant_id(sessions):
     with sessions.begin() as s:
         key = create_key(s, f"t-{uuid.uuid4().hex[:8]}")
-        return tenant_for_key(s, key).id
+        return tenant_of(s, key).id
 
 
 def progress(
@@ -274,11 +274,9 @@ def test_keys_are_stored_hashed(sessions):
         key = create_key(s, "hashed-tenant")
         stored = s.scalars(select(ApiKey).join(Tenant).where(Tenant.name == "hashed-tenant")).one()
         assert stored.key_hash == hash_key(key) and key not in (stored.key_hash, stored.prefix)
-        assert tenant_for_key(s, key).name == "hashed-tenant"
-        assert tenant_for_key(s, key + "x") is None
-        assert (
-            tenant_for_key(s, create_key(s, "hashed-tenant")).id == stored.tenant_id
-        )  # second key, same tenant
+        assert tenant_of(s, key).name == "hashed-tenant"
+        assert tenant_of(s, key + "x") is None
+        assert tenant_of(s, create_key(s, "hashed-tenant")).id == stored.tenant_id  # second key, same tenant
 
 
 def test_live_deadline_counts_the_queued_and_running_jobs_past_or_near_their_deadline(sessions, tenant_id):

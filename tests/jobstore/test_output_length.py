@@ -9,9 +9,9 @@ import pytest
 from sqlalchemy import text as sql
 
 from jobstore import jobs
-from jobstore.keys import create_key, tenant_for_key
+from jobstore.keys import create_key
 from jobstore.output_length import RECENT_JOBS, JobShape, predict_output_tokens, predicted_output_tokens
-from tests.conftest import job_request
+from tests.conftest import job_request, tenant_of
 
 T0 = datetime(2026, 11, 1, tzinfo=timezone.utc)
 
@@ -19,7 +19,7 @@ T0 = datetime(2026, 11, 1, tzinfo=timezone.utc)
 @pytest.fixture()
 def tenant(sessions):
     with sessions.begin() as s:
-        return tenant_for_key(s, create_key(s, f"t-{uuid.uuid4().hex[:8]}")).id
+        return tenant_of(s, create_key(s, f"t-{uuid.uuid4().hex[:8]}")).id
 
 
 def finished_job(
@@ -58,7 +58,7 @@ def test_the_statistic_is_the_mean_capped_by_max_tokens_and_max_tokens_without_h
 def test_a_tenants_recent_succeeded_jobs_finished_before_it_predict_its_output(sessions, tenant):
     other = None
     with sessions.begin() as s:
-        other = tenant_for_key(s, create_key(s, f"o-{uuid.uuid4().hex[:8]}")).id
+        other = tenant_of(s, create_key(s, f"o-{uuid.uuid4().hex[:8]}")).id
     finished_job(sessions, tenant, 0, 10, 100)
     finished_job(sessions, tenant, 1, 11, 300)
     finished_job(sessions, tenant, 2, 12, 5000, status="failed")  # not a success: not history

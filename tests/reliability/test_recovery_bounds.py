@@ -12,8 +12,7 @@ import redis
 
 from contract.dispatch import QUEUE, make_celery, queue_key, waiting_jobs
 from jobstore import jobs
-from jobstore.keys import tenant_for_key
-from tests.conftest import job_request
+from tests.conftest import job_request, tenant_of
 from tests.reliability.conftest import (
     FINISHED,
     MARGIN_S,
@@ -35,7 +34,7 @@ def orphan(sessions, api_key: str, *, taken: bool, lease: float) -> str:
     """A priority-0 job a dead worker left: claimed with a lease lapsing in `lease` seconds, or (`taken`) its
     message taken from Redis and the job never claimed (queued, recorded as sent, no message anywhere)."""
     with sessions.begin() as s:
-        tenant = tenant_for_key(s, api_key)
+        tenant = tenant_of(s, api_key)
         job, _ = jobs.create_job(s, tenant.id, job_request(priority=0, max_tokens=4), prompt_tokens=3)
         if taken:
             jobs.mark_enqueued(s, [job.id])

@@ -18,7 +18,7 @@ import requests
 from batching import SamplingParams
 from batching.tokenizer import load_tokenizer
 from tests.conftest import serve_api
-from tests.workers.conftest import assert_streamed_as_made, timed
+from tests.workers.conftest import assert_streamed_as_made, generation_seconds, timed
 
 CHAT = [
     {"role": "system", "content": "Answer in one word."},
@@ -59,11 +59,9 @@ def test_a_chat_completion_waits_for_its_job_and_answers_in_openai_shape(wide, o
     assert job["status"] == "succeeded" and job["priority"] == 0 and job["output"]["text"] == want.text
 
 
-def test_a_streamed_chat_completion_sends_the_text_as_it_comes(openai_client, offline_engine):
+def test_a_streamed_chat_completion_sends_the_text_as_it_comes(openai_client, offline_engine, api_url, wide):
     # 1,000 tokens: ~1 s on an idle machine, long enough for the engine's pace to show over the API's hops
-    engine_started = time.monotonic()
     want = greedy(offline_engine, chat_prompt(LONG_CHAT), 1000)
-    engine_s = time.monotonic() - engine_started
     started = time.monotonic()
     stream = openai_client.chat.completions.create(
         messages=LONG_CHAT,
@@ -82,7 +80,9 @@ def test_a_streamed_chat_completion_sends_the_text_as_it_comes(openai_client, of
         if c.choices and c.choices[0].delta.content
     ]
     assert "".join(text for _, text in pieces) == want.text
-    assert_streamed_as_made(started, [at for at, _ in pieces], engine_s)  # in pieces, as the engine made them
+    job_id = str(uuid.UUID(chunks[0].id.removeprefix("chatcmpl-")))
+    made_s = generation_seconds(api_url, wide.headers, job_id)
+    assert_streamed_as_made(started, [at for at, _ in pieces], made_s)  # in pieces, as the worker made them
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
         want.finish_reason
     ]

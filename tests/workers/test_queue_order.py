@@ -9,8 +9,8 @@ import pytest
 from sqlalchemy import text as sql
 
 from jobstore import jobs
-from jobstore.keys import create_key, tenant_for_key
-from tests.conftest import job_request
+from jobstore.keys import create_key
+from tests.conftest import job_request, tenant_of
 from workers.queue_order import QueueOrder
 
 T0 = datetime(2026, 11, 1, tzinfo=timezone.utc)
@@ -19,7 +19,7 @@ T0 = datetime(2026, 11, 1, tzinfo=timezone.utc)
 @pytest.fixture()
 def tenant(sessions):
     with sessions.begin() as s:
-        return tenant_for_key(s, create_key(s, f"q-{uuid.uuid4().hex[:8]}")).id
+        return tenant_of(s, create_key(s, f"q-{uuid.uuid4().hex[:8]}")).id
 
 
 def job(
@@ -70,7 +70,7 @@ def test_the_tenants_history_predicts_the_output(settings, sessions, tenant):
     """A tenant whose jobs made 2 tokens each: its job of max_tokens 1,000 is predicted at 2 and goes ahead of
     another tenant's job of 100 sent before it (whose tenant has no history: its max_tokens)."""
     with sessions.begin() as s:
-        other = tenant_for_key(s, create_key(s, f"o-{uuid.uuid4().hex[:8]}")).id
+        other = tenant_of(s, create_key(s, f"o-{uuid.uuid4().hex[:8]}")).id
     for i in range(3):
         job(sessions, tenant, i, 1000, status="succeeded", output=2, done=i + 1)
     hundred = job(sessions, other, 10, 100)

@@ -19,9 +19,9 @@ from sqlalchemy import func, select, update
 from contract.dispatch import QUEUE, make_celery, queue_key, send_job, send_to_head, waiting_jobs
 from jobstore import jobs
 from jobstore.db import create_database_if_missing, drop_database, make_engine, make_session_factory
-from jobstore.keys import create_key, tenant_for_key
+from jobstore.keys import create_key
 from jobstore.models import Batch, BatchStatus, Job, JobStatus
-from tests.conftest import ROOT, job_request, settings_env
+from tests.conftest import ROOT, job_request, settings_env, tenant_of
 from workers import reconciler, unclaimed
 
 REQUEST = job_request()
@@ -66,7 +66,7 @@ def celery(fresh) -> Iterator:
 
 def new_tenant(sessions) -> uuid.UUID:
     with sessions.begin() as s:
-        return tenant_for_key(s, create_key(s, f"t-{uuid.uuid4().hex[:8]}")).id
+        return tenant_of(s, create_key(s, f"t-{uuid.uuid4().hex[:8]}")).id
 
 
 def new_job(sessions, tenant_id, status: JobStatus, age_days: float) -> uuid.UUID:

@@ -16,6 +16,7 @@ import asyncio
 import json
 import socket
 import time
+import uuid
 
 import openai
 import pytest
@@ -24,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batching import SamplingParams
 from tests.conftest import serve_api
-from tests.workers.conftest import assert_streamed_as_made, timed, worker_stack
+from tests.workers.conftest import assert_streamed_as_made, generation_seconds, timed, worker_stack
 
 PROMPT = "Once upon a time"
 
@@ -75,9 +76,7 @@ def sse_events(response, arrivals: list[float] | None = None) -> list[tuple[str 
 
 def test_a_streamed_completion_sends_each_engine_step_as_it_is_made(slow_progress, offline_engine):
     stack, url = slow_progress
-    engine_started = time.monotonic()
     want = steps(offline_engine, PROMPT, 600)  # long enough for the engine's pace to show over the API's hops
-    engine_s = time.monotonic() - engine_started
     client = openai.OpenAI(
         base_url=f"{url}/v1", api_key=stack.headers["Authorization"].split()[1], max_retries=0
     )
@@ -91,14 +90,13 @@ def test_a_streamed_completion_sends_each_engine_step_as_it_is_made(slow_progres
     assert [text for _, text in texts] == [d.text for d in want if d.text]  # one chunk per step
     assert chunks[-1][1].choices[0].finish_reason == want[-1].finish_reason
     assert time.monotonic() - started < 30  # not held for a progress write
-    assert_streamed_as_made(started, [at for at, _ in texts], engine_s)  # each step as it was made
+    made_s = generation_seconds(url, stack.headers, str(uuid.UUID(chunks[0][1].id.removeprefix("cmpl-"))))
+    assert_streamed_as_made(started, [at for at, _ in texts], made_s)  # each step as it was made
 
 
 def test_job_events_are_one_per_step_and_resume_after_the_last_event_id(slow_progress, offline_engine):
     stack, url = slow_progress
-    engine_started = time.monotonic()
     want = steps(offline_engine, PROMPT, 600)
-    engine_s = time.monotonic() - engine_started
     before = streamed_deltas(url)
     stack.celery.control.cancel_consumer("generate", reply=True, destination=[stack.node])
     try:  # the job waits in Redis until the stream is open: it is followed from its first token
@@ -124,7 +122,8 @@ def test_job_events_are_one_per_step_and_resume_after_the_last_event_id(slow_pro
         ]
     )
     assert "".join(d["text"] for d in deltas) == "".join(d.text for d in want)
-    assert_streamed_as_made(started, [at for at, e in zip(arrivals, events) if e[1] == "delta"], engine_s)
+    made_s = generation_seconds(url, stack.headers, job["id"])
+    assert_streamed_as_made(started, [at for at, e in zip(arrivals, events) if e[1] == "delta"], made_s)
     statuses = [data["status"] for _, kind, data in events if kind == "status"]
     assert statuses[-1] == "running" and events[-1][1] == "result"
     result = events[-1][2]
