@@ -84,7 +84,7 @@ class Intake:
         self.queue = model_queue(settings, served)
         self._model = jobs.ServedModel(served, is_default=served == settings.fleet_default_model())
         # the order of the waiting jobs of a class (None: first come, first served)
-        self._order = QueueOrder(settings, sessions) if settings.scheduling_policy == "predicted" else None
+        self._order = QueueOrder(settings, sessions) if settings.scheduling_policy != "fcfs" else None
         self._thread = threading.Thread(target=self._run, name="intake", daemon=True)
 
     def start(self) -> Intake:
@@ -236,9 +236,9 @@ class Intake:
 
     def _predict(self, claimed: list[Job]) -> list[int | None]:
         """Each claimed job's predicted output (jobstore/output_length.py: one query), which places it within
-        its priority class in the engine under SCHEDULING_POLICY=predicted; None under fcfs. Advisory: a
-        failed prediction leaves the jobs to max_tokens."""
-        if self._settings.scheduling_policy != "predicted" or not claimed:
+        its priority class in the engine under SCHEDULING_POLICY=predicted (and preemptive); None under fcfs.
+        Advisory: a failed prediction leaves the jobs to max_tokens."""
+        if self._settings.scheduling_policy == "fcfs" or not claimed:
             return [None] * len(claimed)
         shapes = [JobShape(job.tenant_id, job.created_at, job.max_tokens, job.model) for job in claimed]
         try:
