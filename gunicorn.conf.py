@@ -100,11 +100,22 @@ def on_starting(server):
     load_tokenizer_before_fork(server)
 
 
+def configured_checkpoints() -> list[str]:
+    """The checkpoints of the models this API is configured with (MODEL first, then SERVED_MODELS), each once, at
+    most as many as the tokenizer cache holds (batching/tokenizer.py's load_tokenizer): the tokenizers to load
+    before the fork. A model only a worker announces (not in SERVED_MODELS) is loaded by each worker on first use."""
+    from batching.tokenizer import load_tokenizer
+    from contract.settings import ApiSettings
+
+    checkpoints = list(dict.fromkeys(ApiSettings.from_env().configured_models().values()))
+    return checkpoints[: load_tokenizer.cache_parameters()["maxsize"]]
+
+
 def load_tokenizer_before_fork(server):
-    """One tokenizer per host: the model's tokenizer is loaded here, in gunicorn's arbiter, before it forks its
-    workers, which find it loaded (webapi/prompts.py's cache) and share its memory copy-on-write instead of
-    each loading its own (API_SHARED_TOKENIZER=false: each worker loads its own, as before). bench/api_memory.py
-    measures it.
+    """One tokenizer per model per host: the tokenizer of each configured model (configured_checkpoints) is loaded
+    here, in gunicorn's arbiter, before it forks its workers, which find them loaded (webapi/prompts.py's cache)
+    and share their memory copy-on-write instead of each loading its own (API_SHARED_TOKENIZER=false: each
+    worker loads its own, as before). bench/api_memory.py measures it (--models: a fleet's other models).
 
     Fork-safe as done here: the tokenizer is only loaded, never used, in the arbiter. Its first encode starts
     the Rust tokenizer's thread pool (rayon), and a process forked after that has parallelism turned off
@@ -115,18 +126,20 @@ def load_tokenizer_before_fork(server):
     (and so writes to, copying) the shared objects."""
     if os.environ.get("API_SHARED_TOKENIZER", "true").strip().lower() in ("0", "false", "no", "off"):
         return
-    from contract.settings import StoreSettings
     from webapi.prompts import tokenizer_for
 
-    model = StoreSettings.from_env().model
-    try:
-        tokenizer_for(model)
-    except Exception as exc:  # noqa: BLE001 - each worker loads it then (and reports why not)
-        server.log.warning("tokenizer not loaded before the workers start: %s", exc)
-        return
-    gc.collect()
-    gc.freeze()
-    server.log.info("tokenizer of %s loaded once for the workers", model)
+    loaded = []
+    for model in configured_checkpoints():
+        try:
+            tokenizer_for(model)
+        except Exception as exc:  # noqa: BLE001 - each worker loads it then (and reports why not)
+            server.log.warning("tokenizer of %s not loaded before the workers start: %s", model, exc)
+            continue
+        loaded.append(model)
+    if loaded:
+        gc.collect()
+        gc.freeze()
+        server.log.info("tokenizers loaded once for the workers: %s", ", ".join(loaded))
 
 
 def check_postgres_connections(server):
@@ -159,15 +172,15 @@ def on_exit(server):
 
 
 def post_worker_init(worker):
-    """Load the model's tokenizer (the arbiter's, already loaded: load_tokenizer_before_fork) and compile its
-    chat template before the first request (a request would otherwise wait for them); then what is loaded by
-    now (modules, the app, the tokenizer) lives as long as the process: keep it out of the garbage collector's
-    way, so that a full collection walks only the objects of requests."""
-    from contract.settings import StoreSettings
+    """Load each configured model's tokenizer (the arbiter's, already loaded: load_tokenizer_before_fork) and
+    compile its chat template before the first request (a request would otherwise wait for them); then what is
+    loaded by now (modules, the app, the tokenizers) lives as long as the process: keep it out of the garbage
+    collector's way, so that a full collection walks only the objects of requests."""
     from webapi.prompts import warm_up
 
-    try:
-        warm_up(StoreSettings.from_env().model)
-    except Exception as exc:  # noqa: BLE001 - the first request that needs it loads it (and reports why not)
-        worker.log.warning("tokenizer not loaded ahead of requests: %s", exc)
+    for model in configured_checkpoints():
+        try:
+            warm_up(model)
+        except Exception as exc:  # noqa: BLE001 - the first request that needs it loads it (and reports why not)
+            worker.log.warning("tokenizer of %s not loaded ahead of requests: %s", model, exc)
     gc.freeze()

@@ -10,6 +10,14 @@ shared page among the processes that map it, so the sum of PSS over the arbiter 
 costs the host.
 
     .venv/bin/python bench/api_memory.py --api-workers 4 --rounds 3
+
+A fleet's other models (issue 40): `--models N` serves N - 1 more models (SERVED_MODELS, each its own synthetic
+tokenizer of the same size in a directory of its own), the calls name each model in turn, so every worker uses
+every tokenizer. `--baseline-config PATH` adds a third way, sharing on under another gunicorn config file (an
+earlier gunicorn.conf.py, `git show REV:gunicorn.conf.py > PATH`), against the same code otherwise. Each way's
+start-up is timed too: from gunicorn's start until /healthz answers and every worker is forked.
+
+    .venv/bin/python bench/api_memory.py --models 3 --baseline-config /tmp/gunicorn.before.py
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -66,15 +75,18 @@ def children(pid: int) -> list[int]:
 
 
 @contextmanager
-def api(settings, workers: int, env: dict, log: Path):
-    """gunicorn (gunicorn.conf.py) with `workers` processes for `settings`; yields (url, arbiter pid, key)."""
+def api(settings, workers: int, env: dict, log: Path, config: Path | None = None):
+    """gunicorn (`config`, gunicorn.conf.py by default) with `workers` processes for `settings`; yields (url,
+    arbiter pid, key, seconds from gunicorn's start until /healthz answers and every worker is forked)."""
     port = free_port()
     with ExitStack() as cleanup:
         base = {**settings_env(settings), "PYTHONPATH": str(ROOT)}
         key = bench_database(settings, base, cleanup)
+        started = time.monotonic()
         process = _start(
             [
                 BIN / "gunicorn",
+                *(["--config", config] if config is not None else []),
                 "--bind",
                 f"127.0.0.1:{port}",
                 "--workers",
@@ -92,16 +104,20 @@ def api(settings, workers: int, env: dict, log: Path):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{workers} workers not started:\n{log.read_text()[-3000:]}")
             time.sleep(0.1)
-        yield url, process.pid, key
+        yield url, process.pid, key, time.monotonic() - started
 
 
-def measure(settings, workers: int, shared: bool, calls: int, log: Path) -> dict:
+def measure(
+    settings, workers: int, way: str, calls: int, log: Path, names: list[str], config: Path | None
+) -> dict:
+    shared = way != "each"
     env = {"API_SHARED_TOKENIZER": "true" if shared else "false"}
-    with api(settings, workers, env, log) as (url, arbiter, key):
+    with api(settings, workers, env, log, config) as (url, arbiter, key, startup):
         headers = {"Authorization": f"Bearer {key}"}
         text = "The quick brown fox jumps over the lazy dog. " * 40
-        for _ in range(calls):  # new connections: gunicorn spreads them over its workers
-            r = requests.post(url + "/tokenize", json={"prompt": text}, headers=headers, timeout=30)
+        for i in range(calls):  # new connections: gunicorn spreads them over its workers
+            body = {"prompt": text, "model": names[i % len(names)]}
+            r = requests.post(url + "/tokenize", json=body, headers=headers, timeout=30)
             r.raise_for_status()
         time.sleep(1.0)
         pids = children(arbiter)
@@ -109,8 +125,10 @@ def measure(settings, workers: int, shared: bool, calls: int, log: Path) -> dict
         master = smaps(arbiter)
         warned = "after parallelism has already been used" in log.read_text()
     return {
+        "way": way,
         "shared": shared,
         "workers": len(pids),
+        "startup_s": startup,
         "arbiter": master,
         "worker_mean": {f: statistics.mean(w[f] for w in per_worker) for f in FIELDS},
         "total_pss_kb": master["Pss"] + sum(w["Pss"] for w in per_worker),
@@ -127,35 +145,53 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--merges", type=int, default=128_000)
     parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--models", type=int, default=1, help="served models, each its own tokenizer")
+    parser.add_argument(
+        "--baseline-config", type=Path, help="a third way: sharing on under this gunicorn config"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/out/api_memory.json"))
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    configs: dict[str, Path | None] = {"each": None, "shared": None}
+    if args.baseline_config is not None:
+        configs["baseline"] = args.baseline_config.resolve()
     with tempfile.TemporaryDirectory(prefix="genq-bench-tokenizer-") as folder:
         started = time.monotonic()
-        model = synthetic_tokenizer(Path(folder), args.merges)
-        print(f"tokenizer: {args.merges} merges, {time.monotonic() - started:.1f} s to build", flush=True)
+        models = [synthetic_tokenizer(Path(folder) / "m0", args.merges)]
+        for i in range(1, args.models):  # the same files in a directory of its own: loaded on their own
+            models.append(Path(shutil.copytree(models[0], Path(folder) / f"m{i}")))
+        print(
+            f"{args.models} tokenizers: {args.merges} merges, {time.monotonic() - started:.1f} s to build",
+            flush=True,
+        )
+        names = ["m0", *(f"m{i}" for i in range(1, args.models))]
+        served = ",".join(
+            f"m{i}={model}" for i, model in enumerate(models) if i
+        )  # m0 is MODEL (MODEL_NAME m0)
         runs = []
         for round_ in range(args.rounds):
-            for shared in (False, True) if round_ % 2 == 0 else (True, False):  # alternate which goes first
-                settings = bench_settings(model=str(model))
-                log = args.out.parent / f"api_memory_{'shared' if shared else 'each'}.log"
-                run = measure(settings, args.api_workers, shared, args.requests, log)
+            ways = list(configs) if round_ % 2 == 0 else list(reversed(configs))  # alternate which goes first
+            for way in ways:
+                settings = bench_settings(model=str(models[0]), model_name="m0", served_models=served)
+                log = args.out.parent / f"api_memory_{way}.log"
+                run = measure(settings, args.api_workers, way, args.requests, log, names, configs[way])
                 run["round"] = round_
                 runs.append(run)
                 print(
-                    f"round {round_} {'shared ' if shared else 'each   '} workers={run['workers']} "
+                    f"round {round_} {way:8} workers={run['workers']} start-up {run['startup_s']:.1f} s | "
                     f"worker PSS {run['worker_mean']['Pss'] / 1024:.1f} MiB RSS {run['worker_mean']['Rss'] / 1024:.1f}"
                     f" MiB private dirty {run['worker_mean']['Private_Dirty'] / 1024:.1f} MiB | arbiter PSS "
                     f"{run['arbiter']['Pss'] / 1024:.1f} MiB | all processes PSS {run['total_pss_kb'] / 1024:.1f} MiB"
                     f"{' | tokenizers parallelism warning' if run['tokenizers_parallelism_warning'] else ''}",
                     flush=True,
                 )
-    for shared in (False, True):
-        totals = [r["total_pss_kb"] / 1024 for r in runs if r["shared"] is shared]
-        workers = [r["worker_mean"]["Pss"] / 1024 for r in runs if r["shared"] is shared]
+    for way in configs:
+        totals = [r["total_pss_kb"] / 1024 for r in runs if r["way"] == way]
+        workers = [r["worker_mean"]["Pss"] / 1024 for r in runs if r["way"] == way]
+        startups = [r["startup_s"] for r in runs if r["way"] == way]
         print(
-            f"{'shared (once per host)' if shared else 'each worker loads it  '}: all processes PSS median "
-            f"{statistics.median(totals):.1f} MiB, per worker {statistics.median(workers):.1f} MiB"
+            f"{way:8}: all processes PSS median {statistics.median(totals):.1f} MiB, per worker "
+            f"{statistics.median(workers):.1f} MiB, start-up median {statistics.median(startups):.1f} s"
         )
     args.out.write_text(
         json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}, indent=1)
