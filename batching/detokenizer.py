@@ -30,8 +30,10 @@ class Detokenizer:
         self.backend = _rust_backend(tokenizer)
         # its decode joins the tokens' bytes and reads them as UTF-8 (see the module's docstring)
         self.byte_level = _byte_level(self.backend)
-        # the text of a one-token window, by skip_special_tokens then token id (filled as met)
+        # the text of a one-token window, by skip_special_tokens then token id (filled as met); and, of those,
+        # the texts that are whole characters (not empty, no U+FFFD): the common token's, byte-level
         self._single: dict[bool, dict[int, str]] = {False: {}, True: {}}
+        self._whole: dict[bool, dict[int, str]] = {False: {}, True: {}}
 
     def __call__(self, seqs: Seq[Sequence]) -> None:
         """Append to each sequence's text what its tokens past read_offset add (appended already)."""
@@ -42,7 +44,7 @@ class Detokenizer:
                 self._one(seq)
             return
         # one pass, every step's sequences: the loop below is the engine's per-token cost, kept flat
-        decode, singles, byte_level = self.backend.decode, self._single, self.byte_level
+        decode, singles, wholes, byte_level = self.backend.decode, self._single, self._whole, self.byte_level
         for seq in seqs:
             ids = seq.token_ids
             start, read = seq.prefix_offset, seq.read_offset
@@ -50,15 +52,21 @@ class Detokenizer:
             if byte_level and read - start == 1 and len(ids) == read + 1:
                 # the common window: the last step's token a (known) and this one's, b. Byte-level, a's text
                 # without U+FFFD is whole characters, so the window's is a's text + b's: b's from the table
-                single = singles[skip]
+                whole = wholes[skip]
                 a, b = ids[start], ids[read]
+                piece = whole.get(b)
+                if piece is not None and a in whole:  # both whole characters (the common case): one look-up
+                    seq.text += piece
+                    seq.prefix_offset, seq.read_offset = read, read + 1
+                    continue
+                single = singles[skip]
                 prefix = single.get(a)
                 if prefix is None:
-                    prefix = single[a] = decode([a], skip)
+                    prefix = self._learn(a, skip)
                 if "\ufffd" not in prefix:
                     piece = single.get(b)
                     if piece is None:
-                        piece = single[b] = decode([b], skip)
+                        piece = self._learn(b, skip)
                     if piece and piece[-1] != "\ufffd":
                         seq.text += piece
                         seq.prefix_offset, seq.read_offset = read, read + 1
@@ -66,10 +74,9 @@ class Detokenizer:
             window = ids[start:]
             known = read - start
             if known == 1:  # the last step's token: its text from the table
-                single = singles[skip]
-                prefix = single.get(window[0])
+                prefix = singles[skip].get(window[0])
                 if prefix is None:
-                    prefix = single[window[0]] = decode(window[:1], skip)
+                    prefix = self._learn(window[0], skip)
             elif known == 0:
                 prefix = ""
             else:
@@ -80,6 +87,14 @@ class Detokenizer:
             if len(full) > len(prefix) and full[-1] != "\ufffd":
                 seq.text += full[len(prefix) :]
                 seq.prefix_offset, seq.read_offset = read, len(ids)
+
+    def _learn(self, token: int, skip: bool) -> str:
+        """The text of `token` alone, decoded once and kept in the tables."""
+        assert self.backend is not None
+        text = self._single[skip][token] = self.backend.decode([token], skip)
+        if text and "\ufffd" not in text:
+            self._whole[skip][token] = text
+        return text
 
     def _one(self, seq: Sequence) -> None:
         ids, skip, decode = seq.token_ids, seq.params.skip_special_tokens, self.tokenizer.decode

@@ -40,6 +40,7 @@ from batching.state_step import build_step
 
 _computed = attrgetter("num_computed_tokens")
 PREFILL_TILE = 16  # queries of one chunk per Triton program (triton_attention.py)
+FEW_DECODES = 16  # a step of fewer decodes is packed in plain Python (ModelRunner._few_decodes)
 BACKENDS = ("triton", "cpu_kernel", "torch")
 
 
@@ -73,6 +74,46 @@ class StepRows:
     pending_rows: list[int] = field(default_factory=list)
     pending_sources: list[int] = field(default_factory=list)
     pending_tokens: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class _DecodeBatch:
+    """A step of decodes only as `ModelRunner._decode_step` packed it, kept for the next one."""
+
+    seqs: list[Sequence]  # the step's sequences, in the scheduler's order (what the next step is compared to)
+    order: list[Sequence]  # the same, in row order (longest context first)
+    rows: np.ndarray  # [n] each one's row of the block tables (BlockTables)
+    positions: np.ndarray  # [n] int64, each one's position this step, in row order
+
+
+@dataclass(slots=True)
+class _DecodeViews:
+    """A decode step's tensors for one shape (n sequences, tables `width` blocks wide), all views of one int64
+    buffer (`ModelRunner._decode_step`'s layout), and the buffer as numpy, which the step's values are written to."""
+
+    shape: tuple[int, int]
+    buffer: np.ndarray  # [5 n + n width]
+    input_ids: torch.Tensor  # [1, n]
+    positions: torch.Tensor  # [1, n]
+    slots: torch.Tensor  # [n]
+    logits_rows: torch.Tensor  # [n]
+    lens: torch.Tensor  # [n] context lengths
+    block_ids: torch.Tensor  # [n * width]
+
+    @staticmethod
+    def of(n: int, width: int) -> _DecodeViews:
+        flat = torch.zeros(5 * n + n * width, dtype=torch.long)
+        input_ids, positions, slots, logits_rows, lens, block_ids = flat.split([n, n, n, n, n, n * width])
+        return _DecodeViews(
+            (n, width),
+            flat.numpy(),
+            input_ids.view(1, n),
+            positions.view(1, n),
+            slots,
+            logits_rows,
+            lens,
+            block_ids,
+        )
 
 
 class StepReplays(Protocol):
@@ -125,6 +166,11 @@ class ModelRunner:
         )
         self.graphs: StepReplays | None = None  # captured by the engine at start-up (cuda_graphs.py)
         self.followers: StepFollowers | None = None  # tensor parallel: the other ranks (set by the engine)
+        # the last step, when it was a step of many decodes packed by `_many_decodes` and its forward ran (None
+        # otherwise); and the step being packed, until its forward has run
+        self._last_decodes: _DecodeBatch | None = None
+        self._packed_decodes: _DecodeBatch | None = None
+        self._decode_views: _DecodeViews | None = None  # the tensors of `_decode_step`'s last shape
 
     @torch.inference_mode()
     def execute(
@@ -134,6 +180,8 @@ class ModelRunner:
         of the rows that give asked-for prompt log probabilities [P, V] or None, their spans).
         `pending_tokens`: the last step's sampled tokens on the device, where some of this step's input
         tokens still are (Sequence.pending_row)."""
+        last_decodes, self._last_decodes = self._last_decodes, None  # valid for the very next step only
+        self._packed_decodes = None
         self.kv_cache.swap(sched.swap_out, sched.swap_in)
         if self.state_cache is not None:
             self.state_cache.swap(sched.state_swap_out, sched.state_swap_in)
@@ -143,9 +191,12 @@ class ModelRunner:
             self.kv_cache.wait_for_copies()
             return None, [], None, []
         if self._decodes_by_columns and pending_tokens is None and sched.num_decodes == len(sched.seqs):
-            batch = self._decode_step(sched.seqs)  # the common step on the CPU kernels' path
+            batch = self._decode_step(sched.seqs, last_decodes)  # the common step on the CPU kernels' path
             self.kv_cache.wait_for_copies()
-            return self.forward(batch), batch.sample_seqs, None, []
+            logits = self.forward(batch)
+            # (kept once the forward has run: the engine then advances each of its sequences by one token)
+            self._last_decodes, self._packed_decodes = self._packed_decodes, None
+            return logits, batch.sample_seqs, None, []
         rows = self.step_rows(sched, pending=pending_tokens is not None)
         if self.followers is not None:
             self._send_to_followers(sched, rows)
@@ -175,38 +226,97 @@ class ModelRunner:
             and self.graphs is None
         )
 
-    def _decode_step(self, seqs: list[Sequence]) -> ModelInput:
+    def _decode_step(self, seqs: list[Sequence], last: _DecodeBatch | None = None) -> ModelInput:
         """A step of decodes only (none with its token still on the device), as `prepare(step_rows(...))`
-        builds it on the CPU kernels' path, by columns: the sequences' positions and tokens read in a pass
-        each, the slots and lengths computed in numpy, the block tables one gather from the persistent array.
-        Same rows, same order (longest context first, ties in the step's order)."""
-        n, bs = len(seqs), self.block_size
-        seqs = sorted(seqs, key=_computed, reverse=True)  # (stable)
-        positions = np.array(list(map(_computed, seqs)), np.int64)
-        input_ids = np.array([seq.token_ids[-1] for seq in seqs], np.int64)
-        table_rows = self.block_tables.rows(seqs)
-        tables = self.block_tables.table
-        slots = tables[table_rows, positions // bs] * bs + positions % bs
-        flat = torch.from_numpy(np.concatenate([input_ids, positions, slots, np.arange(n)]))
-        lens = positions + 1
-        width = -(-int(lens[0]) // bs)
-        # past a context: whatever its row held (block ids of the pool, never read)
-        block_ids = torch.from_numpy(tables[table_rows, :width].reshape(-1))
+        builds it on the CPU kernels' path, by columns, in one int64 buffer that every tensor of the step views
+        (one split): input ids, positions, slots, logits rows, context lengths [n] each, then the block tables
+        [n, width] (past a context: anything, never read). Same rows, same order (longest context first, ties
+        in the step's order). `last`: the step before, when it was one of these too (`_many_decodes`).
+
+        The tensors are views of one buffer kept from step to step while the step's shape (its sequences and
+        table width) stays the same: torch makes no tensor object in the steady state (making 8 cost ~15 us a
+        step), and the values are written in place. (The CPU runs each step to its end before the next is
+        packed, so nothing reads the last step's values after this; `_decodes_by_columns` is CPU only.)"""
+        n = len(seqs)
+        flat: np.ndarray | list[int]
+        if n < FEW_DECODES:
+            seqs, flat, width = self._few_decodes(seqs)
+        else:
+            seqs, flat, width = self._many_decodes(seqs, last)
+        views = self._decode_views
+        if views is None or views.shape != (n, width):
+            views = self._decode_views = _DecodeViews.of(n, width)
+        views.buffer[:] = flat  # every tensor of the last step of this shape views it: their values change
         attn = AttentionMetadata(
             kv_cache=self.kv_cache,
-            slot_mapping=flat[2 * n : 3 * n],
-            decodes=[DecodeGroup(0, n, block_ids, torch.from_numpy(lens), width)],
+            slot_mapping=views.slots,
+            decodes=[DecodeGroup(0, n, views.block_ids, views.lens, width)],
             prefills=None,
             attention_kernel=self.attention_kernel,
             mask_patterns=self.mask_patterns,
         )
         return ModelInput(
-            input_ids=flat[:n].view(1, n),
-            position_ids=flat[n : 2 * n].view(1, n),
-            logits_indices=flat[3 * n :],
+            input_ids=views.input_ids,
+            position_ids=views.positions,
+            logits_indices=views.logits_rows,
             attn=attn,
             sample_seqs=seqs,
         )
+
+    def _few_decodes(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int], int]:
+        """`_decode_step`'s rows and buffer for a few sequences, from their lists in plain Python (numpy's calls
+        and the persistent tables cost more than they save for so few)."""
+        bs = self.block_size
+        seqs = sorted(seqs, key=_computed, reverse=True)  # (stable)
+        positions = list(map(_computed, seqs))
+        width = -(-(positions[0] + 1) // bs)
+        flat = [seq.token_ids[-1] for seq in seqs]
+        flat += positions
+        flat += [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
+        flat += range(len(seqs))
+        flat += [p + 1 for p in positions]
+        for seq in seqs:
+            table = seq.block_table[:width]
+            flat += table
+            flat += [0] * (width - len(table))  # past its context: never read
+        return seqs, flat, width
+
+    def _many_decodes(
+        self, seqs: list[Sequence], last: _DecodeBatch | None
+    ) -> tuple[list[Sequence], np.ndarray, int]:
+        """`_decode_step`'s rows and buffer by columns in numpy: positions and tokens read in a pass each, the
+        slots computed from the persistent block tables (BlockTables), the step's tables one gather from them.
+
+        `last`: the step before, when it was one of these too. If this step decodes the same sequences in the
+        same order (the steady state), each of them has computed exactly the one token that step gave it
+        (engine.py; a sequence preempted, swapped, aborted or finished since would have left the list, and a
+        step of any other kind in between, or one whose forward failed, leaves `last` None): its order, positions
+        and table rows are last step's, the positions one further, and only rows that crossed into a new block
+        are rewritten."""
+        n, bs = len(seqs), self.block_size
+        tables = self.block_tables
+        if last is not None and last.seqs == seqs:  # (identity, element by element: no Sequence has __eq__)
+            seqs, table_rows = last.order, last.rows
+            positions = last.positions + 1
+            crossed = np.flatnonzero(positions // bs >= tables.filled[table_rows])
+            if len(crossed):  # a block every block_size tokens: rewritten from the sequences' lists
+                tables.refresh(seqs, table_rows, crossed.tolist())
+        else:
+            key = list(seqs)  # (a copy: the scheduler's list is not this runner's to keep)
+            seqs = sorted(seqs, key=_computed, reverse=True)  # (stable)
+            positions = np.array(list(map(_computed, seqs)), np.int64)
+            table_rows = np.asarray(tables.rows(seqs), np.int64)
+            last = _DecodeBatch(key, seqs, table_rows, positions)
+        last.positions = positions
+        self._packed_decodes = last
+        input_ids = np.array([seq.token_ids[-1] for seq in seqs], np.int64)
+        table = tables.table
+        slots = table[table_rows, positions // bs] * bs + positions % bs
+        lens = positions + 1
+        width = -(-int(lens[0]) // bs)
+        # past a context: whatever its row held (block ids of the pool, never read)
+        block_ids = table[table_rows, :width].reshape(-1)
+        return seqs, np.concatenate([input_ids, positions, slots, np.arange(n), lens, block_ids]), width
 
     def _send_to_followers(self, sched: SchedulerOutput, rows: StepRows) -> None:
         """The step to the other ranks (tensor parallel), with its sequences' block tables [S, W] gathered from
@@ -621,7 +731,7 @@ class BlockTables:
         longest = max(map(len, tables), default=0)
         if max(longest, width) > self.table.shape[1]:
             self._grow(self.table.shape[0], max(longest, width, 2 * self.table.shape[1]))
-        if n < 16:  # a few rows: numpy's calls cost more than checking them one by one
+        if n < FEW_DECODES:  # a few rows: numpy's calls cost more than checking them one by one
             return [self._update(seq, seqs) for seq in seqs]  # (first: taking a row may grow the table)
         lens = np.fromiter(map(len, tables), np.int64, n)
         rows = np.fromiter(map(self.row_of.get, seqs, repeat(-1)), np.int64, n)
@@ -633,6 +743,15 @@ class BlockTables:
         for i in stale.tolist():
             rows[i] = self._update(seqs[i], seqs)
         return rows
+
+    def refresh(self, seqs: list[Sequence], rows: np.ndarray, which: list[int]) -> None:
+        """Rewrite the rows of `seqs[i]` for i in `which` (they hold rows `rows[i]` already) from their lists,
+        the table widened first if a list outgrew it."""
+        longest = max(len(seqs[i].block_table) for i in which)
+        if longest > self.table.shape[1]:
+            self._grow(self.table.shape[0], max(longest, 2 * self.table.shape[1]))
+        for i in which:
+            rows[i] = self._update(seqs[i], seqs)
 
     def _update(self, seq: Sequence, seqs: list[Sequence]) -> int:
         """`seq`'s row, taken if it has none, and written where it is not up to date."""

@@ -60,40 +60,42 @@ def report(seqs: list[Sequence]) -> StepDeltas:
     out = StepDeltas()
     ids, starts, tokens, text_starts = out.request_ids, out.token_starts, out.token_ids, out.text_starts
     texts, reasons, news = out.texts, out.finish_reasons, out.news
+    add_id, add_start, add_tokens = ids.append, starts.append, tokens.append
+    add_text_start, add_text, add_reason = text_starts.append, texts.append, reasons.append
     ended, aborted = SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_ABORTED
     logprob_rows: list[int] = []
     for seq in seqs:
         p, status, text = seq.params, seq.status, seq.text
         reported_tokens, reported_chars = seq.num_reported_tokens, seq.num_reported_chars
         new = seq.token_ids[seq.num_prompt_tokens + reported_tokens :]
-        finished = status >= ended
-        end = len(text)  # without stop strings the text only grows: all of it is reported
-        if p.stop and (not finished or status == aborted):
-            end = max(reported_chars, end - p.holdback)
         seq.num_reported_tokens = reported_tokens + len(new)
-        seq.num_reported_chars = max(reported_chars, end)
-        ids.append(seq.req_id)
-        starts.append(reported_tokens)
-        tokens.append(new)
-        text_starts.append(reported_chars)
-        texts.append(text[reported_chars:end])
-        reasons.append(FINISH_REASONS[status] if finished else None)
+        end = len(text)  # without stop strings the text only grows: all of it is reported
+        if (
+            p.stop
+        ):  # while it runs (or once aborted) a stop string may still cut its last `holdback` characters
+            end = max(reported_chars, end - p.holdback if status < ended or status == aborted else end)
+        seq.num_reported_chars = end
+        add_id(seq.req_id)
+        add_start(reported_tokens)
+        add_tokens(new)
+        add_text_start(reported_chars)
+        add_text(text[reported_chars:end])
+        add_reason(None if status < ended else FINISH_REASONS[status])
         if p.logprobs is not None:
             logprob_rows.append(len(ids) - 1)
-        facts = (seq.num_preemptions, seq.first_token_time)
-        if facts != seq.reported_facts:
+        # (num_preemptions, first_token_time) as last reported: news when either changed (no tuple a row)
+        facts = seq.reported_facts
+        if facts is None or facts[0] != seq.num_preemptions or facts[1] != seq.first_token_time:
             news.append(
                 StepNews(
                     seq.req_id,
-                    facts[0],
-                    facts[1],
-                    seq.token_ids[: seq.num_prompt_tokens] if seq.reported_facts is None else None,
-                    list(seq.prompt_logprobs)
-                    if seq.reported_facts is None and p.prompt_logprobs is not None
-                    else None,
+                    seq.num_preemptions,
+                    seq.first_token_time,
+                    seq.token_ids[: seq.num_prompt_tokens] if facts is None else None,
+                    list(seq.prompt_logprobs) if facts is None and p.prompt_logprobs is not None else None,
                 )
             )
-            seq.reported_facts = facts
+            seq.reported_facts = (seq.num_preemptions, seq.first_token_time)
     if logprob_rows:
         rows: list[list[TokenLogprob] | None] = [None] * len(ids)
         for i in logprob_rows:

@@ -37,6 +37,7 @@ class StopChecker:
         with_grammar: list[int] = []
         to_decode: list[Sequence] = []
         with_strings: list[tuple[int, Sequence, int]] = []  # (its row, it, its text's length before)
+        decode_it = to_decode.append
         for i, seq in enumerate(seqs):
             token = tokens[i]
             ids = seq.token_ids
@@ -58,7 +59,7 @@ class StopChecker:
                 if p.include_stop_str_in_output:
                     to_decode.append(seq)
                 continue
-            to_decode.append(seq)
+            decode_it(seq)
             if p.stop:
                 with_strings.append((i, seq, len(seq.text)))
             # max_tokens, or the model's length (a stop string found below comes first)

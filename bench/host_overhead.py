@@ -15,6 +15,7 @@ its idle time between one step's work and the next's (issue 38's target: <= 200 
 
     python bench/host_overhead.py                          # widths 1, 64, 256
     python bench/host_overhead.py --widths 256 --profile   # cProfile of the last round, by cumulative time
+    python bench/host_overhead.py --sections               # and the thread CPU by part of the step
 """
 
 from __future__ import annotations
@@ -99,6 +100,59 @@ class ForwardTimer:
             h.remove()
 
 
+class SectionTimer:
+    """The engine thread's CPU time in each named part of a step (`--sections`): wrappers around the engine's
+    methods, removed by close(). Nested parts are counted in their parent too (detokenize in stops and text;
+    pack in execute, with the forward); each wrapper adds ~1 us a call, so only the parts' sizes count."""
+
+    def __init__(self, engine: Engine):
+        from batching import step_deltas
+
+        self.totals: dict[str, float] = {}
+        self._undo: list[
+            tuple[object, str, object, bool]
+        ] = []  # (where, name, what it was, its own attribute)
+        runner = engine.runner
+        for obj, name, label in (
+            (engine.scheduler, "schedule", "schedule"),
+            (runner, "execute", "execute (pack + forward)"),
+            (runner, "_decode_step", "pack (decodes by columns)"),
+            (runner, "step_rows", "pack (rows)"),
+            (engine.sampler, "sample", "sample"),
+            (engine.stop_checker, "advance", "stops and text"),
+            (engine.stop_checker, "detokenize", "detokenize"),
+            (step_deltas, "report", "report (step_deltas)"),
+            (engine, "stats", "stats"),
+        ):
+            if hasattr(obj, name):
+                self._wrap(obj, name, label)
+
+    def _wrap(self, obj, name: str, label: str) -> None:
+        inner = getattr(obj, name)
+        totals = self.totals
+        totals[label] = 0.0
+
+        def timed(*args, **kwargs):
+            started = time.thread_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                totals[label] += time.thread_time() - started
+
+        self._undo.append((obj, name, inner, name in vars(obj)))
+        setattr(obj, name, timed)
+
+    def per_step(self, steps: int) -> dict[str, float]:
+        return {label: round(total / steps * 1e6, 1) for label, total in self.totals.items() if total}
+
+    def close(self) -> None:
+        for obj, name, inner, own in reversed(self._undo):
+            if own:
+                setattr(obj, name, inner)
+            else:
+                delattr(obj, name)  # the instance's wrapper goes: its class's method shows again
+
+
 def stepper(engine: Engine, report: str):
     """What one timed step runs (see the module's docstring)."""
     if report == "outputs":
@@ -115,8 +169,16 @@ def stepper(engine: Engine, report: str):
     return lambda: reporter.send(engine.step(), engine.stats())  # the code before step_deltas
 
 
-def measure(engine: Engine, width: int, steps: int, profile: bool = False, report: str = "deltas") -> dict:
-    """Host work per step of `width` sequences in steady decode, over `steps` steps (median of 3 runs)."""
+def measure(
+    engine: Engine,
+    width: int,
+    steps: int,
+    profile: bool = False,
+    report: str = "deltas",
+    sections: bool = False,
+) -> dict:
+    """Host work per step of `width` sequences in steady decode, over `steps` steps (median of 3 runs; with
+    `sections`, a fourth run's thread CPU by part of the step, not counted in the figures)."""
     step = stepper(engine, report)
     # deltas, as the worker asks (workers/engine_process.py)
     params = SamplingParams(max_tokens=steps * 3 + 64, temperature=0, ignore_eos=True, output_kind="delta")
@@ -147,6 +209,15 @@ def measure(engine: Engine, width: int, steps: int, profile: bool = False, repor
             profiler.disable()
         rounds.append((wall, timer.total, cpu - timer.cpu_total))
     timer.close()
+    parts = None
+    if sections:
+        section_timer = SectionTimer(engine)
+        try:
+            for _ in range(steps):
+                step()
+        finally:
+            section_timer.close()
+        parts = section_timer.per_step(steps)
     for i in range(width):
         engine.abort(f"w{width}-{i}")
     step()
@@ -166,6 +237,8 @@ def measure(engine: Engine, width: int, steps: int, profile: bool = False, repor
         target_us=target,
         met=host_us <= target,
     )
+    if parts is not None:
+        result["sections_cpu_us"] = parts
     if profiler is not None:
         import pstats
 
@@ -221,6 +294,7 @@ def measure_widths(
     attention: str = "auto",
     text: str = "ascii",
     report: str = "deltas",
+    sections: bool = False,
 ) -> dict:
     """The figures for `widths` on `device` (and, on CUDA, the device's idle time between steps)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -240,7 +314,7 @@ def measure_widths(
         gc.collect()
         gc.freeze()
         try:
-            results = [measure(engine, w, steps, profile, report) for w in widths]
+            results = [measure(engine, w, steps, profile, report, sections) for w in widths]
             gaps = [device_gaps(engine, w, steps) for w in widths] if engine.device.type == "cuda" else []
         finally:
             gc.unfreeze()
@@ -271,6 +345,13 @@ def table(report: dict) -> list[str]:
             f"{r['host_us_per_seq']:.2f} | {r['host_cpu_us_per_step']:.0f} | {r['target_us']:.0f} | "
             f"{'yes' if r['met'] else 'no'} |"
         )
+    for r in report["results"]:
+        if "sections_cpu_us" in r:
+            parts = ", ".join(f"{label} {us:.0f}" for label, us in r["sections_cpu_us"].items())
+            lines += [
+                "",
+                f"width {r['width']}, thread CPU us a step by part (nested parts in their parent): {parts}",
+            ]
     if report["gaps"]:
         lines += [
             "",
@@ -305,6 +386,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--profile", action="store_true", help="cProfile the last round of each width")
     ap.add_argument(
+        "--sections", action="store_true", help="one more round of each width: thread CPU by part of the step"
+    )
+    ap.add_argument(
         "--attention",
         default="auto",
         help="the engine's attention_backend (triton on the CPU: TRITON_INTERPRET=1, its host work only)",
@@ -325,7 +409,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     widths = [int(w) for w in args.widths.split(",")]
     report = measure_widths(
-        widths, args.steps, args.device, args.profile, args.attention, args.text, args.report
+        widths, args.steps, args.device, args.profile, args.attention, args.text, args.report, args.sections
     )
     print("\n".join(table(report)))
     if args.json:

@@ -56,8 +56,9 @@ def test_step_deltas_say_row_for_row_what_step_says(make_cpu_engine):
     plain = make_cpu_engine().generate(
         prompts, [SamplingParams(max_tokens=mt, temperature=0, ignore_eos=True) for _, mt, *_ in WORKLOAD]
     )
-    # stop strings cut from a plain run's texts: requests 0, 2 and 4 stop on them mid-way
-    stops = [[out.text[6:8]] if i % 2 == 0 and len(out.text) > 10 else [] for i, out in enumerate(plain)]
+    # stop strings cut from near the ends of a plain run's texts: requests 0, 2 and 4 stop on them late enough to be
+    # preempted after their first rows (the news of a preemption since a first row is checked below)
+    stops = [[out.text[-6:-4]] if i % 2 == 0 and len(out.text) > 10 else [] for i, out in enumerate(plain)]
     outputs_engine, deltas_engine = small_engine(make_cpu_engine), small_engine(make_cpu_engine)
     outputs = drive(outputs_engine, outputs_engine.step, stops)
     deltas = drive(deltas_engine, deltas_engine.step_deltas, stops)
@@ -68,6 +69,7 @@ def test_step_deltas_say_row_for_row_what_step_says(make_cpu_engine):
 
     sent: dict[str, tuple[int, int]] = {}  # request -> (tokens, characters) reported so far
     facts: dict[str, tuple[int, bool]] = {}
+    later_news = 0  # news of a request after its first row (a preemption since)
     for outs, step in zip(outputs, deltas, strict=True):
         assert step.request_ids == [o.request_id for o in outs]
         assert step.token_ids == [o.token_ids for o in outs]
@@ -88,11 +90,13 @@ def test_step_deltas_say_row_for_row_what_step_says(make_cpu_engine):
                 n = news.pop(o.request_id)
                 assert (n.num_preemptions, n.first_token_time is not None) == now
                 first = o.request_id not in facts
+                later_news += not first
                 assert n.prompt_token_ids == (o.prompt_token_ids if first else None)
                 assert n.prompt_logprobs == (o.prompt_logprobs if first else None)
                 facts[o.request_id] = now
         assert news == {}
     assert any(n for n, _ in facts.values())  # some request's news told of its preemption
+    assert later_news  # ... and some after the request's first row
 
 
 def test_an_aborted_request_is_reported_once_by_the_next_step(make_cpu_engine):
