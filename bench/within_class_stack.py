@@ -157,14 +157,14 @@ def tenant_keys(stack, past: dict[str, list[int]]) -> dict[str, str]:
     in the jobs it stores (the predictor reads a tenant's jobs on the job's model only: history rows with no
     model, as this wrote them before, were invisible to it, and the stack ran the policy without them)."""
     from jobstore.jobs import create_job
-    from jobstore.keys import create_key, tenant_for_key
+    from jobstore.keys import create_key, hash_key, tenant_for_key_hash
 
     keys = {}
     ago = datetime.now(timezone.utc) - timedelta(hours=1)
     with stack.client.sessions.begin() as s:
         for tenant, lengths in past.items():
             keys[tenant] = create_key(s, tenant)
-            tenant_id = tenant_for_key(s, keys[tenant]).id
+            tenant_id = tenant_for_key_hash(s, hash_key(keys[tenant])).id
             for i, n in enumerate(lengths):
                 request = dict(
                     prompt="past", input_ids=None, max_tokens=MAX_TOKENS, temperature=0.0, top_p=1.0, top_k=0,
