@@ -280,7 +280,8 @@ def test_two_models_on_two_workers(settings, sessions, new_key, tmp_path, small_
         small_prompt = ended[backlog_ids[1]]["usage"]["prompt_tokens"]
         assert tiny_prompt == len(prompt.encode()) + 3 and small_prompt < tiny_prompt
 
-        # --- one Batch API file mixing both models (and a line naming none: the default)
+        # --- one Batch API file mixing both models (and a line naming none: the default; one naming a model
+        # nobody serves, last, which fails alone)
         batch_lines = [
             ("tiny-llama", "In a hole"),
             (SMALL, "In a hole"),
@@ -298,7 +299,7 @@ def test_two_models_on_two_workers(settings, sessions, new_key, tmp_path, small_
                 }
             ).encode()
             + b"\n"
-            for i, (model, text) in enumerate(batch_lines)
+            for i, (model, text) in enumerate([*batch_lines, ("nope", "the ground")])
         )
         upload = client.post(
             "/v1/files",
@@ -325,9 +326,15 @@ def test_two_models_on_two_workers(settings, sessions, new_key, tmp_path, small_
             120,
             "the mixed batch",
         )
+        assert done_batch["request_counts"] == {"total": 5, "completed": 4, "failed": 1}, done_batch
+        assert done_batch["model"] is None  # its runnable lines run on two models
         output = client.get(f"/v1/files/{done_batch['output_file_id']}/content", headers=headers)
         answered = [json.loads(item) for item in output.data.decode().splitlines()]
         assert [a["custom_id"] for a in answered] == ["b0", "b1", "b2", "b3"]
+        errors = client.get(f"/v1/files/{done_batch['error_file_id']}/content", headers=headers)
+        [refused] = [json.loads(item) for item in errors.data.decode().splitlines()]
+        assert refused["custom_id"] == "b4" and refused["response"]["status_code"] == 404, refused
+        assert refused["error"]["code"] == "model_not_found" and f"`{SMALL}`" in refused["error"]["message"]
         batch_jobs = [job(a["response"]["request_id"]) for a in answered]
         for a, j, (model, _) in zip(answered, batch_jobs, batch_lines, strict=True):
             name = model or "tiny-llama"
