@@ -148,6 +148,10 @@ def test_workers_take_a_gpu_and_scale_on_the_queue_depth(objects):
     (trigger,) = scaled["triggers"]
     assert trigger["type"] == "prometheus" and "genq_queue_depth" in trigger["metadata"]["query"]
     assert "genq_queue_depth" in exported_metrics()
+    # only its own model's queue: another model's backlog starts no worker of this one (issue 40)
+    config = objects[("ConfigMap", "genq")]["data"]
+    served = config.get("MODEL_NAME") or config["MODEL"]
+    assert f'genq_queue_depth{{model="{served}"}}' in trigger["metadata"]["query"]
     mounts = {m["mountPath"] for m in worker["volumeMounts"]}
     assert "/home/genq/.cache/triton" in mounts
 
