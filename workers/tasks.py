@@ -13,6 +13,7 @@ does not consume it (it would take one message per task thread, with kombu's boo
 from __future__ import annotations
 
 import logging
+import multiprocessing.util
 import os
 import signal
 import socket
@@ -44,6 +45,7 @@ _lock = threading.Lock()
 _host: EngineHost | None = None
 _book: JobBook | None = None
 _intake: Intake | None = None
+_engine_stopped = False  # _stop_engine ran (a warm shutdown, or the process exiting)
 _announcer: Announcer | None = None
 # this worker's model's queue (`generate` for the fleet's default model, else `generate.<MODEL_NAME>`): its
 # intake takes it, and its hand-backs go back to it. `-Q generate` or `-Q <this queue>` gives it to the intake
@@ -85,6 +87,10 @@ def engine_host() -> EngineHost:
             config = EngineConfig(**settings.engine_options())
             log.info("building the engine (worker %s): %s", WORKER_ID, config)
             _host = EngineHost(config, threads=settings.engine_thread_count(), on_give_up=_shut_down).start()
+            # Celery sends worker_shutdown on a warm shutdown only: after a cold one (SIGQUIT) the interpreter's
+            # exit waited for the engine process for good. multiprocessing's exit runs finalizers of priority
+            # >= 0 before it joins the child processes.
+            multiprocessing.util.Finalize(None, _stop_engine, exitpriority=10)
         return _host
 
 
@@ -180,6 +186,13 @@ def _hand_back_held_jobs(**_) -> None:
 
 @worker_shutdown.connect
 def _stop_engine(**_) -> None:
+    """Wait for the job book's hand-backs, then stop the engine process; once, on whichever comes first of a
+    warm shutdown's worker_shutdown and the process's exit."""
+    global _engine_stopped
+    with _lock:
+        if _engine_stopped:
+            return
+        _engine_stopped = True
     if _book is not None:
         _book.join(timeout=30)
     if _host is not None:

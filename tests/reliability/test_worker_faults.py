@@ -271,3 +271,43 @@ def test_a_dead_engine_process_hands_its_jobs_back_and_a_new_one_finishes_them(
         "tokens_kept": sum(int(n) for _, n in lost),
         "all_done_after_kill_s": round(finished_s, 2),
     }
+
+
+def test_a_cold_shutdown_stops_the_engine_process_and_exits(settings, sessions, new_key, api, make_worker):
+    """SIGQUIT (Celery's cold shutdown: running jobs are not waited for) while jobs decode: the worker stops its
+    engine process and exits within seconds (Celery sends worker_shutdown on a warm shutdown only; before, the
+    interpreter's exit waited for the engine process for good), and the jobs it held are not lost: they are
+    handed back with their tokens, and another worker finishes them, each once."""
+    st = stack_settings(settings, lease_seconds=60.0, progress_interval=0.2, max_num_seqs=4)
+    client, headers = api(st), {"Authorization": f"Bearer {new_key()}"}
+    worker = make_worker(st, concurrency=4)
+    worker.start()
+    engine = worker.engine_stats(client.application.extensions["genq"].celery)["engine_pid"]
+    ids = submit(client, headers, bodies(4, 0, max_tokens=LONG_JOB_TOKENS))
+    wait_for(
+        lambda: sum(bool(r["tokens"]) for r in job_rows(sessions, ids).values()) >= 2, 60, "2 jobs decoding"
+    )
+    started = time.monotonic()
+    worker.proc.send_signal(signal.SIGQUIT)
+    worker.proc.wait(30)  # raises TimeoutExpired if the exit waits for the engine process
+    exited_s = time.monotonic() - started
+
+    def engine_gone() -> bool:  # not left behind (once its parent is gone, init reaps it)
+        try:
+            os.kill(engine, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_for(engine_gone, 10, "the engine process gone")
+    assert exited_s < 20, exited_s
+    worker.start()
+    done = wait_for(
+        lambda: (
+            (rows := job_rows(sessions, ids)) and all(r["status"] in FINISHED for r in rows.values()) and rows
+        ),
+        240,
+        "all jobs finished by the next worker",
+    )
+    assert all(r["status"] == "succeeded" for r in done.values()), (done, worker.log_text())
+    assert sum(succeeded_lines(worker.log_text(), i) > 1 for i in ids) == 0
