@@ -1,29 +1,21 @@
 #!/usr/bin/env bash
-# `make test`: the whole suite in two phases, on a machine of any size.
-# 1. The engine's tests (tests/batching: CPU-bound, deterministic, no timing) as two pytest sessions side by
-#    side, each with one torch thread (a tiny model's products gain little from a second thread; two
-#    sessions keep both cores busy). Each session has its own database and Redis prefix (tests/conftest.py).
-# 2. Everything else as two pytest-xdist workers, a test file at a time each (`--dist loadfile`: a file's
-#    worker stacks and servers stay in one session), one torch thread per process. The service tests mostly
-#    wait on workers, leases and outages; one torch thread keeps a test's offline engine from spinning
-#    against the workers' (two OpenMP threads on a busy 2-core machine ran 9x slower than one).
-# Exit status: non-zero if any session failed; every session's summary is printed.
+# `make test`: the whole suite in two phases, each as two pytest-xdist sessions, one torch thread per process.
+# 1. The engine's tests (tests/batching: CPU-bound, deterministic, no timing), test by test (`--dist load`): two
+#    sessions keep both cores busy, and a tiny model's products gain little from a second thread.
+# 2. Everything else, a test file at a time each (`--dist loadfile`: a file's worker stacks and servers stay in
+#    one session). The service tests mostly wait on workers, leases and outages, so two sessions roughly halve
+#    the phase. One torch thread keeps a test's offline engine from spinning against the workers' (two OpenMP
+#    threads on a busy 2-core machine ran 9x slower than one); the workers default to cores - 1 threads.
+# Each session has its own database and Redis prefix (tests/conftest.py). GENQ_TEST_WORKERS: sessions a phase.
+# Exit status: non-zero if either phase failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTEST=${PYTEST:-.venv/bin/pytest}
-SHARDS=${GENQ_ENGINE_SHARDS:-2}
-logs=$(mktemp -d)
-pids=()
-for ((i = 0; i < SHARDS; i++)); do
-    GENQ_TEST_SHARD="$i/$SHARDS" OMP_NUM_THREADS=1 "$PYTEST" -q tests/batching "$@" > "$logs/engine-$i.log" 2>&1 &
-    pids+=($!)
-done
+WORKERS=${GENQ_TEST_WORKERS:-2}
+export OMP_NUM_THREADS=1
 status=0
-for ((i = 0; i < SHARDS; i++)); do
-    wait "${pids[$i]}" || status=1
-    echo "=== tests/batching, shard $i of $SHARDS ==="
-    cat "$logs/engine-$i.log"
-done
-OMP_NUM_THREADS=1 "$PYTEST" -q -n "${GENQ_SERVICE_WORKERS:-2}" --dist loadfile tests --ignore=tests/batching "$@" || status=1
-rm -rf "$logs"
+echo "=== the engine's tests (tests/batching) ==="
+"$PYTEST" -q -n "$WORKERS" --dist load tests/batching "$@" || status=1
+echo "=== the service tests (everything else) ==="
+"$PYTEST" -q -n "$WORKERS" --dist loadfile tests --ignore=tests/batching "$@" || status=1
 exit $status

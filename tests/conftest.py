@@ -233,17 +233,3 @@ def gunicorn_conf() -> dict:
 
     with mock.patch.dict(os.environ):
         return runpy.run_path(str(ROOT / "gunicorn.conf.py"))
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """GENQ_TEST_SHARD=i/n keeps every n-th collected test from the i-th (0-based): `scripts/run_tests.sh` runs the
-    engine's tests (CPU-bound, one torch thread each) as two such sessions side by side."""
-    shard = os.environ.get("GENQ_TEST_SHARD")
-    if not shard:
-        return
-    index, count = (int(part) for part in shard.split("/"))
-    if not 0 <= index < count:
-        raise pytest.UsageError(f"GENQ_TEST_SHARD={shard}: expected i/n with 0 <= i < n")
-    kept = items[index::count]
-    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % count != index])
-    items[:] = kept
