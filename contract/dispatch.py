@@ -207,8 +207,12 @@ def peek_head(
 
 
 # Takes the messages naming ARGV[2..] (job ids) from among the ARGV[1] messages at the head of KEYS[1]; returns
-# the ids of those taken (a message another worker took meanwhile is not there any more).
+# the ids of those taken (a message another worker took meanwhile is not there any more). Takes nothing while any
+# of KEYS[2..] (more urgent lists) holds a message: one sent since the caller looked goes first.
 _TAKE = r"""
+for i = 2, #KEYS do
+  if redis.call('LLEN', KEYS[i]) > 0 then return {} end
+end
 local wanted = {}
 for i = 2, #ARGV do wanted[ARGV[i]] = true end
 local taken = {}
@@ -231,15 +235,18 @@ def take_jobs(
     job_ids: Iterable[uuid.UUID],
     window: int,
     queue: str = QUEUE,
+    more_urgent: Iterable[int] = (),
 ) -> list[tuple[uuid.UUID, int]]:
     """Take the messages naming `job_ids` from among the `window` messages at the head of `priority`'s list,
     wherever they stand there (a worker ordering the waiting jobs of a class: workers/queue_order.py), in one
     script, so two workers never take the same message. (job id, priority) of each taken, in the order of
-    `job_ids`; one taken by another worker meanwhile is left out. The messages left keep their order."""
+    `job_ids`; one taken by another worker meanwhile is left out. The messages left keep their order. Nothing
+    is taken while a list of `more_urgent` priorities holds a message (sent since the caller looked)."""
     wanted = [str(job_id) for job_id in job_ids]
     if not wanted:
         return []
-    taken = {i.decode() for i in client.eval(_TAKE, 1, queue_key(settings, queue, priority), window, *wanted)}
+    keys = [queue_key(settings, queue, p) for p in (priority, *more_urgent)]
+    taken = {i.decode() for i in client.eval(_TAKE, len(keys), *keys, window, *wanted)}
     return [(uuid.UUID(job_id), priority) for job_id in wanted if job_id in taken]
 
 

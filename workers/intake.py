@@ -149,13 +149,18 @@ class Intake:
         if head is None:  # every list empty: the first message to come is the one to take
             return take_messages(self._redis, self._settings, priorities, count, wait, self.queue)
         priority, length, named = head
+        # a message sent to a more urgent list since the look goes first: the head's take takes it instead, the
+        # chosen jobs' take takes nothing (and the next pass looks again)
+        more_urgent = [p for p in priorities if p < priority]
         known = [job_id for job_id in named if job_id is not None]
         chosen = self._order.choose(known, count) if length > count and len(known) == len(named) else None
         if chosen is None:  # all of it fits, a message names no job, or no costs: the head
-            taken = take_messages(self._redis, self._settings, [priority], count, None, self.queue)
+            taken = take_messages(
+                self._redis, self._settings, [*more_urgent, priority], count, None, self.queue
+            )
             self._order.forget(job_id for job_id, _ in taken)
             return taken
-        return list(take_jobs(self._redis, self._settings, priority, chosen, WINDOW, self.queue))
+        return list(take_jobs(self._redis, self._settings, priority, chosen, WINDOW, self.queue, more_urgent))
 
     def _plan(self) -> tuple[range, int, float | None] | None:
         """(lock held) What to take now: (priorities whose lists to look at, how many messages at most, how long

@@ -225,3 +225,25 @@ def test_a_window_at_the_head_is_seen_without_taking_and_any_of_it_taken_where_i
         sender.close()
         app.close()
         redis_client.delete(*(queue_key(settings, QUEUE, p) for p in PRIORITIES))
+
+
+def test_a_take_planned_from_a_look_yields_to_a_more_urgent_message_sent_since(settings, redis_client):
+    """The intake looks (peek_head), then takes what it chose from the list it saw. A message sent meanwhile to a
+    more urgent list goes first: take_jobs with `more_urgent` takes nothing while one waits there, and the head's
+    take over the more urgent lists and the seen one takes the urgent message."""
+    settings = settings.replace(redis_key_prefix=f"{settings.redis_key_prefix}race-{uuid.uuid4().hex[:6]}:")
+    app = make_celery(settings)
+    try:
+        fives = [uuid.uuid4() for _ in range(3)]
+        for job_id in fives:
+            send_job(app, job_id, 5)
+        assert peek_head(redis_client, settings, PRIORITIES, 4) == (5, 3, fives)  # the look
+        urgent = uuid.uuid4()
+        send_job(app, urgent, 0)  # sent after the look
+        assert take_jobs(redis_client, settings, 5, [fives[1]], 4, more_urgent=range(5)) == []
+        assert take_messages(redis_client, settings, [*range(5), 5], 2, wait=None) == [(urgent, 0)]
+        assert take_jobs(redis_client, settings, 5, [fives[1]], 4, more_urgent=range(5)) == [(fives[1], 5)]
+        assert take_jobs(redis_client, settings, 5, [fives[2]], 4) == [(fives[2], 5)]  # none asked about
+    finally:
+        app.close()
+        redis_client.delete(*(queue_key(settings, QUEUE, p) for p in PRIORITIES))
