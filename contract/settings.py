@@ -122,8 +122,10 @@ class WorkerSettings(StoreSettings):
     # Not worse than fcfs on mean or deadlines in any round, throughput within 3%: the default.
     # preemptive: predicted, and within a class a running job that has made more tokens yields its slot to a waiting
     # one (least attained service, batching/scheduler.py; its KV swapped to host memory, resumed, never recomputed);
-    # the worker holds 3x max_num_seqs jobs so that short ones reach the engine (worker_capacity). The ideal worker
-    # on issue 44's workload: mean 0.43x fcfs (8 seeds, 0.34-0.57x), p99 0.92-1.09x (bench/within_class_model.py)
+    # the worker holds 3x max_num_seqs jobs so that short ones reach the engine (worker_capacity). Issue 44's
+    # workload through the stack, the three policies at once, loaded (bench/RESULTS.md, 2026-11-27 10:32 and 10:40):
+    # preemptive / fcfs mean 0.54x and 0.34x, p99 1.22x and 0.94x, throughput 0.98x and 1.11x (predicted 0.70x and
+    # 0.61x in the same runs); not the default yet: the service tests have not run under it
     scheduling_policy: Literal["fcfs", "predicted", "preemptive"] = "predicted"
     # aging, under predicted: no job is overtaken by one of its priority arriving more than this many seconds later
     scheduling_aging_seconds: float = Field(30.0, ge=0)
