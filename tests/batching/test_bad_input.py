@@ -186,7 +186,7 @@ def test_stop_as_a_single_string_is_accepted():
         (dict(trust_remote_code="no"), r"trust_remote_code must be True or False"),
         (
             dict(scheduling_policy="sjf"),
-            r"scheduling_policy must be one of \('fcfs', 'predicted'\), got 'sjf'",
+            r"scheduling_policy must be one of \('fcfs', 'predicted', 'preemptive'\), got 'sjf'",
         ),
         (dict(aging_seconds=-1), r"aging_seconds must be a finite number of seconds >= 0, got -1"),
         (dict(cost_seconds_per_token=float("inf")), r"cost_seconds_per_token must be a finite number"),
