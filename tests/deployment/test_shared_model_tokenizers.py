@@ -11,15 +11,12 @@ it on first use, as before, finds nothing to load).
 from __future__ import annotations
 
 import shutil
-import subprocess
-import tempfile
-import time
 
 import requests
 
 from batching.tokenizer import byte_level_tokenizer
-from tests.conftest import BIN, ROOT, free_port, settings_env
-from tests.deployment.test_shared_tokenizer import _tail, workers_of
+from tests.conftest import settings_env
+from tests.deployment.test_shared_tokenizer import _tail, gunicorn_arbiter
 from tests.webapi.test_named_model import MERGES
 
 PROMPTS = [f"On the {i}th day, the heron went on." for i in range(24)]
@@ -29,36 +26,11 @@ def test_the_arbiter_loads_every_configured_models_tokenizer_once(settings, data
     wide = tmp_path / "wide"
     tokenizer = byte_level_tokenizer(MERGES)
     tokenizer.save_pretrained(wide)
-    port, workers = free_port(), 2
+    workers = 2
     env = {**settings_env(settings), "API_ACCESS_LOG": "", "SERVED_MODELS": f"wide={wide}"}
     env["API_SHARED_TOKENIZER"] = "true"
-    with tempfile.TemporaryFile() as log:
-        arbiter = subprocess.Popen(
-            [
-                BIN / "gunicorn",
-                "--bind",
-                f"127.0.0.1:{port}",
-                "--workers",
-                str(workers),
-                "webapi:create_app()",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-        )
+    with gunicorn_arbiter(env, workers) as (url, arbiter, log):
         try:
-            url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-            while True:
-                assert arbiter.poll() is None and time.monotonic() < deadline, _tail(log)
-                try:
-                    if requests.get(f"{url}/healthz", timeout=5).status_code == 200:
-                        break
-                except requests.RequestException:
-                    time.sleep(0.1)
-            while len(workers_of(arbiter.pid)) < workers:
-                assert time.monotonic() < deadline, _tail(log)
-                time.sleep(0.1)
             shutil.rmtree(wide)  # from now on, a worker loading `wide`'s tokenizer itself finds nothing
             headers = {"Authorization": f"Bearer {new_key()}"}
             for prompt in PROMPTS:  # a new connection each: gunicorn spreads them over its workers

@@ -11,7 +11,10 @@ from __future__ import annotations
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import pytest
 import requests
@@ -33,8 +36,34 @@ def maps_tokenizers(pid: int) -> bool:
 
 @pytest.mark.parametrize("shared", [True, False])
 def test_the_arbiter_loads_the_tokenizer_once_for_its_workers(settings, database, new_key, shared):
-    port, workers = free_port(), 3
+    workers = 3
     env = {**settings_env(settings), "API_ACCESS_LOG": "", "API_SHARED_TOKENIZER": str(shared).lower()}
+    with gunicorn_arbiter(env, workers) as (url, arbiter, log):
+        try:
+            # the tokenizer was made in the arbiter (shared), or only in the workers
+            assert maps_tokenizers(arbiter.pid) is shared, _tail(log)
+            headers = {"Authorization": f"Bearer {new_key()}"}
+            tokenizer = load_tokenizer(settings.model)
+            for prompt in PROMPTS:  # a new connection each: gunicorn spreads them over its workers
+                r = requests.post(f"{url}/tokenize", json={"prompt": prompt}, headers=headers, timeout=10)
+                assert r.status_code == 200, r.text
+                assert r.json()["tokens"] == tokenizer(prompt)["input_ids"]
+        finally:
+            arbiter.terminate()
+            arbiter.wait(timeout=30)
+        text = _tail(log, 100_000)
+    assert arbiter.returncode == 0, text
+    # tokenizers warns in a child forked after the parent used its thread pool, and turns parallelism off there
+    assert "after parallelism has already been used" not in text, text
+    assert "MonkeyPatchWarning" not in text, text
+    assert ("loaded once for the workers" in text) is shared, text
+
+
+@contextmanager
+def gunicorn_arbiter(env: dict, workers: int) -> Iterator[tuple[str, subprocess.Popen, IO[bytes]]]:
+    """`gunicorn "webapi:create_app()"` with `workers` worker processes on a free port, its stderr in a temporary
+    file: (its URL, the arbiter, the log) once it answers /healthz and every worker is forked."""
+    port = free_port()
     with tempfile.TemporaryFile() as log:
         arbiter = subprocess.Popen(
             [
@@ -62,23 +91,11 @@ def test_the_arbiter_loads_the_tokenizer_once_for_its_workers(settings, database
             while len(workers_of(arbiter.pid)) < workers:
                 assert time.monotonic() < deadline, _tail(log)
                 time.sleep(0.1)
-            # the tokenizer was made in the arbiter (shared), or only in the workers
-            assert maps_tokenizers(arbiter.pid) is shared, _tail(log)
-            headers = {"Authorization": f"Bearer {new_key()}"}
-            tokenizer = load_tokenizer(settings.model)
-            for prompt in PROMPTS:  # a new connection each: gunicorn spreads them over its workers
-                r = requests.post(f"{url}/tokenize", json={"prompt": prompt}, headers=headers, timeout=10)
-                assert r.status_code == 200, r.text
-                assert r.json()["tokens"] == tokenizer(prompt)["input_ids"]
+            yield url, arbiter, log
         finally:
-            arbiter.terminate()
-            arbiter.wait(timeout=30)
-        text = _tail(log, 100_000)
-    assert arbiter.returncode == 0, text
-    # tokenizers warns in a child forked after the parent used its thread pool, and turns parallelism off there
-    assert "after parallelism has already been used" not in text, text
-    assert "MonkeyPatchWarning" not in text, text
-    assert ("loaded once for the workers" in text) is shared, text
+            if arbiter.poll() is None:
+                arbiter.kill()
+                arbiter.wait()
 
 
 def _tail(log, size: int = 3000) -> str:
