@@ -35,20 +35,25 @@ class Detokenizer:
         self._single: dict[bool, dict[int, str]] = {False: {}, True: {}}
         self._whole: dict[bool, dict[int, str]] = {False: {}, True: {}}
 
-    def __call__(self, seqs: Seq[Sequence]) -> None:
-        """Append to each sequence's text what its tokens past read_offset add (appended already)."""
+    def __call__(self, seqs: Seq[Sequence] | Seq[OutputText]) -> None:
+        """Append to each sequence's text what its tokens past read_offset add (appended already); a sequence
+        whose params say detokenize=False is left as it is."""
         if self.tokenizer is None or not seqs:
             return
         if self.backend is None:
             for seq in seqs:
-                self._one(seq)
+                if seq.params.detokenize:
+                    self._one(seq)
             return
         # one pass, every step's sequences: the loop below is the engine's per-token cost, kept flat
         decode, singles, wholes, byte_level = self.backend.decode, self._single, self._whole, self.byte_level
         for seq in seqs:
+            p = seq.params
+            if not p.detokenize:  # its text is made elsewhere, from its token ids (OutputText)
+                continue
             ids = seq.token_ids
             start, read = seq.prefix_offset, seq.read_offset
-            skip = seq.params.skip_special_tokens
+            skip = p.skip_special_tokens
             if byte_level and read - start == 1 and len(ids) == read + 1:
                 # the common window: the last step's token a (known) and this one's, b. Byte-level, a's text
                 # without U+FFFD is whole characters, so the window's is a's text + b's: b's from the table
@@ -96,13 +101,13 @@ class Detokenizer:
             self._whole[skip][token] = text
         return text
 
-    def _one(self, seq: Sequence) -> None:
+    def _one(self, seq: Sequence | OutputText) -> None:
         ids, skip, decode = seq.token_ids, seq.params.skip_special_tokens, self.tokenizer.decode
         prefix = decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
         _advance(seq, prefix, decode(ids[seq.prefix_offset :], skip_special_tokens=skip))
 
 
-def _advance(seq: Sequence, prefix: str, full: str) -> None:
+def _advance(seq: Sequence | OutputText, prefix: str, full: str) -> None:
     """What the window's text `full` adds beyond its known part `prefix` joins the sequence's text, and the
     window moves on; unless it ends mid-character (it waits for the next token)."""
     if len(full) > len(prefix) and not full.endswith("\ufffd"):
@@ -144,3 +149,37 @@ def _rust_backend(tokenizer):
     ):
         return backend
     return None
+
+
+class OutputText:
+    """One request's text made outside the engine, from the rows the engine reports of it (step_deltas's, with
+    SamplingParams(detokenize=False): token ids, no text): the same text, row for row, as the engine would
+    have made and reported, because it is made by the same Detokenizer, called at the same points.
+
+    The engine detokenizes a sequence once per step in which it got a sampled token (stopping.py), after
+    appending it: `take` does the same with each row. A row that carries tokens but no sampled one of this
+    step (an abort: its tokens, if any, are resumed ones never reported) makes no text, and neither does the
+    token that ended the request with "stop" (an end of sequence or stop token id: no text unless
+    include_stop_str_in_output). That last rule needs "stop" to mean a stop token: a request with stop strings
+    or a grammar (json_schema, which stops after a token with text) keeps its text in the engine. Without
+    stop strings nothing is held back, so each row's text is all that is new (as step_deltas.report's).
+
+    The window's offsets count output tokens (the engine's count prompt + output: the window starts after the
+    prompt either way), so no prompt is needed; a resumed request's first row holds its resumed tokens too and
+    the text of all of them, as the engine's does."""
+
+    __slots__ = ("params", "token_ids", "prefix_offset", "read_offset", "text")
+
+    def __init__(self, params):
+        self.params = params  # its SamplingParams as the caller made them (detokenize True)
+        self.token_ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+        self.text = ""
+
+    def take(self, token_ids: list[int], finish_reason: str | None) -> bool:
+        """Append a row's tokens; whether the engine would have detokenized after them (then call the
+        Detokenizer with it, once per step, with the step's others)."""
+        self.token_ids += token_ids
+        if finish_reason is None or finish_reason == "length":
+            return bool(token_ids)
+        return finish_reason == "stop" and self.params.include_stop_str_in_output

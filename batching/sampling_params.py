@@ -34,6 +34,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # vLLM's: False keeps special tokens (BOS, EOS, chat markers) in the text
     skip_special_tokens: bool = True
+    # vLLM's: False makes no text in the engine (RequestOutput.text stays ""; token ids only), for a consumer
+    # that makes the text itself from the token ids (workers/engine_host.py, with detokenizer.OutputText).
+    # Stop strings read the text, so they need it
+    detokenize: bool = True
     # log probabilities (batching/logprobs.py): of each output token and its `logprobs` most likely
     # alternatives (0: the token's alone); of each prompt token but the first, with `prompt_logprobs`
     logprobs: int | None = None
@@ -101,9 +105,11 @@ class SamplingParams:
             raise ValueError(
                 f"json_schema must be None or a JSON string, got {type(self.json_schema).__name__}"
             )
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need the text: detokenize must be true when stop is set")
         if self.output_kind not in ("cumulative", "delta"):
             raise ValueError(f"output_kind must be 'cumulative' or 'delta', got {self.output_kind!r}")
 

@@ -33,6 +33,8 @@ from concurrent.futures import Future
 from datetime import datetime, timezone
 
 from batching import EngineConfig, SamplingParams
+from batching.detokenizer import Detokenizer, OutputText
+from batching.tokenizer import load_tokenizer
 from contract.deltas import Delta, Gap, Transcript
 from workers import engine_process, metrics
 from workers.engine_protocol import (
@@ -77,6 +79,7 @@ class EngineRequest:
         "num_preemptions",
         "updated",
         "error",
+        "made_text",
     )
 
     def __init__(self, request_id: str, priority: int, transcript: Transcript | None = None):
@@ -90,6 +93,8 @@ class EngineRequest:
         self.num_preemptions = 0
         self.updated = False  # the engine reported on it at least once
         self.error: Exception | None = None
+        # its text as made in this process from the engine's token ids (None: the engine makes it)
+        self.made_text: OutputText | None = None
 
     def apply(self, delta: Delta, news: RequestNews | None) -> Delta | None:
         """A step's delta, trimmed to what this request lacked (None: nothing new), and its news, if any."""
@@ -120,6 +125,7 @@ class EngineHost:
         on_give_up: Callable[[], None] | None = None,
         max_losses: int = 3,
         loss_window: float = 300.0,
+        text_in_worker: bool = True,
     ):
         self.config = config  # the engine's own (resolved) config once it is built
         self.info: dict = {}  # device, dtype, KV blocks, attention path, CUDA graphs (for logs and stats)
@@ -130,6 +136,11 @@ class EngineHost:
         self.on_step: Callable[[list[tuple[EngineRequest, Delta]]], None] | None = None
         self.on_end: Callable[[EngineRequest], None] = lambda request: None  # finished, or failed: `error`
         self._on_give_up, self._max_losses, self._loss_window = on_give_up, max_losses, loss_window
+        # the text of requests whose text the engine does not need (no stop strings, no grammar) is made here,
+        # by the reader thread, from the token ids each step reports: off the engine's step (None: in the
+        # engine, every request's; also when this process cannot load the model's tokenizer)
+        self._text_in_worker = text_in_worker
+        self._detokenize: Detokenizer | None = None
         self._lock = threading.Condition()
         self._requests: dict[str, EngineRequest] = {}  # in the engine (or on their way)
         self._commands = None  # the pipe to the engine process; None while it (re)starts
@@ -186,6 +197,13 @@ class EngineHost:
         if stopped:
             self._fail([request], HostStopped("the engine is stopping or cannot run"))
             return
+        in_worker = (
+            self._detokenize is not None
+            and params.detokenize
+            and not params.stop
+            and params.json_schema is None
+        )
+        request.made_text = OutputText(params) if in_worker else None
         add = AddRequest(
             request.request_id,
             prompt,
@@ -195,6 +213,7 @@ class EngineHost:
             arrival_time,
             predicted_output_tokens,
             deadline,
+            in_worker,
         )
         self._command(add, request)
 
@@ -345,6 +364,8 @@ class EngineHost:
             process.join(5)
             return process, events, commands, message.error
         self.config, self.info = message.config, message.info
+        if self._text_in_worker and self._detokenize is None:
+            self._detokenize = _detokenizer(self.config)
         metrics.set_attention_path(self.info["attention"])
         log.info("engine process %d ready: %s", process.pid, self.describe())
         return process, events, commands, None
@@ -383,10 +404,12 @@ class EngineHost:
         ended, tokens, added = [], [], []
         news = report.news
         with self._lock:
-            for request_id, delta in report.deltas():
-                request = self._requests.get(request_id)
-                if request is None:
-                    continue
+            get = self._requests.get
+            rows = [(r, delta) for request_id, delta in report.deltas() if (r := get(request_id)) is not None]
+            if self._detokenize is not None:
+                rows = self._make_text(rows)
+            for request, delta in rows:
+                request_id = request.request_id
                 new = request.apply(delta, news.get(request_id) if news else None)
                 if new is not None:
                     added.append((request, new))
@@ -400,6 +423,26 @@ class EngineHost:
         for request in ended:
             self.on_end(request)
         metrics.observe_steps(report.stats, (report.step_time,), tokens)
+
+    def _make_text(self, rows: list[tuple[EngineRequest, Delta]]) -> list[tuple[EngineRequest, Delta]]:
+        """The step's rows with the text of the requests whose text is made here: one Detokenizer pass over
+        them, as the engine's step would have run it (OutputText), each row then all its request's new text."""
+        to_decode, made = [], []
+        for i, (request, delta) in enumerate(rows):
+            text = request.made_text
+            if text is not None:
+                made.append((i, text, len(text.text)))
+                if text.take(delta.token_ids, delta.finish_reason):
+                    to_decode.append(text)
+        if not made:
+            return rows
+        self._detokenize(to_decode)
+        rows = list(rows)
+        for i, text, start in made:
+            request, delta = rows[i]
+            # delta._replace(text_start=start, text=...), built in C
+            rows[i] = (request, tuple.__new__(Delta, (*delta[:2], start, text.text[start:], *delta[4:])))
+        return rows
 
     def _take(self, request_ids) -> list[EngineRequest]:
         with self._lock:
@@ -422,3 +465,16 @@ class EngineHost:
         self._fail(self._take_all(), HostStopped("the engine process cannot run"))
         if self._on_give_up is not None:
             self._on_give_up()
+
+
+def _detokenizer(config: EngineConfig) -> Detokenizer | None:
+    """A Detokenizer of the engine's model's tokenizer (the one the engine decodes with), or None (the engine
+    makes every text) when this process cannot load it, or the model has none."""
+    try:
+        tokenizer = load_tokenizer(config.model, config.revision, config.trust_remote_code)
+    except Exception:  # any failure: the engine makes the text, as before
+        log.warning(
+            "cannot load %s's tokenizer in the worker: the engine makes the text", config.model, exc_info=True
+        )
+        return None
+    return None if tokenizer is None else Detokenizer(tokenizer)

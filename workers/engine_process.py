@@ -139,6 +139,8 @@ def _apply_commands(engine, commands: Connection, events: Connection, block: boo
         match commands.recv():
             case AddRequest() as add:
                 add.params.output_kind = "delta"  # (step_deltas reports every request as deltas anyway)
+                if add.text_in_worker:  # (this process's copy of the params: the worker's keep their text)
+                    add.params.detokenize = False
                 try:
                     engine.add_request(
                         add.request_id,

@@ -55,6 +55,9 @@ class AddRequest(NamedTuple):
     arrival_time: float | None = None
     predicted_output_tokens: int | None = None
     deadline: float | None = None
+    # the worker makes its text from the reported token ids (batching.detokenizer.OutputText): the engine
+    # runs it with detokenize=False and reports no text for it
+    text_in_worker: bool = False
 
     @property
     def kind(self) -> Kind:

@@ -121,6 +121,43 @@ def test_outputs_cross_the_process_boundary_whole(host, offline_engine):
     assert requests[1].transcript.finish_reason == "stop"
 
 
+def test_text_made_in_the_worker_is_the_engines(host, offline_engine):
+    """A request without stop strings or a grammar gets its text from the worker, made from the token ids the
+    engine reports (which sends no text for it): the text the engine makes, through broken UTF-8 (sampled
+    bytes), special tokens kept, and stop tokens with and without their text; one with stop strings keeps
+    its text in the engine."""
+    prompts = [f"worker text {i}" for i in range(7)]
+    params = [
+        SamplingParams(
+            max_tokens=48,
+            temperature=1.0,
+            seed=i,
+            skip_special_tokens=i % 2 == 1,
+            stop_token_ids=list(range(100, 150)) if i % 3 == 0 else [],
+            include_stop_str_in_output=i == 3,
+        )
+        for i in range(6)
+    ] + [SamplingParams(max_tokens=20, temperature=0.0, stop=["zz"])]
+    expected = offline_engine.generate(prompts, params)
+    sent: list[str] = []  # the text the engine sent for requests whose text the worker makes
+    make_text = host.host._make_text
+
+    def seen(rows):
+        sent.extend(delta.text for request, delta in rows if request.made_text is not None)
+        return make_text(rows)
+
+    host.host._make_text = seen
+    requests = [host.submit(f"t{i}", p, params[i]) for i, p in enumerate(prompts)]
+    for request, want in zip(requests, expected):
+        assert host.wait(request, 60) and request.error is None
+        got = request.transcript
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    assert [r.made_text is not None for r in requests] == [True] * 6 + [False]
+    assert sent and not any(sent)
+    assert any("\ufffd" in r.transcript.text for r in requests)
+    assert requests[0].transcript.finish_reason == requests[3].transcript.finish_reason == "stop"
+
+
 def test_a_dead_engine_process_loses_its_requests_and_a_new_one_starts(settings):
     submitter = start(settings)
     host = submitter.host
