@@ -1,8 +1,9 @@
 """The engine's own host work per step, outside the model's forward, at several batch widths (issue 38).
 
 A Llama whose forward is nearly free (2 layers, hidden 64, 4 heads, the byte-level tokenizer's 259 ids,
-so every generated token is also detokenized and stop-checked as in real use) runs W sequences of short
-prompts in pure decode, with delta outputs as the worker asks. For each width the bench times a step as
+so every generated token is also stop-checked as in real use) runs W sequences of short prompts in pure
+decode, with delta outputs as the worker asks: with no stop strings, their text made by the worker, not the
+engine (`--detokenize engine`: by the engine, as before the worker made it). For each width the bench times a step as
 the worker's engine process runs it (`--report deltas`, the default: `engine.step_deltas()` and the
 StepReport the process sends, built by workers/engine_process.py's Reporter, not pickled; code from before
 step_deltas: `engine.step()`'s outputs through its Reporter; `--report outputs`: `engine.step()` alone)
@@ -16,6 +17,7 @@ its idle time between one step's work and the next's (issue 38's target: <= 200 
     python bench/host_overhead.py                          # widths 1, 64, 256
     python bench/host_overhead.py --widths 256 --profile   # cProfile of the last round, by cumulative time
     python bench/host_overhead.py --sections               # and the thread CPU by part of the step
+    python bench/host_overhead.py --detokenize engine      # text made in the engine (default: the worker)
 """
 
 from __future__ import annotations
@@ -169,6 +171,19 @@ def stepper(engine: Engine, report: str):
     return lambda: reporter.send(engine.step(), engine.stats())  # the code before step_deltas
 
 
+TEXT_IN = "worker"  # --detokenize
+
+
+def decode_params(max_tokens: int) -> SamplingParams:
+    """Greedy deltas, as the worker asks (workers/engine_process.py); with no stop strings the worker makes
+    the text (SamplingParams(detokenize=False): the engine makes none), unless --detokenize engine, or this
+    engine is older than that switch."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, output_kind="delta")
+    if TEXT_IN == "worker" and hasattr(params, "detokenize"):
+        params.detokenize = False
+    return params
+
+
 def measure(
     engine: Engine,
     width: int,
@@ -181,7 +196,7 @@ def measure(
     `sections`, a fourth run's thread CPU by part of the step, not counted in the figures)."""
     step = stepper(engine, report)
     # deltas, as the worker asks (workers/engine_process.py)
-    params = SamplingParams(max_tokens=steps * 3 + 64, temperature=0, ignore_eos=True, output_kind="delta")
+    params = decode_params(steps * 3 + 64)
     prompts = [[3 + (i * 7 + j) % 250 for j in range(8)] for i in range(width)]
     for i, prompt in enumerate(prompts):
         engine.add_request(f"w{width}-{i}", prompt, params)
@@ -251,7 +266,7 @@ def device_gaps(engine: Engine, width: int, steps: int) -> dict:
     `width` with nothing timed from the host (torch.profiler's kernel records): (span - busy) / steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    params = SamplingParams(max_tokens=steps * 2 + 64, temperature=0, ignore_eos=True, output_kind="delta")
+    params = decode_params(steps * 2 + 64)
     for i in range(width):
         engine.add_request(f"g{i}", [3 + (i * 7 + j) % 250 for j in range(8)], params)
     for _ in range(12):
@@ -323,6 +338,8 @@ def measure_widths(
         device_name=_device_name(engine.device),
         text=text,
         report=report,
+        # where the text was made: this engine's SamplingParams without detokenize (older) makes it itself
+        detokenize=TEXT_IN if hasattr(SamplingParams(), "detokenize") else "engine",
         async_scheduling=engine.async_scheduling,
         torch=torch.__version__,
         results=results,
@@ -334,7 +351,8 @@ def table(report: dict) -> list[str]:
     lines = [
         f"host work outside the forward: {report['device_name']}, async scheduling "
         f"{'on' if report['async_scheduling'] else 'off'}, torch {report['torch']}, "
-        f"{report.get('text', 'bytes')} text, steps reported as {report.get('report', 'outputs')}",
+        f"{report.get('text', 'bytes')} text made by the {report.get('detokenize', 'engine')}, steps reported "
+        f"as {report.get('report', 'outputs')}",
         "",
         "| width | step us | forward us | host us | host us / seq | host CPU us | target us | met |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -405,8 +423,16 @@ def main(argv=None) -> int:
         default="deltas",
         help="what a step reports: the engine process's StepReport (deltas) or engine.step()'s outputs",
     )
+    ap.add_argument(
+        "--detokenize",
+        choices=("worker", "engine"),
+        default="worker",
+        help="where the text is made: in the worker, as it asks for requests without stop strings, or the engine",
+    )
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
+    global TEXT_IN
+    TEXT_IN = args.detokenize
     widths = [int(w) for w in args.widths.split(",")]
     report = measure_widths(
         widths, args.steps, args.device, args.profile, args.attention, args.text, args.report, args.sections

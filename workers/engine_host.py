@@ -403,11 +403,13 @@ class EngineHost:
         lock)."""
         ended, tokens, added = [], [], []
         news = report.news
+        # this thread is the only one that takes requests out of _requests (others add): looked up without the
+        # lock, and their text made before it is taken (the submitting threads wait on it)
+        get = self._requests.get
+        rows = [(r, delta) for request_id, delta in report.deltas() if (r := get(request_id)) is not None]
+        if (detokenize := self._detokenize) is not None:
+            rows = _make_text(rows, detokenize)
         with self._lock:
-            get = self._requests.get
-            rows = [(r, delta) for request_id, delta in report.deltas() if (r := get(request_id)) is not None]
-            if self._detokenize is not None:
-                rows = self._make_text(rows)
             for request, delta in rows:
                 request_id = request.request_id
                 new = request.apply(delta, news.get(request_id) if news else None)
@@ -423,26 +425,6 @@ class EngineHost:
         for request in ended:
             self.on_end(request)
         metrics.observe_steps(report.stats, (report.step_time,), tokens)
-
-    def _make_text(self, rows: list[tuple[EngineRequest, Delta]]) -> list[tuple[EngineRequest, Delta]]:
-        """The step's rows with the text of the requests whose text is made here: one Detokenizer pass over
-        them, as the engine's step would have run it (OutputText), each row then all its request's new text."""
-        to_decode, made = [], []
-        for i, (request, delta) in enumerate(rows):
-            text = request.made_text
-            if text is not None:
-                made.append((i, text, len(text.text)))
-                if text.take(delta.token_ids, delta.finish_reason):
-                    to_decode.append(text)
-        if not made:
-            return rows
-        self._detokenize(to_decode)
-        rows = list(rows)
-        for i, text, start in made:
-            request, delta = rows[i]
-            # delta._replace(text_start=start, text=...), built in C
-            rows[i] = (request, tuple.__new__(Delta, (*delta[:2], start, text.text[start:], *delta[4:])))
-        return rows
 
     def _take(self, request_ids) -> list[EngineRequest]:
         with self._lock:
@@ -478,3 +460,28 @@ def _detokenizer(config: EngineConfig) -> Detokenizer | None:
         )
         return None
     return None if tokenizer is None else Detokenizer(tokenizer)
+
+
+def _make_text(
+    rows: list[tuple[EngineRequest, Delta]], detokenize: Detokenizer
+) -> list[tuple[EngineRequest, Delta]]:
+    """The step's rows (a list of this step's, changed in place) with the text of the requests whose text is
+    made here: one Detokenizer pass over them, as the engine's step would have run it (OutputText), each
+    row then all its request's new text. A row at a time, so kept flat: deltas by index, built in C."""
+    to_decode: list[OutputText] = []
+    made: list[tuple[int, OutputText, int]] = []
+    decode_it, made_it = to_decode.append, made.append
+    for i, (request, delta) in enumerate(rows):
+        text = request.made_text
+        if text is not None:
+            made_it((i, text, len(text.text)))
+            if text.take(delta[1], delta[4]):  # (token_ids, finish_reason)
+                decode_it(text)
+    if not made:
+        return rows
+    detokenize(to_decode)
+    new = tuple.__new__
+    for i, text, start in made:
+        request, d = rows[i]
+        rows[i] = (request, new(Delta, (d[0], d[1], start, text.text[start:], d[4], d[5])))
+    return rows

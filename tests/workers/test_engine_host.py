@@ -14,6 +14,7 @@ import pytest
 
 from batching import EngineConfig, SamplingParams
 from tests.conftest import ROOT
+from workers import engine_host
 from workers.engine_host import EngineHost, EngineLost, EngineRequest, HostStopped
 
 
@@ -121,7 +122,7 @@ def test_outputs_cross_the_process_boundary_whole(host, offline_engine):
     assert requests[1].transcript.finish_reason == "stop"
 
 
-def test_text_made_in_the_worker_is_the_engines(host, offline_engine):
+def test_text_made_in_the_worker_is_the_engines(host, offline_engine, monkeypatch):
     """A request without stop strings or a grammar gets its text from the worker, made from the token ids the
     engine reports (which sends no text for it): the text the engine makes, through broken UTF-8 (sampled
     bytes), special tokens kept, and stop tokens with and without their text; one with stop strings keeps
@@ -140,13 +141,13 @@ def test_text_made_in_the_worker_is_the_engines(host, offline_engine):
     ] + [SamplingParams(max_tokens=20, temperature=0.0, stop=["zz"])]
     expected = offline_engine.generate(prompts, params)
     sent: list[str] = []  # the text the engine sent for requests whose text the worker makes
-    make_text = host.host._make_text
+    make_text = engine_host._make_text
 
-    def seen(rows):
+    def seen(rows, detokenize):
         sent.extend(delta.text for request, delta in rows if request.made_text is not None)
-        return make_text(rows)
+        return make_text(rows, detokenize)
 
-    host.host._make_text = seen
+    monkeypatch.setattr(engine_host, "_make_text", seen)
     requests = [host.submit(f"t{i}", p, params[i]) for i, p in enumerate(prompts)]
     for request, want in zip(requests, expected):
         assert host.wait(request, 60) and request.error is None
