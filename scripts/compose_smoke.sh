@@ -33,6 +33,7 @@ WORK=$(mktemp -d)
 ENV_FILE=$WORK/env
 FILES=(-f docker-compose.yml)
 SERVER_PID=
+set_env() { sed -i "/^$1=/d" "$ENV_FILE"; echo "$1=$2" >> "$ENV_FILE"; }
 compose() { "${COMPOSE[@]}" -p genq-smoke --project-directory . --env-file "$ENV_FILE" "${FILES[@]}" "$@"; }
 cleanup() {
     compose --profile cpu down -v --remove-orphans >/dev/null 2>&1 || true
@@ -58,7 +59,7 @@ if [ "$LOCAL_IMAGES" = 1 ]; then
         present "$image" || skip "image $image is not here and no registry is reachable: run scripts/local_images.sh"
     done
     FILES+=(-f deploy/compose/local-images.yml)
-    echo "BASE_IMAGE=genq-local/python:3.11" >> "$ENV_FILE"
+    set_env BASE_IMAGE genq-local/python:3.11
     echo "images: local stand-ins (deploy/compose/local-images.yml; Grafana left out: Debian does not package it)"
 fi
 
@@ -74,7 +75,7 @@ if ! curl -fsS -m 10 -o /dev/null https://download.pytorch.org/whl/cpu/torch/ 2>
     WHEEL_PORT=${SMOKE_WHEEL_PORT:-18765}
     python3 -m http.server --bind "$GATEWAY" --directory "$WHEELS" "$WHEEL_PORT" >/dev/null 2>&1 &
     SERVER_PID=$!
-    echo "TORCH_FIND_LINKS=http://$GATEWAY:$WHEEL_PORT/" >> "$ENV_FILE"
+    set_env TORCH_FIND_LINKS "http://$GATEWAY:$WHEEL_PORT/"
     echo "torch: the CPU wheel in $WHEELS, served on $GATEWAY:$WHEEL_PORT"
 fi
 

@@ -41,8 +41,9 @@ def procfile() -> dict[str, str]:
 
 
 def in_container(command: str) -> str:
-    """The Procfile command as a container runs it: listening on all interfaces."""
-    return command.replace("--bind 127.0.0.1:", "--bind 0.0.0.0:")
+    """The Procfile command as a container runs it: listening on all interfaces, the API on its container port
+    (8000, where Prometheus scrapes it; API_PORT is the host's port in compose)."""
+    return command.replace("--bind 127.0.0.1:", "--bind 0.0.0.0:").replace("${API_PORT:-8000}", "8000")
 
 
 def test_procfile_runs_the_contract_commands(procfile):
