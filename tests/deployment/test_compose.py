@@ -234,6 +234,16 @@ def test_the_api_gets_longer_than_gunicorn_drains_its_streams(config, tmp_path, 
     assert "/readyz" in healthcheck[-1]
 
 
+def test_genq_services_run_under_an_init_that_passes_sigterm_on(config):
+    """PID 1 ignores a signal it has no handler for: without an init, a stop during start-up waits out the grace."""
+    genq = [
+        name for name, service in config["services"].items() if service.get("image", "").startswith("genq:")
+    ]
+    assert len(genq) >= 7, genq
+    for name in genq:
+        assert config["services"][name].get("init") is True, name
+
+
 def test_workers_keep_the_triton_cache_in_a_volume(config):
     cache = DockerfileParser(path=str(ROOT / "Dockerfile")).envs["TRITON_CACHE_DIR"]
     for name in ("worker", "worker-cpu"):
