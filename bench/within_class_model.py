@@ -56,6 +56,21 @@ class ModelRun:
     preemptions: int = 0  # in-class preemptions (simulate_preemptive)
 
 
+def job_prediction(
+    job,
+    history: dict[str, list[int]],
+    done: dict[str, list[tuple[float, float, int]]],
+    max_tokens: int,
+    oracle: bool,
+) -> int:
+    """The output `job` is predicted to make: its own length (`oracle`), else the statistic of its tenant's
+    history and of the jobs that had finished (done: arrival, finish, length) when it arrived."""
+    if oracle:
+        return job.length
+    recent = [n for a, f, n in done.get(job.tenant, []) if a < job.arrival and f < job.arrival]
+    return predict_output_tokens(max_tokens, (history.get(job.tenant, []) + recent)[-RECENT_JOBS:])
+
+
 def simulate(
     jobs: Sequence[ModelJob],
     history: dict[str, list[int]],
@@ -80,11 +95,7 @@ def simulate(
     now, nxt = min(j.arrival for j in jobs), 0
 
     def prediction(i: int) -> int:
-        job = jobs[i]
-        if oracle:
-            return job.length
-        recent = [n for a, f, n in done.get(job.tenant, []) if a < job.arrival and f < job.arrival]
-        return predict_output_tokens(max_tokens, (history.get(job.tenant, []) + recent)[-RECENT_JOBS:])
+        return job_prediction(jobs[i], history, done, max_tokens, oracle)
 
     def rank(i: int) -> tuple:
         job = jobs[i]
@@ -166,11 +177,7 @@ def simulate_preemptive(
     now, nxt = min(j.arrival for j in jobs), 0
 
     def prediction(i: int) -> int:
-        job = jobs[i]
-        if oracle:
-            return job.length
-        recent = [n for a, f, n in done.get(job.tenant, []) if a < job.arrival and f < job.arrival]
-        return predict_output_tokens(max_tokens, (history.get(job.tenant, []) + recent)[-RECENT_JOBS:])
+        return job_prediction(jobs[i], history, done, max_tokens, oracle)
 
     def rank(i: int) -> tuple:
         job = jobs[i]
