@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
+from typing import NoReturn
 
 from contract.log_setup import configure
 from workers.engine_protocol import (
@@ -114,10 +116,22 @@ def serve(
         engine = Engine(config)
     except BaseException as exc:  # any build failure goes to the worker, which reports it
         events.send(StartFailed(f"{exc.__class__.__name__}: {exc}\n{traceback.format_exc()}"))
-        return
+        _exit_now()
     process_tuning.settle_for_serving()  # even steps: no GC walks of this heap, no mmap churn
     events.send(Ready(engine.config, _describe(engine)))
     _loop(engine, commands, events, Reporter(events))
+    engine.close()  # its other ranks (tensor parallel)
+    _exit_now()
+
+
+def _exit_now() -> NoReturn:
+    """End the process once its logs are out, without the interpreter's teardown: nothing here needs it (the pipe's
+    ends and the memory go with the process), and C extensions report their leaks there on stderr (triton's
+    nanobind: ~600 lines at every stop), which would break the worker's log lines (LOG_FORMAT=json)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _loop(engine, commands: Connection, events: Connection, reporter: Reporter) -> None:
