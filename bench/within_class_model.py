@@ -56,6 +56,18 @@ class ModelRun:
     preemptions: int = 0  # in-class preemptions (simulate_preemptive)
 
 
+def finished_run(jobs, finished_at: dict[int, float]) -> ModelRun:
+    """Each job's latency and deadline kept, the tokens made and the span, from when each job finished."""
+    run = ModelRun()
+    for i, job in enumerate(jobs):
+        run.latencies.append(finished_at[i] - job.arrival)
+        if job.deadline is not None:
+            run.met.append(finished_at[i] <= job.deadline)
+    run.tokens = sum(j.length for j in jobs)
+    run.span = max(finished_at.values()) - min(j.arrival for j in jobs)
+    return run
+
+
 def job_prediction(
     job,
     history: dict[str, list[int]],
@@ -125,14 +137,7 @@ def simulate(
             end, i = heapq.heappop(running)
             finished_at[i] = end
             done.setdefault(jobs[i].tenant, []).append((jobs[i].arrival, end, jobs[i].length))
-    run = ModelRun()
-    for i, job in enumerate(jobs):
-        run.latencies.append(finished_at[i] - job.arrival)
-        if job.deadline is not None:
-            run.met.append(finished_at[i] <= job.deadline)
-    run.tokens = sum(j.length for j in jobs)
-    run.span = max(finished_at.values()) - min(j.arrival for j in jobs)
-    return run
+    return finished_run(jobs, finished_at)
 
 
 def level(made: int, quantum: int) -> int:
@@ -249,13 +254,7 @@ def simulate_preemptive(
                 running.remove(i)
                 finished_at[i] = now
                 done.setdefault(jobs[i].tenant, []).append((jobs[i].arrival, now, jobs[i].length))
-    run = ModelRun()
-    for i, job in enumerate(jobs):
-        run.latencies.append(finished_at[i] - job.arrival)
-        if job.deadline is not None:
-            run.met.append(finished_at[i] <= job.deadline)
-    run.tokens = sum(j.length for j in jobs)
-    run.span = max(finished_at.values()) - min(j.arrival for j in jobs)
+    run = finished_run(jobs, finished_at)
     run.preemptions = sum(times_preempted)
     return run
 
