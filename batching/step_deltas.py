@@ -70,10 +70,10 @@ def report(seqs: list[Sequence]) -> StepDeltas:
         new = seq.token_ids[seq.num_prompt_tokens + reported_tokens :]
         seq.num_reported_tokens = reported_tokens + len(new)
         end = len(text)  # without stop strings the text only grows: all of it is reported
-        if (
-            p.stop
-        ):  # while it runs (or once aborted) a stop string may still cut its last `holdback` characters
-            end = max(reported_chars, end - p.holdback if status < ended or status == aborted else end)
+        # with stop strings: while it runs (or once aborted) one may still cut its last `holdback` characters
+        if p.stop:
+            held = p.holdback if status < ended or status == aborted else 0
+            end = max(reported_chars, end - held)
         seq.num_reported_chars = end
         add_id(seq.req_id)
         add_start(reported_tokens)
