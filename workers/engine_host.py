@@ -222,7 +222,11 @@ class EngineHost:
         self._command(AbortRequest(request_id))
 
     def stats(self, timeout: float = 5.0) -> dict:
-        """The engine's counters and gauges, read between two steps."""
+        """The engine's counters and gauges, read between two steps. TimeoutError at once while the engine
+        process (re)starts: nothing answers before it is built, and a control command asking (`celery inspect
+        engine_stats`, workers/control.py) would otherwise miss its own reply's timeout waiting."""
+        if self._commands is None:
+            raise TimeoutError("the engine process is starting")
         ticket, reply = next(self._tickets), Future()
         self._stats[ticket] = reply
         self._command(StatsRequest(ticket))
