@@ -180,7 +180,14 @@ def timed(items) -> list[tuple[float, object]]:
 def generation_seconds(url: str, headers: dict, job_id: str) -> float:
     """How long the worker took to make an ended job's tokens: its first token to its end, as the worker
     recorded them. Measured by the worker itself, so a loaded machine slows it as it slows the stream."""
-    job = requests.get(f"{url}/jobs/{job_id}", headers=headers, timeout=30).json()
+    # The stream's last piece can come before the worker has written the job's end to Postgres: wait for it.
+    deadline = time.monotonic() + 30
+    while True:
+        job = requests.get(f"{url}/jobs/{job_id}", headers=headers, timeout=30).json()
+        if (job.get("first_token_at") and job.get("finished_at")) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert job.get("first_token_at") and job.get("finished_at"), f"job {job_id} has no recorded end in 30 s: {job}"
     first, finished = (
         datetime.fromisoformat(job[k].replace("Z", "+00:00")) for k in ("first_token_at", "finished_at")
     )
