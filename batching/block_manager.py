@@ -54,10 +54,8 @@ def block_hash(parent: bytes, tokens: list[int], extra: bytes = b"") -> bytes:
     that changes its KV (genq feeds token ids only, so nothing yet; extra model inputs would go here).
     A cryptographic hash: token ids come from users, and a collision would hand one request another's KV.
     """
-    h = hashlib.blake2b(parent, digest_size=16)
-    h.update(array("q", tokens).tobytes())
-    h.update(extra)
-    return h.digest()
+    # (one call on the joined bytes: the same digest as updates of each, in half the time)
+    return hashlib.blake2b(parent + array("q", tokens).tobytes() + extra, digest_size=16).digest()
 
 
 class BlockManager:
@@ -210,15 +208,17 @@ class BlockManager:
         keeps its first block; this copy stays private and goes when freed)."""
         if not self.enable_prefix_caching:
             return
-        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        if full <= seq.num_cache_offered_blocks:
+        table, offered = seq.block_table, seq.num_cache_offered_blocks
+        full = min(seq.num_computed_tokens // self.block_size, len(table))
+        if full <= offered:
             return
-        hashes = self._hashes(seq, full)
-        for i in range(seq.num_cache_offered_blocks, full):
-            b, h = seq.block_table[i], hashes[i]
-            if self.hash_of_block[b] is None and h not in self.cached:
-                self.cached[h] = b
-                self.hash_of_block[b] = h
+        hashes = seq.block_hashes if len(seq.block_hashes) >= full else self._hashes(seq, full)
+        hash_of_block, cached = self.hash_of_block, self.cached
+        for i in range(offered, full):
+            b, h = table[i], hashes[i]
+            if hash_of_block[b] is None and h not in cached:
+                cached[h] = b
+                hash_of_block[b] = h
         seq.num_cache_offered_blocks = full
 
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
@@ -257,6 +257,15 @@ class BlockManager:
         if self.num_state_slots and seq.state_slot is None:
             seq.state_slot = self.free_state_slots.pop()
         return new
+
+    def append_blocks(self, seqs: list[Sequence]) -> None:
+        """One more block for each of `seqs`, decodes whose blocks are all full (and that hold their state
+        slot, if the model keeps states): `allocate(seq, 1)` for each, the pool holding len(seqs) free blocks."""
+        assert len(seqs) <= len(self.free_device), "the pool cannot give a block to each"
+        take = self._take_free_block
+        for seq in seqs:
+            assert not self._lacks_state_slot(seq), seq
+            seq.block_table.append(take(seq.priority))
 
     def _lacks_state_slot(self, seq: Sequence) -> bool:
         return bool(self.num_state_slots) and seq.state_slot is None and not self.free_state_slots

@@ -71,6 +71,8 @@ class Engine:
 
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []  # aborted between steps, reported by the next
+        self._report_memo = step_deltas.ReportMemo()  # the last report's steady rows (step_deltas.py)
+        self._overlappable_seqs: list[Sequence] = []  # the last sampled rows when all were overlappable
         # async scheduling: the step whose tokens are still on their way to the host (step())
         # (not with tensor-parallel ranks: they take each step's input tokens from the host)
         default_async = self.device.type == "cuda" and self.ranks is None
@@ -238,7 +240,11 @@ class Engine:
     def step_deltas(self) -> StepDeltas:
         """Run one batch; returns what the requests that changed add, by columns (step_deltas.py): every request
         is reported as its delta, whatever its output_kind, and no object is made per request."""
-        return self._step(step_deltas.report)
+        return self._step(self._report)
+
+    def _report(self, changed: list[Sequence]) -> StepDeltas:
+        """`step_deltas.report` of `changed`, with the engine's memo of the last report (its steady rows)."""
+        return step_deltas.report(changed, self._report_memo, self.scheduler.version)
 
     def _step(self, report: Callable[[list[Sequence]], _Report]) -> _Report:
         """Run one batch; returns `report` of the sequences that changed (new tokens, finished, aborted), in
@@ -253,11 +259,17 @@ class Engine:
         sched = self.scheduler.schedule()
         cost_model = self.step_costs if sched.seqs else None  # it learns from steps that ran a batch
         make_up = (
-            step_cost.features(sched.seqs, sched.num_scheduled_tokens, sched.num_decodes)
+            step_cost.features(
+                sched.seqs, sched.num_scheduled_tokens, sched.num_decodes, sched.decode_context
+            )
             if cost_model
             else None
         )
-        launched = self._launch(sched, prev)
+        try:
+            launched = self._launch(sched, prev)
+        except BaseException:
+            self.scheduler.forget_steady()  # its sequences did not advance as scheduled
+            raise
         changed, self._aborted = self._aborted, []
         if prev is not None:
             changed += self._finish(prev)
@@ -300,7 +312,10 @@ class Engine:
                 self._record_prompt_logprobs(prompt_logits, spans)
             return None
         tokens = self.sampler.sample(logits, sample_seqs)
-        overlappable = prompt_logits is None and all(map(_overlappable, sample_seqs))
+        self.runner.sampled(tokens)
+        if sample_seqs != self._overlappable_seqs:  # (the steady step's are the last step's)
+            self._overlappable_seqs = list(sample_seqs) if all(map(_overlappable, sample_seqs)) else []
+        overlappable = prompt_logits is None and bool(self._overlappable_seqs)
         return _Launched(sample_seqs, tokens, _to_host(tokens), logits, prompt_logits, spans, overlappable)
 
     def _hold(self, launched: _Launched) -> None:
@@ -386,7 +401,7 @@ class Engine:
     def _outputs(self, changed: list[Sequence]) -> list[RequestOutput]:
         """A RequestOutput per changed sequence: its delta (from step_deltas.report's columns, the same rows
         `step_deltas()` gives) with output_kind "delta", else all it has."""
-        deltas = step_deltas.report([s for s in changed if s.params.output_kind == "delta"])
+        deltas = self._report([s for s in changed if s.params.output_kind == "delta"])
         outputs = []
         row = 0
         for seq in changed:

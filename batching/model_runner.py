@@ -84,6 +84,8 @@ class _DecodeBatch:
     order: list[Sequence]  # the same, in row order (longest context first)
     rows: np.ndarray  # [n] each one's row of the block tables (BlockTables)
     positions: np.ndarray  # [n] int64, each one's position this step, in row order
+    # [n] int64, the tokens sampled from this step's rows (`ModelRunner.sampled`): the next step's input ids
+    tokens: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -309,7 +311,10 @@ class ModelRunner:
             last = _DecodeBatch(key, seqs, table_rows, positions)
         last.positions = positions
         self._packed_decodes = last
-        input_ids = np.array([seq.token_ids[-1] for seq in seqs], np.int64)
+        if last.tokens is not None and len(last.tokens) == n:  # the steady step: what the last step sampled
+            input_ids, last.tokens = last.tokens, None
+        else:
+            input_ids = np.array([seq.token_ids[-1] for seq in seqs], np.int64)
         table = tables.table
         slots = table[table_rows, positions // bs] * bs + positions % bs
         lens = positions + 1
@@ -317,6 +322,14 @@ class ModelRunner:
         # past a context: whatever its row held (block ids of the pool, never read)
         block_ids = table[table_rows, :width].reshape(-1)
         return seqs, np.concatenate([input_ids, positions, slots, np.arange(n), lens, block_ids]), width
+
+    def sampled(self, tokens: torch.Tensor) -> None:
+        """The tokens [N] sampled from the rows of the step that just ran (in its sample_seqs' order). After a
+        step of many decodes (`_many_decodes`) they are the next step's input ids if it decodes the same
+        sequences: each of them then ends with its token (a sequence that stopped would have left the step)."""
+        last = self._last_decodes
+        if last is not None and tokens.device.type == "cpu":
+            last.tokens = tokens.numpy()
 
     def _send_to_followers(self, sched: SchedulerOutput, rows: StepRows) -> None:
         """The step to the other ranks (tensor parallel), with its sequences' block tables [S, W] gathered from
@@ -750,8 +763,21 @@ class BlockTables:
         longest = max(len(seqs[i].block_table) for i in which)
         if longest > self.table.shape[1]:
             self._grow(self.table.shape[0], max(longest, 2 * self.table.shape[1]))
-        for i in which:
-            rows[i] = self._update(seqs[i], seqs)
+        source = self.source
+        at = rows[which]  # [k] their rows
+        written = self.filled[at].tolist()
+        grown: list[int] = []  # of `which`, those whose list grew by one block since its row was written
+        new: list[int] = []  # that block
+        for i, r, n in zip(which, at.tolist(), written):
+            blocks = seqs[i].block_table
+            if source[r] is blocks and len(blocks) == n + 1:  # (the common case: a block more)
+                grown.append(r)
+                new.append(blocks[n])
+            else:
+                rows[i] = self._update(seqs[i], seqs)
+        if grown:
+            self.table[grown, self.filled[grown]] = new
+            self.filled[grown] += 1
 
     def _update(self, seq: Sequence, seqs: list[Sequence]) -> int:
         """`seq`'s row, taken if it has none, and written where it is not up to date."""

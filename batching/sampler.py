@@ -116,6 +116,9 @@ class Sampler:
     def __init__(self, eos_token_ids: set[int] | frozenset[int] = frozenset()):
         self.eos_token_ids = sorted(eos_token_ids)  # held back with stop_token_ids before min_tokens
         self.token_counts = TokenCounts()  # penalized sequences' seen tokens and output counts, on the device
+        self._plain_seqs: list[
+            Sequence
+        ] = []  # the last step's rows when all were plain (params do not change)
 
     def forget(self, seq: Sequence) -> None:
         """`seq` ended: its counts go."""
@@ -127,7 +130,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The tokens [N] (int64, on the logits' device; nothing waits for the device) of `__call__`."""
-        if all(map(_plain, seqs)):  # the common step: greedy rows only
+        if seqs == self._plain_seqs or all(map(_plain, seqs)):  # the common step: greedy rows only
+            self._plain_seqs = list(seqs)  # (a copy: the caller may change its list)
             return argmax(logits)
         if any(s.params.logit_bias for s in seqs):  # a copy, as below: before everything else
             logits = apply_logit_bias(logits, seqs)

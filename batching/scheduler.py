@@ -38,6 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
 
+import numpy as np
+
 from batching.admission_order import AT_RISK, AdmissionOrder
 from batching.block_manager import BlockManager, CachedPrefix, blocks_for
 from batching.config import EngineConfig
@@ -62,6 +64,8 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     # the first num_decodes of seqs are decodes (a token each, scheduled before any chunk: _schedule_decodes)
     num_decodes: int = 0
+    # the sum of those decodes' num_computed_tokens, where the scheduler knows it (step_cost.features); None: not
+    decode_context: int | None = None
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         self.seqs.append(seq)
@@ -115,6 +119,10 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by _place
         self.swapped: list[Sequence] = []  # sorted by _place
         self.running: list[Sequence] = []  # sorted by _place (the decodes' order: no sort each step)
+        # bumped by every change to the queues (add, finish, preempt, admit): a steady step checks it
+        self._version = 0
+        # the last schedule's decodes, when it was a steady step's (`_Steady`): the next schedules them by it
+        self._steady: _Steady | None = None
         # counters
         self.num_preemptions = 0
         self.num_blocks_swapped_out = 0
@@ -124,6 +132,7 @@ class Scheduler:
     # --- queue management -------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        self._version += 1
         seq.status = SequenceStatus.WAITING
         seq.order_key = self.order.place(seq)  # kept through preemption: it never loses its place
         if self.preemptive and seq.num_output_tokens:
@@ -136,6 +145,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Take `seq` out of whichever queue holds it and free its blocks."""
+        self._version += 1
         queue = {
             SequenceStatus.RUNNING: self.running,
             SequenceStatus.SWAPPED: self.swapped,
@@ -157,13 +167,17 @@ class Scheduler:
         self.order.start_step()
         self._ranks.clear()
         self.block_manager.start_step()
-        bm, bs = self.block_manager, self.block_manager.block_size
-        if bm.enable_prefix_caching:  # the last step computed their KV: full blocks join the prefix cache
-            for seq in self.running:
-                if seq.num_computed_tokens // bs > seq.num_cache_offered_blocks:  # (a block filled: 1 in bs)
-                    bm.cache_computed_blocks(seq)
-        self._schedule_decodes(fill)
-        self._schedule_prefills(fill)
+        steady, self._steady = self._steady, None
+        if steady is None or not self._schedule_steady(steady, fill):
+            bm, bs = self.block_manager, self.block_manager.block_size
+            if bm.enable_prefix_caching:  # the last step computed their KV: full blocks join the prefix cache
+                for seq in self.running:
+                    if (
+                        seq.num_computed_tokens // bs > seq.num_cache_offered_blocks
+                    ):  # (a block filled: 1 in bs)
+                        bm.cache_computed_blocks(seq)
+            self._schedule_decodes(fill)
+            self._schedule_prefills(fill)
         self.last_budget_used = self.max_num_batched_tokens - self._budget(fill)
         offloads, loads = self.block_manager.take_copies()  # the prefix cache's host tier
         fill.out.swap_out.extend(offloads)
@@ -191,7 +205,7 @@ class Scheduler:
         """What is left of the step's budget for prefill chunks: what the decodes leave, less the chunks
         taken. Priced decodes take at most half the budget (beyond that, many long contexts): prefills
         keep the other half, so admissions, urgent ones first, never wait for decodes to finish."""
-        charge = max(len(fill.decodes), min(round(fill.decode_cost), self.max_num_batched_tokens // 2))
+        charge = max(fill.out.num_decodes, min(round(fill.decode_cost), self.max_num_batched_tokens // 2))
         return self.max_num_batched_tokens - charge - fill.taken
 
     def _schedule_decodes(self, fill: _Fill) -> None:
@@ -233,17 +247,75 @@ class Scheduler:
         growing = [s for s in decoding if len(s.block_table) * bs <= s.num_computed_tokens]
         if sum(bm.num_new_blocks(s, 1) for s in growing) > bm.num_free_device_blocks:
             return False
-        for seq in growing:
-            bm.allocate(seq, 1)
+        bm.append_blocks(growing)
         out = fill.out
         out.seqs.extend(decoding)
         out.num_scheduled_tokens.extend([1] * len(decoding))
         out.num_decodes = len(decoding)
         fill.decodes.update(decoding)
         c = self.costs.decode_context_per_token  # the sum of _decode_cost over them
-        context = sum(map(_computed, decoding)) / c if c else 0.0
+        out.decode_context = sum(map(_computed, decoding))
+        context = out.decode_context / c if c else 0.0
         fill.decode_cost += self.costs.decode_tokens * len(decoding) + context
         fill.all_decoding = len(decoding) == len(self.running)
+        if fill.all_decoding and not self.swapped and not self.waiting and decoding:
+            self._steady = _Steady.of(decoding, self._version)
+        return True
+
+    @property
+    def version(self) -> int:
+        """Changes whenever the queues change (a sequence added, started, preempted or finished; its status or
+        num_preemptions with it); otherwise the same from step to step."""
+        return self._version
+
+    def forget_steady(self) -> None:
+        """The last schedule's step did not run (its forward failed): the next schedules from scratch."""
+        self._steady = None
+
+    def _schedule_steady(self, steady: _Steady, fill: _Fill) -> bool:
+        """The steady step: the last step decoded every running sequence, nothing waits or is swapped out, and
+        the queues have not changed since (`_version`), so each of those sequences computed exactly the one
+        token the last step gave it and is decoding again: the same decodes in the same order, their positions
+        one further (numpy), and only the sequences that crossed into a new block (one in block_size) are looked
+        at one by one: their full block offered to the prefix cache, a new block allocated. What the first step
+        of this kind decided (`_schedule_decodes_at_once`, and nothing for prefills) is decided again, without a
+        pass over the running sequences. False, and nothing scheduled, where it does not apply (one reaches its
+        last token; the pool lacks blocks for those that grow): the step is scheduled from scratch."""
+        decoding = steady.seqs
+        if (
+            steady.version != self._version
+            or steady.margin <= 1  # one's next token would be its last (async scheduling: not scheduled)
+            or len(decoding) > self.max_num_batched_tokens
+        ):
+            return False
+        bm, bs = self.block_manager, self.block_manager.block_size
+        computed: np.ndarray | list[int]  # [n]: each sequence's num_computed_tokens now
+        if isinstance(steady.computed, np.ndarray):
+            computed = steady.computed + 1
+            crossed = np.flatnonzero(computed % bs == 0).tolist()  # (a block filled: its KV is computed)
+        else:  # a few: numpy's calls cost more than they save
+            computed = [c + 1 for c in steady.computed]
+            crossed = [i for i, c in enumerate(computed) if c % bs == 0]
+        growing = []
+        for i in crossed:
+            seq = decoding[i]
+            if bm.enable_prefix_caching and seq.num_computed_tokens // bs > seq.num_cache_offered_blocks:
+                bm.cache_computed_blocks(seq)
+            if len(seq.block_table) * bs <= seq.num_computed_tokens:
+                growing.append(seq)
+        if len(growing) > bm.num_free_device_blocks:
+            return False  # some would preempt: from scratch (the offers above are the same there)
+        bm.append_blocks(growing)
+        out = fill.out
+        out.seqs.extend(decoding)
+        out.num_scheduled_tokens.extend([1] * len(decoding))
+        out.num_decodes = len(decoding)
+        out.decode_context = sum_computed = steady.sum_computed + len(decoding)
+        c = self.costs.decode_context_per_token
+        fill.decode_cost += self.costs.decode_tokens * len(decoding) + (sum_computed / c if c else 0.0)
+        fill.all_decoding = True
+        # (no prefill order: every running sequence decodes, none waits, none is swapped out)
+        self._steady = _Steady(decoding, self._version, computed, steady.margin - 1, sum_computed)
         return True
 
     def _prefill_order(self, fill: _Fill) -> list[Sequence]:
@@ -385,6 +457,7 @@ class Scheduler:
         """Swap in or start a not-running sequence with its first chunk, preempting for it if it lacks
         blocks or a slot; returns the budget it took (0: it cannot start)."""
         bm = self.block_manager
+        self._version += 1
         self._make_room(seq, fill, lambda: self._lacks_room(seq, fill))
         if self.preemptive:
             self._yield_in_class(seq, fill)
@@ -575,6 +648,7 @@ class Scheduler:
         """Checkpoint `seq`'s KV to host memory when possible, else drop it for recomputation. A decode
         already scheduled in this step leaves the step."""
         out = fill.out
+        self._version += 1
         if seq in fill.decodes:
             fill.decodes.remove(seq)
             fill.decode_cost -= self._decode_cost(seq)
@@ -613,6 +687,31 @@ class _Fill:
     taken: int = 0
     # every running sequence is one of its decodes (none prefilling; set where that is known at no cost)
     all_decoding: bool = False
+
+
+@dataclass(slots=True)
+class _Steady:
+    """A steady step's decodes (every running sequence, in order), as that step scheduled them: the queues'
+    `_version` then, their num_computed_tokens [n], the fewest tokens any has left before its max_num_tokens
+    (its last token is never scheduled), and the sum of their num_computed_tokens (the decodes' budget)."""
+
+    seqs: list[Sequence]
+    version: int
+    computed: np.ndarray | list[int]  # (a list for a few)
+    margin: int
+    sum_computed: int
+
+    @staticmethod
+    def of(decoding: list[Sequence], version: int) -> _Steady:
+        computed: np.ndarray | list[int] = list(map(_computed, decoding))
+        total = sum(computed)
+        if len(decoding) >= FEW_DECODES:
+            computed = np.array(computed, np.int64)
+        margin = min(s.max_num_tokens - len(s.token_ids) for s in decoding)
+        return _Steady(list(decoding), version, computed, margin, total)
+
+
+FEW_DECODES = 16  # below this many decodes, a steady step's positions are a list, not an array
 
 
 _computed = attrgetter("num_computed_tokens")

@@ -59,12 +59,17 @@ def attention_context_per_token(model, query_width: float | None = None) -> floa
     return weights / mc.num_hidden_layers / (2 * query_width)
 
 
-def features(seqs, num_scheduled_tokens, num_decodes: int = 0) -> tuple[float, ...]:
+def features(
+    seqs, num_scheduled_tokens, num_decodes: int = 0, known_decode_context: int | None = None
+) -> tuple[float, ...]:
     """A scheduled step's make-up (see NAMES), from its sequences before they advance. The first `num_decodes`
-    of `seqs` are known decodes (SchedulerOutput.num_decodes): summed in one pass, not tested one by one."""
+    of `seqs` are known decodes (SchedulerOutput.num_decodes): summed in one pass, not tested one by one, or
+    not at all where the sum of their num_computed_tokens is known (SchedulerOutput.decode_context)."""
     tokens = attention = chunk_context = 0.0
     decodes = float(num_decodes)
-    decode_context = float(sum(map(_computed, seqs[:num_decodes])))
+    decode_context = float(
+        sum(map(_computed, seqs[:num_decodes])) if known_decode_context is None else known_decode_context
+    )
     for seq, n in zip(seqs[num_decodes:], num_scheduled_tokens[num_decodes:]):
         s = seq.num_computed_tokens
         if n == 1 and seq.is_decoding:
