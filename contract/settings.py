@@ -195,6 +195,13 @@ class WorkerSettings(StoreSettings):
             reserve = max(2, max_num_seqs // 8)
         return max_num_seqs + reserve
 
+    def worker_base_capacity(self, max_num_seqs: int) -> int:
+        """Jobs a worker takes as fast as they come: its slots and the small reserve (max(2, max_num_seqs // 8)),
+        at most worker_capacity. Beyond it (the reserve preemptive adds) a worker takes only messages no idle worker
+        waits for, and hands held jobs that are not running back to a worker that finds the queue empty
+        (workers/intake.py): several workers on one queue share its work as with a small reserve."""
+        return min(self.worker_capacity(max_num_seqs), max_num_seqs + max(2, max_num_seqs // 8))
+
 
 class ApiSettings(StoreSettings):
     # --- the API

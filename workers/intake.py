@@ -7,11 +7,21 @@ jobs (its model's only) in Postgres in one statement and adds them to the job bo
 which submits them to the engine. Celery's own consumer does not consume `generate` (workers/tasks.py gives the
 queue to the intake; workers/control.py makes `add_consumer` / `cancel_consumer generate` resume and pause it),
 so no Celery task thread holds a message, and each job is one task in Flower, ended as the job ended
-(workers/job_tasks.py). The thread does one of two things, decided under the book's lock:
+(workers/job_tasks.py). The thread does one of three things, decided under the book's lock:
 
-- **room** (the worker holds fewer than `capacity` jobs: its engine's `max_num_seqs` plus a small reserve that
-  waits in the engine, ready to start the moment a slot frees): one BLMPOP takes up to `INTAKE_PULL` messages,
-  at most the room, from the most urgent non-empty list, waiting up to a second while every list is empty;
+- **room** (the worker holds fewer than its base: its engine's `max_num_seqs` plus a small reserve that waits in
+  the engine, ready to start the moment a slot frees; WorkerSettings.worker_base_capacity): one BLMPOP takes up to
+  `INTAKE_PULL` messages, at most the room to its base, from the most urgent non-empty list, waiting up to a
+  second while every list is empty. Asking no more than the base, workers waiting together share one push of
+  many jobs;
+- **beyond its base** (below `capacity`: SCHEDULING_POLICY=preemptive holds 3x `max_num_seqs`, so that short jobs
+  reach the engine, where they take the slots of long ones): one LMPOP, no wait, every `QUEUE_WATCH_INTERVAL` and
+  never right after a take, so a message goes to an idle worker first (Redis serves a worker blocked in BLMPOP at
+  the push itself, and one between two pulls is back within that time). A worker with free slots whose pull
+  found nothing for a second says so in Redis (`<queue>:hungry`: its free slots, for three seconds); a worker
+  beyond its base takes that word (GETDEL: one worker answers it) and hands back as many held jobs beyond its
+  base that made no token for a second (waiting or swapped out in its engine), the least urgent and latest
+  created first; the idle worker's waiting pull takes them at once, and they resume there from their tokens;
 - **full**: every `QUEUE_WATCH_INTERVAL` (and at once when a job leaves the book), one LMPOP looks for a message
   in the lists of the priorities it would still take (workers/admission.py: those more urgent than a held job
   that may be handed back, or than the jobs at their hand-back bound). Taking one, the worker hands its least
@@ -57,6 +67,8 @@ from workers.queue_order import WINDOW, QueueOrder
 
 log = logging.getLogger(__name__)
 PULL_WAIT = 1.0  # seconds a BLMPOP waits for a message while every list is empty
+# a held job that made no token for this long is not running in the engine: it may go to an idle worker
+IDLE_AFTER = 1.0
 
 
 class Intake:
@@ -69,8 +81,14 @@ class Intake:
         send: Callable[[uuid.UUID, int], None],
         capacity: int,
         tasks: JobTasks,
+        base_capacity: int | None = None,
+        slots: int | None = None,
     ):
         self.capacity = capacity
+        # taken as fast as they come (None: all of capacity), and the engine's slots (None: the base)
+        self.base_capacity = capacity if base_capacity is None else min(base_capacity, capacity)
+        self.slots = self.base_capacity if slots is None else slots
+        self._next_rebalance = 0.0  # time.monotonic() of the next look for an idle worker's word
         self._book, self._sessions, self._settings = book, sessions, settings
         self._worker_id, self._send, self._tasks = worker_id, send, tasks
         # notified when a job leaves the book, and when the intake is resumed or closed
@@ -82,6 +100,7 @@ class Intake:
         # the worker's model's queue (`generate` for the fleet's default model), and what its claims check
         served = settings.served_model_name()
         self.queue = model_queue(settings, served)
+        self._hungry_key = f"{settings.redis_key_prefix}{self.queue}:hungry"  # free slots of an idle worker
         self._model = jobs.ServedModel(served, is_default=served == settings.fleet_default_model())
         # the order of the waiting jobs of a class (None: first come, first served)
         self._order = QueueOrder(settings, sessions) if settings.scheduling_policy != "fcfs" else None
@@ -118,13 +137,21 @@ class Intake:
     def _run(self) -> None:
         while True:
             with self._wake:
+                # woken when a job leaves, or the intake is resumed or closed; holding beyond its base, a second
+                # at most (an idle worker may be asking for its jobs)
                 while not self._closing and (plan := self._plan()) is None:
-                    self._wake.wait()  # woken when a job leaves, or the intake is resumed or closed
+                    if not self._wake.wait(PULL_WAIT) and len(self._book) > self.base_capacity:
+                        break
                 if self._closing:
                     return
-            priorities, count, wait = plan
             try:
+                self._rebalance()
+                if plan is None:
+                    continue
+                priorities, count, wait = plan
                 taken = self._take(priorities, count, wait)
+                if not taken and wait is not None:
+                    self._say_hungry()
             except redis.RedisError as exc:
                 log.warning("intake: Redis unavailable (%s)", exc.__class__.__name__)
                 time.sleep(1.0)
@@ -138,6 +165,9 @@ class Intake:
                 self._hold_taken(taken)
             except Exception:  # the jobs stay queued; the reconciler sends them again (workers/unclaimed.py)
                 log.exception("intake: %d jobs taken from Redis and not claimed", len(taken))
+            with self._wake:  # beyond its base: the next messages go to an idle worker's pull, if one waits
+                if not self._closing and self.base_capacity <= len(self._book) < self.capacity:
+                    self._wake.wait(self._settings.queue_watch_interval)
 
     def _take(self, priorities: range, count: int, wait: float | None) -> list[tuple[uuid.UUID | None, int]]:
         """Up to `count` messages of the most urgent non-empty list of `priorities`: under fcfs (or when the list
@@ -168,12 +198,55 @@ class Intake:
         if not self._consuming:
             return None
         room = self.capacity - len(self._book)
-        if room > 0:
-            return PRIORITIES, min(self._settings.intake_pull, room), PULL_WAIT
+        if self.base_capacity - len(self._book) > 0:
+            return (
+                PRIORITIES,
+                min(self._settings.intake_pull, self.base_capacity - len(self._book)),
+                PULL_WAIT,
+            )
+        if room > 0:  # beyond the base: no wait, so that a worker blocked in its pull is served first
+            return PRIORITIES, min(self._settings.intake_pull, room), None
         below = admission.admitted_below(
             self._book.held(), capacity=self.capacity, max_handbacks=self._settings.max_handbacks
         )
         return (range(below), 1, None) if below > 0 else None
+
+    # --- sharing a queue's work with idle workers ------------------------------------------------------
+
+    def _say_hungry(self) -> None:
+        """A pull found nothing for PULL_WAIT: with free slots in the engine, say how many to the workers holding
+        jobs beyond their base (for three pulls' time; the latest word stands)."""
+        with self._wake:
+            free = self.slots - len(self._book)
+        if free > 0 and self.consuming:
+            self._redis.set(self._hungry_key, free, px=int(3000 * PULL_WAIT))
+
+    def _rebalance(self) -> None:
+        """At most once every PULL_WAIT while holding beyond its base: if an idle worker said it has free slots,
+        hand back as many held jobs beyond the base that are not running (no token for IDLE_AFTER seconds), the
+        least urgent and latest created first. Their messages go to the head of their lists, where the idle
+        worker's waiting pull takes them."""
+        now = time.monotonic()
+        if now < self._next_rebalance:
+            return
+        self._next_rebalance = now + PULL_WAIT
+        with self._wake:
+            if len(self._book) <= self.base_capacity:
+                return
+        asked = self._redis.getdel(self._hungry_key)
+        if not asked:
+            return
+        since = time.time() - IDLE_AFTER
+        with self._wake:
+            waiting = [h for h in self._book.held() if h.ran_at < since]
+            waiting.sort(key=lambda h: (h.priority, h.created_at), reverse=True)
+            moved = [
+                h.job.id
+                for h in waiting[: min(int(asked), len(self._book) - self.base_capacity)]
+                if self._book.hand_back(h.lease, Outcome.REBALANCED) is not None
+            ]
+        if moved:
+            log.info("intake: %d held jobs handed back for a worker with free slots: %s", len(moved), moved)
 
     def _changed(self) -> None:
         """A job left the book (lock held): there may be room."""

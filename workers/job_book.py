@@ -328,7 +328,9 @@ class JobBook:
                     token_ids=tokens,
                     text=text,
                     preempted=outcome is Outcome.PREEMPTED,
-                    reason=outcome.value,  # preempted, handed_back (shutting down) or engine_lost
+                    # preempted, handed_back (shutting down, or rebalanced: the row's events name no more) or
+                    # engine_lost
+                    reason=Outcome.HANDED_BACK.value if outcome is Outcome.REBALANCED else outcome.value,
                     events=h.unwritten_events(),
                 ):
                     released.append((h, outcome, len(tokens)))

@@ -23,7 +23,13 @@ from jobstore.models import Job
 from workers.outcomes import Outcome
 
 log = logging.getLogger(__name__)
-BACK_IN_THE_QUEUE = (Outcome.PREEMPTED, Outcome.HANDED_BACK, Outcome.ENGINE_LOST, Outcome.LEFT)
+BACK_IN_THE_QUEUE = (
+    Outcome.PREEMPTED,
+    Outcome.HANDED_BACK,
+    Outcome.REBALANCED,
+    Outcome.ENGINE_LOST,
+    Outcome.LEFT,
+)
 
 
 class JobTasks:

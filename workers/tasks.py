@@ -110,7 +110,18 @@ def intake() -> Intake:
             events = EventPublisher(_redis(), settings.redis_key_prefix, settings.events_retention_seconds)
             _book = JobBook(host, job_sessions(), settings, send_back, events.start(), _tasks).start()
             capacity = settings.worker_capacity(host.config.max_num_seqs)
-            _intake = Intake(_book, job_sessions(), settings, WORKER_ID, send_back, capacity, _tasks).start()
+            slots = host.config.max_num_seqs
+            _intake = Intake(
+                _book,
+                job_sessions(),
+                settings,
+                WORKER_ID,
+                send_back,
+                capacity,
+                _tasks,
+                base_capacity=settings.worker_base_capacity(slots),
+                slots=slots,
+            ).start()
             _announcer = Announcer(
                 _redis(), settings, WORKER_ID, host.config.max_model_len, capacity, lambda: len(_book)
             ).start()

@@ -187,7 +187,9 @@ def generation_seconds(url: str, headers: dict, job_id: str) -> float:
         if (job.get("first_token_at") and job.get("finished_at")) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    assert job.get("first_token_at") and job.get("finished_at"), f"job {job_id} has no recorded end in 30 s: {job}"
+    assert job.get("first_token_at") and job.get("finished_at"), (
+        f"job {job_id} has no recorded end in 30 s: {job}"
+    )
     first, finished = (
         datetime.fromisoformat(job[k].replace("Z", "+00:00")) for k in ("first_token_at", "finished_at")
     )

@@ -75,6 +75,12 @@ def test_worker_metrics_count_jobs_tokens_and_a_preemption(metered):
         bulk = metered.submit(
             input_ids=[(7 * i) % 200 + 3 for i in range(160)], max_tokens=80, priority=9, temperature=0.0
         )
+        # the urgent job is sent once the bulk one runs in the engine: had both waited there at once, the urgent
+        # one would start first and the bulk one wait for its blocks, preempting nothing (seen on a loaded machine)
+        deadline = time.monotonic() + 30
+        while not metered.engine_stats()["num_running"]:
+            assert time.monotonic() < deadline, metered.job(bulk)
+            time.sleep(0.01)
         urgent = metered.submit(
             input_ids=[(11 * i) % 200 + 3 for i in range(160)], max_tokens=80, priority=0, temperature=0.0
         )

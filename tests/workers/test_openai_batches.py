@@ -225,7 +225,9 @@ def test_a_batch_not_done_in_its_window_expires(wide, new_key, sessions, offline
     (they leave the engine) and the queued ones (they never run), and ends the batch `expired` with the
     finished lines in the output file and the rest in the error file."""
     window = 6.0
-    short, long = 4, 20  # long ones: more than the worker holds (8 running + 2), so some stay queued
+    # long ones: twice what the worker holds (8 + 2, or 3 x 8 under preemptive, where every held one runs a
+    # quantum), so some stay queued
+    short, long = 4, 2 * wide.settings.worker_capacity(8)
     lines = [
         {
             "custom_id": f"{'short' if i < short else 'long'}{i}",

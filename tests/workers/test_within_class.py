@@ -43,7 +43,13 @@ def worker(settings: Settings, log: Path, metrics_port: int = 0) -> Iterator[sub
         process = subprocess.Popen(
             worker_command(f"{name}@%h", 2),
             cwd=ROOT,
-            env={**settings_env(settings), "WORKER_METRICS_PORT": str(metrics_port)},
+            # the policy always named: settings_env leaves out a value equal to the default, and an environment
+            # naming another policy (SCHEDULING_POLICY=... for a whole run) would then win over the test's
+            env={
+                **settings_env(settings),
+                "SCHEDULING_POLICY": settings.scheduling_policy,
+                "WORKER_METRICS_PORT": str(metrics_port),
+            },
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -92,7 +98,8 @@ def test_short_jobs_waiting_in_redis_overtake_a_long_one_sent_before_them(
     one first."""
     log = tmp_path / "worker.log"
     with api(settings, new_key, log, policy, max_num_seqs=1, reserve=0) as stack, worker(stack.settings, log):
-        blocker = stack.submit(**LONG, max_tokens=300)
+        # 1,500 tokens: 300 took 0.53 s at 1.7 ms a step, ending before the four jobs behind it were sent
+        blocker = stack.submit(**LONG, max_tokens=1500)
         stack.wait(blocker, until=lambda j: j["status"] == "running" and j["output"]["token_ids"])
         long = stack.submit(**LONG, max_tokens=200)
         shorts = [stack.submit(**LONG, max_tokens=4) for _ in range(3)]
@@ -122,7 +129,7 @@ def test_in_the_engine_a_job_its_tenants_history_predicts_short_goes_first(
         history = [y.submit(**LONG, max_tokens=2) for _ in range(3)]
         for job_id in history:
             y.wait(job_id)
-        blocker = stack.submit(**LONG, max_tokens=300)
+        blocker = stack.submit(**LONG, max_tokens=1500)  # as above: long enough to outlast the sends
         stack.wait(blocker, until=lambda j: j["status"] == "running" and j["output"]["token_ids"])
         x_job = stack.submit(**LONG, max_tokens=100)
         y_job = y.submit(**LONG, max_tokens=200)

@@ -1,0 +1,91 @@
+"""Several workers on one queue share its work under SCHEDULING_POLICY=preemptive, where a worker holds 3x its
+engine's slots (workers/intake.py): a worker with free slots that finds the queue empty says so, and a worker
+holding jobs beyond its base (slots + the small reserve) that are not running hands them back to it."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from contract.dispatch import QUEUE
+from jobstore import jobs
+from tests.workers.test_within_class import LONG, api, worker
+
+TOKENS = 1500  # long enough that the first worker is still busy when the second starts
+
+
+def holders(sessions, ids: list[str]) -> dict[str, int | None]:
+    """Job id -> the pid of the worker process that holds (or last held) it, from its row's lease."""
+    with sessions() as s:
+        rows = {i: jobs.get_job(s, uuid.UUID(i)) for i in ids}
+    return {i: int(r.worker_id.split(":")[1]) if r.worker_id else None for i, r in rows.items()}
+
+
+def test_a_worker_that_starts_idle_gets_jobs_another_holds_beyond_its_slots(
+    settings, new_key, sessions, redis_client, tmp_path, offline_engine
+):
+    """Worker A (2 slots, holding up to 6) takes 6 long jobs while worker B's intake is paused. B resumes: within
+    seconds it runs 2 of them, handed back by A (its jobs beyond slots + 2 that were waiting in its engine), while
+    A runs the others; every job ends once, with the tokens of a run alone. Without the hand-back B would idle
+    until A had run all 6."""
+    with api(settings, new_key, tmp_path / "a.log", "preemptive", max_num_seqs=2, reserve=None) as stack:
+        assert stack.settings.worker_capacity(2) == 6 and stack.settings.worker_base_capacity(2) == 4
+        with worker(stack.settings, tmp_path / "b.log") as b:
+            stack.celery.control.cancel_consumer(
+                QUEUE, reply=True, timeout=5
+            )  # B alone on this stack's queue
+            with worker(stack.settings, tmp_path / "a.log") as a:
+                ids = [stack.submit(**LONG, max_tokens=TOKENS) for _ in range(6)]
+                deadline = time.monotonic() + 60
+                while set(holders(sessions, ids).values()) != {a.pid}:
+                    assert time.monotonic() < deadline, holders(sessions, ids)
+                    time.sleep(0.1)
+                stack.celery.control.add_consumer(QUEUE, reply=True, timeout=5)  # B takes jobs again
+                deadline = time.monotonic() + 15
+                while b.pid not in holders(sessions, ids).values():
+                    assert time.monotonic() < deadline, "worker B got none of A's waiting jobs"
+                    time.sleep(0.1)
+                when_moved = {i: stack.job(i)["status"] for i in ids}
+                done = {i: stack.wait(i, timeout=300) for i in ids}
+                by = holders(sessions, ids)
+    assert "succeeded" not in when_moved.values(), when_moved  # A was still busy with all of them
+    assert all(job["status"] == "succeeded" for job in done.values()), done
+    assert list(by.values()).count(b.pid) == 2, by  # B's two free slots
+    [alone] = offline_engine.generate([LONG["prompt"]], offline_params())
+    for job in done.values():
+        assert job["output"]["token_ids"] == alone.token_ids, job["id"]
+
+
+def test_two_idle_workers_share_one_push_of_many_jobs(settings, new_key, sessions, redis_client, tmp_path):
+    """Two idle workers (2 slots, holding up to 6 each) and 6 jobs sent in one push (POST /jobs/bulk: one LPUSH):
+    each worker asks for its base (4) at most, so the one served first takes 4 and the other 2, and no job is
+    handed back or run twice. A pull asking for all it may hold took all 6: the other worker idled until it said
+    so and got 2 of them back."""
+    with api(settings, new_key, tmp_path / "a.log", "preemptive", max_num_seqs=2, reserve=None) as stack:
+        with worker(stack.settings, tmp_path / "a.log") as a, worker(stack.settings, tmp_path / "b.log") as b:
+            time.sleep(1.5)  # both waiting in their pulls
+            r = stack.client.post(
+                "/jobs/bulk", json={"jobs": [{**LONG, "max_tokens": TOKENS}] * 6}, headers=stack.headers
+            )
+            assert r.status_code == 200, r.json
+            ids = [item["job"]["id"] for item in r.json["results"]]
+            deadline = time.monotonic() + 30
+            while None in (by := holders(sessions, ids)).values():
+                assert time.monotonic() < deadline, by
+                time.sleep(0.1)
+            time.sleep(3)  # time for an idle worker to say so and get jobs back (IDLE_AFTER + PULL_WAIT)
+            by = holders(sessions, ids)
+            with sessions() as s:
+                rows = [jobs.get_job(s, uuid.UUID(i)) for i in ids]
+            for job_id in ids:
+                stack.client.post(f"/jobs/{job_id}/cancel", headers=stack.headers)
+    assert sorted(list(by.values()).count(pid) for pid in (a.pid, b.pid)) == [2, 4], by
+    assert [(row.attempts, row.handbacks) for row in rows] == [(1, 0)] * 6, [
+        (r.attempts, r.events) for r in rows
+    ]
+
+
+def offline_params():
+    from batching import SamplingParams
+
+    return SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
