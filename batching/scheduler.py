@@ -171,10 +171,8 @@ class Scheduler:
         if steady is None or not self._schedule_steady(steady, fill):
             bm, bs = self.block_manager, self.block_manager.block_size
             if bm.enable_prefix_caching:  # the last step computed their KV: full blocks join the prefix cache
-                for seq in self.running:
-                    if (
-                        seq.num_computed_tokens // bs > seq.num_cache_offered_blocks
-                    ):  # (a block filled: 1 in bs)
+                for seq in self.running:  # (a block filled: 1 in bs)
+                    if seq.num_computed_tokens // bs > seq.num_cache_offered_blocks:
                         bm.cache_computed_blocks(seq)
             self._schedule_decodes(fill)
             self._schedule_prefills(fill)
@@ -315,7 +313,8 @@ class Scheduler:
         fill.decode_cost += self.costs.decode_tokens * len(decoding) + (sum_computed / c if c else 0.0)
         fill.all_decoding = True
         # (no prefill order: every running sequence decodes, none waits, none is swapped out)
-        self._steady = _Steady(decoding, self._version, computed, steady.margin - 1, sum_computed)
+        steady.computed, steady.margin, steady.sum_computed = computed, steady.margin - 1, sum_computed
+        self._steady = steady
         return True
 
     def _prefill_order(self, fill: _Fill) -> list[Sequence]:

@@ -85,53 +85,94 @@ def report(seqs: list[Sequence], memo: ReportMemo | None = None, epoch: int | No
 
 @dataclass(slots=True)
 class _SteadyRows:
-    """A report's rows when each is steady: running, reported whole (no stop strings that hold text back, no
-    log probabilities, no text made by the engine: SamplingParams.detokenize off) and listed once. While the
-    next calls have the same rows in the same epoch (none has ended or been preempted since), each with exactly
-    one token more than it reported, their columns are: that token, the offsets one further, the same text
-    offsets and no text, no finish, no news (its facts, reported, have not changed)."""
+    """A report's rows when all are running and listed once, and some are steady: reported whole (no stop
+    strings that hold text back, no log probabilities, no text made by the engine: SamplingParams.detokenize
+    off). While the next calls have the same rows in the same epoch (none has ended or been preempted since),
+    each steady one with exactly one token more than it reported, their columns are: that token, the offsets one
+    further, the same text offsets and no text, no finish, no news (its facts, reported, have not changed). The
+    others (`others`) are reported as `_report` reports them."""
 
     seqs: list[Sequence]
     epoch: int
+    rows: list[int]  # the steady ones
+    others: list[int]
     request_ids: list[str]
-    text_starts: list[int]
-    lead: list[int]  # each one's prompt tokens + 1: its tokens less those it reported, one token later
+    text_starts: list[int]  # the steady ones' (the others': anything, replaced)
+    lead: list[int]  # of the steady ones: prompt tokens + 1, their tokens less those reported, a token later
 
     @staticmethod
     def of(seqs: list[Sequence], epoch: int) -> _SteadyRows | None:
-        if not seqs:
-            return None
+        rows: list[int] = []
+        others: list[int] = []
         running = SequenceStatus.RUNNING
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
             p = seq.params
-            if seq.status != running or p.stop or p.logprobs is not None or p.detokenize or seq.text:
+            if seq.status != running:
                 return None
-        if len(set(map(id, seqs))) < len(seqs):
+            if p.stop or p.logprobs is not None or p.detokenize or seq.text:
+                others.append(i)
+            else:
+                rows.append(i)
+        if not rows or len(set(map(id, seqs))) < len(seqs):
             return None
         return _SteadyRows(
             list(seqs),
             epoch,
+            rows,
+            others,
             [seq.req_id for seq in seqs],
             [seq.num_reported_chars for seq in seqs],
-            [seq.num_prompt_tokens + 1 for seq in seqs],
+            [seqs[i].num_prompt_tokens + 1 for i in rows],
         )
 
     def report(self) -> StepDeltas | None:
-        """This step's rows, or None (and nothing changed) if one of them has not exactly one new token."""
-        seqs = self.seqs
-        if [len(seq.token_ids) - seq.num_reported_tokens for seq in seqs] != self.lead:
-            return None
-        starts: list[int] = []
-        tokens: list[list[int]] = []
-        add_start, add_tokens = starts.append, tokens.append
-        for seq in seqs:
-            n = seq.num_reported_tokens
-            add_start(n)
-            seq.num_reported_tokens = n + 1
-            add_tokens([seq.token_ids[-1]])
+        """This step's rows, or None (and nothing changed) if a steady one has not exactly one new token."""
+        seqs, others = self.seqs, self.others
         n = len(seqs)
+        if not others:
+            starts: list[int] = []
+            tokens: list[list[int]] = []
+            add_start, add_tokens = starts.append, tokens.append
+            for seq, lead in zip(seqs, self.lead):
+                ids, reported = seq.token_ids, seq.num_reported_tokens
+                if len(ids) - reported != lead:  # not exactly one new token: the rows done so far are undone
+                    for done, start in zip(seqs, starts):
+                        done.num_reported_tokens = start
+                    return None
+                add_start(reported)
+                seq.num_reported_tokens = reported + 1
+                add_tokens([ids[-1]])
+            return StepDeltas(
+                list(self.request_ids), starts, tokens, list(self.text_starts), [""] * n, [None] * n, None, []
+            )
+        rows = self.rows
+        if [len(seqs[i].token_ids) - seqs[i].num_reported_tokens for i in rows] != self.lead:
+            return None
+        starts = [0] * n
+        tokens = [[]] * n  # (the others' replaced below)
+        for i in rows:
+            seq = seqs[i]
+            starts[i] = seq.num_reported_tokens
+            seq.num_reported_tokens += 1
+            tokens[i] = [seq.token_ids[-1]]
+        theirs = _report([seqs[i] for i in others])
+        text_starts, texts = list(self.text_starts), [""] * n
+        reasons: list[str | None] = [None] * n
+        for k, i in enumerate(others):
+            starts[i], tokens[i] = theirs.token_starts[k], theirs.token_ids[k]
+            text_starts[i], texts[i], reasons[i] = (
+                theirs.text_starts[k],
+                theirs.texts[k],
+                theirs.finish_reasons[k],
+            )
+        logprobs: list[list[TokenLogprob] | None] | None = None
+        if theirs.logprobs is not None:
+            logprobs = [None] * n
+            for k, i in enumerate(others):
+                logprobs[i] = theirs.logprobs[k]
+        # (news: the others' only, in row order)
         return StepDeltas(
-            list(self.request_ids), starts, tokens, list(self.text_starts), [""] * n, [None] * n, None, []
+            list(self.request_ids), starts, tokens, text_starts, texts, reasons, logprobs, theirs.news
         )
 
 

@@ -16,8 +16,8 @@ class StopChecker:
     def __init__(self, tokenizer, eos_token_ids: set[int]):
         self.detokenize = Detokenizer(tokenizer)
         self.eos_token_ids = frozenset(eos_token_ids)
-        # the last advance's sequences when every one was plain (`_PlainBatch`): the next advance of the same
-        # sequences takes `_advance_plain`
+        # the last advance's sequences (`_PlainBatch`), when it ended none and some were plain: the next advance
+        # of the same sequences takes `_advance_plain`
         self._plain: _PlainBatch | None = None
 
     def stop_ids(self, params: SamplingParams) -> frozenset[int]:
@@ -38,8 +38,8 @@ class StopChecker:
         As vLLM: a token that stops the request (the end of sequence, a stop_token_id) adds no text unless
         include_stop_str_in_output; min_tokens holds back every stop before it (stop strings: see below).
 
-        The steady step (the same sequences as the last advance, every one plain: `_PlainBatch`) takes
-        `_advance_plain`, which checks them by the batch, not one by one."""
+        The steady step (the same sequences as the last advance, which ended none: `_PlainBatch`) takes
+        `_advance_plain`, which checks the plain ones by the batch, not one by one."""
         plain, self._plain = self._plain, None
         if plain is not None and plain.seqs == seqs:  # (element by element, by identity)
             return self._advance_plain(plain, tokens, now)
@@ -51,47 +51,61 @@ class StopChecker:
     def _advance_plain(
         self, plain: _PlainBatch, tokens: Seq[int], now: float
     ) -> tuple[dict[int, SequenceStatus], list[int]]:
-        """`advance` for the sequences of the last advance, every one plain (no grammar, stop strings,
-        min_tokens or stop text): since then each one got exactly that advance's token, and its first token's
-        time is set. Each gets its token (in place of its placeholder, with async scheduling); those whose token
-        is a stop id, found by one set test of the step's tokens, stop; those that reach their max_num_tokens
-        (`margin`: none before the fewest tokens left is spent) end; the rest that make text are detokenized."""
-        seqs = plain.seqs
-        pending = [seq for seq in seqs if seq.pending_row >= 0]
-        if not pending:
-            for ids, token in zip(map(_token_ids, seqs), tokens, strict=True):
-                ids.append(token)
-        elif len(pending) == len(seqs):  # async scheduling: every row's placeholder
+        """`advance` for the sequences of the last advance, which ended none of them: since then each plain one
+        (no grammar, stop strings, min_tokens or stop text) got exactly that advance's token, and its first
+        token's time is set. Each plain one gets its token (in place of its placeholder, with async scheduling);
+        those whose token is a stop id, found by one set test of the step's tokens, stop; those that reach their
+        max_num_tokens (`margin`: none before the fewest tokens left is spent) end; the rest that make text are
+        detokenized. The others (`plain.others`) take `_advance`, one by one."""
+        seqs, others = plain.seqs, plain.others
+        rows = plain.rows if others else range(len(seqs))
+        if others:
+            for i in rows:
+                self._place(seqs[i], tokens[i])
+        else:
             for seq, token in zip(seqs, tokens, strict=True):
-                seq.token_ids[-1] = token
-                seq.pending_row = -1
-        else:  # (not a step of one kind: as advance does it, one by one)
-            for seq, token in zip(seqs, tokens, strict=True):
-                if seq.pending_row >= 0:
+                if seq.pending_row >= 0:  # its placeholder, last in token_ids (async scheduling)
                     seq.token_ids[-1] = token
                     seq.pending_row = -1
                 else:
                     seq.token_ids.append(token)
         ended: dict[int, SequenceStatus] = {}
         if plain.stop_ids and not plain.stop_ids.isdisjoint(tokens):
-            for i, token in enumerate(tokens):
-                if token in seqs[i].stop_ids:
+            for i in rows:
+                if tokens[i] in seqs[i].stop_ids:
                     ended[i] = SequenceStatus.FINISHED_STOPPED
         plain.margin -= 1  # each has a token more
         if plain.margin <= 0:
-            for i, seq in enumerate(seqs):
-                if i not in ended and len(seq.token_ids) >= seq.max_num_tokens:
+            for i in rows:
+                if i not in ended and len(seqs[i].token_ids) >= seqs[i].max_num_tokens:
                     ended[i] = SequenceStatus.FINISHED_LENGTH
         if plain.to_decode:  # (a token that stops adds no text; the one that reaches the length does)
-            stopped = [i for i, status in ended.items() if status == SequenceStatus.FINISHED_STOPPED]
+            stopped = {i for i, status in ended.items() if status == SequenceStatus.FINISHED_STOPPED}
             self.detokenize(
                 plain.to_decode
                 if not stopped
-                else [seq for i, seq in enumerate(seqs) if i not in stopped and seq.params.detokenize]
+                else [seqs[i] for i in rows if i not in stopped and seqs[i].params.detokenize]
             )
+        with_grammar: list[int] = []
+        if others:
+            their_ended, their_grammar = self._advance(
+                [seqs[i] for i in others], [tokens[i] for i in others], now
+            )
+            for k, status in their_ended.items():
+                ended[others[k]] = status
+            with_grammar = [others[k] for k in their_grammar]
         if not ended:
             self._plain = plain  # the next step's are these again, if none ended
-        return ended, []
+        return ended, with_grammar
+
+    @staticmethod
+    def _place(seq: Sequence, token: int) -> None:
+        """`seq` gets `token`: in place of its placeholder (async scheduling), else after its tokens."""
+        if seq.pending_row >= 0:
+            seq.token_ids[-1] = token
+            seq.pending_row = -1
+        else:
+            seq.token_ids.append(token)
 
     def _advance(
         self, seqs: Seq[Sequence], tokens: Seq[int], now: float
@@ -161,43 +175,49 @@ class StopChecker:
 
 @dataclass(slots=True)
 class _PlainBatch:
-    """An advance's sequences when each of them is plain to stop (no grammar, no stop strings, no min_tokens, no
-    stop text in the output: its stop is a token id or its length), with what `_advance_plain` needs of them:
-    the union of their stop ids, the fewest tokens any has left before its max_num_tokens, and those whose text
-    the engine makes (SamplingParams.detokenize)."""
+    """An advance's sequences, none ended by it, with what `_advance_plain` needs of those that are plain to
+    stop (no grammar, no stop strings, no min_tokens, no stop text in the output: a stop id or the length ends
+    them): their rows (`rows`; the others' in `others`), the union of their stop ids, the fewest tokens any has
+    left before its max_num_tokens, and those whose text the engine makes (SamplingParams.detokenize)."""
 
     seqs: list[Sequence]
+    rows: list[int]
+    others: list[int]
     stop_ids: frozenset[int]
     margin: int
     to_decode: list[Sequence]
 
     @staticmethod
     def of(seqs: Seq[Sequence]) -> _PlainBatch | None:
-        """The batch of `seqs` as an advance that ended none of them left them, or None if one is not plain or
-        not running, or one is there twice."""
-        if not seqs:
-            return None
+        """The batch of `seqs`, or None if none is plain, one is not running, or one is there twice."""
+        rows: list[int] = []
+        others: list[int] = []
         live = SequenceStatus.RUNNING
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
             p = seq.params
+            if seq.status != live:
+                return None
             if (
                 p.json_schema is not None
                 or p.stop
                 or p.min_tokens
                 or p.include_stop_str_in_output
-                or seq.status != live
                 or seq.first_token_time is None
             ):
-                return None
-        if len(set(map(id, seqs))) < len(seqs):
+                others.append(i)
+            else:
+                rows.append(i)
+        if not rows or len(set(map(id, seqs))) < len(seqs):
             return None
+        plain = [seqs[i] for i in rows]
         return _PlainBatch(
             list(seqs),
-            frozenset().union(*map(_stop_ids, seqs)),
-            min(seq.max_num_tokens - len(seq.token_ids) for seq in seqs),
-            [seq for seq in seqs if seq.params.detokenize],
+            rows,
+            others,
+            frozenset().union(*map(_stop_ids, plain)),
+            min(seq.max_num_tokens - len(seq.token_ids) for seq in plain),
+            [seq for seq in plain if seq.params.detokenize],
         )
 
 
-_token_ids = attrgetter("token_ids")
 _stop_ids = attrgetter("stop_ids")
