@@ -493,7 +493,7 @@ class Engine:
     # --- introspection ----------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        bm, sch = self.block_manager, self.scheduler
+        bm, sch, graphs = self.block_manager, self.scheduler, self.graphs
         return {
             "num_running": len(sch.running),
             "num_waiting": len(sch.waiting),
@@ -520,9 +520,9 @@ class Engine:
             "num_prefix_cache_offloaded_blocks": bm.num_offloaded_blocks,
             "num_prefix_cache_host_hit_tokens": bm.num_host_hit_tokens,
             # CUDA: steps that replayed a captured graph of the forward (cuda_graphs.py)
-            "num_graph_steps": self.graphs.num_replays if self.graphs else 0,
+            "num_graph_steps": graphs.num_replays if graphs else 0,
             # of those, steps with prefill chunks (mixed graphs by token count)
-            "num_mixed_graph_steps": self.graphs.num_mixed_replays if self.graphs else 0,
+            "num_mixed_graph_steps": graphs.num_mixed_replays if graphs else 0,
             **self._counters,
         }
 
@@ -603,7 +603,7 @@ _overlappable = attrgetter("overlappable")
 
 def _to_host(tokens: torch.Tensor):
     """Start the copy of a step's sampled tokens to (pinned) host memory: (host tensor, its CUDA event)."""
-    if tokens.device.type == "cpu":
+    if not tokens.is_cuda:  # (cheaper than making its device)
         return tokens, None
     host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
     host.copy_(tokens, non_blocking=True)

@@ -103,6 +103,9 @@ class _DecodeViews:
     logits_rows: torch.Tensor  # [n]
     lens: torch.Tensor  # [n] context lengths
     block_ids: torch.Tensor  # [n * width]
+    # the step's input over these tensors, made by the first step of this shape and reused by the next ones (its
+    # metadata's fields are these views and the runner's constants; the mask cache is emptied each step)
+    batch: ModelInput | None = None
 
     @staticmethod
     def of(n: int, width: int) -> _DecodeViews:
@@ -257,6 +260,11 @@ class ModelRunner:
         if views is None or views.shape != (n, width):
             views = self._decode_views = _DecodeViews.of(n, width)
         views.buffer[:] = flat  # every tensor of the last step of this shape views it: their values change
+        batch = views.batch
+        if batch is not None:
+            batch.sample_seqs = seqs
+            batch.attn.decodes[0]._masks.clear()  # (built from the context lengths, which changed)
+            return batch
         attn = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=views.slots,
@@ -265,13 +273,14 @@ class ModelRunner:
             attention_kernel=self.attention_kernel,
             mask_patterns=self.mask_patterns,
         )
-        return ModelInput(
+        views.batch = ModelInput(
             input_ids=views.input_ids,
             position_ids=views.positions,
             logits_indices=views.logits_rows,
             attn=attn,
             sample_seqs=seqs,
         )
+        return views.batch
 
     def _few_decodes(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int], int]:
         """`_decode_step`'s rows and buffer for a few sequences, from their lists in plain Python (numpy's calls

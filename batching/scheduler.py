@@ -177,10 +177,13 @@ class Scheduler:
             self._schedule_decodes(fill)
             self._schedule_prefills(fill)
         self.last_budget_used = self.max_num_batched_tokens - self._budget(fill)
-        offloads, loads = self.block_manager.take_copies()  # the prefix cache's host tier
-        fill.out.swap_out.extend(offloads)
-        fill.out.swap_in.extend(loads)
-        fill.out.state_swap_out, fill.out.state_swap_in = self.block_manager.take_state_copies()
+        bm = self.block_manager
+        if bm.offloads or bm.loads:
+            offloads, loads = bm.take_copies()  # the prefix cache's host tier
+            fill.out.swap_out.extend(offloads)
+            fill.out.swap_in.extend(loads)
+        if bm.state_swap_out or bm.state_swap_in:
+            fill.out.state_swap_out, fill.out.state_swap_in = bm.take_state_copies()
         self.order.end_step(busy=bool(fill.out.seqs))
         return fill.out
 
