@@ -93,9 +93,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
-from transformers import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
+from workers.process_tuning import engine_environment  # noqa: E402  (no torch: set before torch loads)
+
+# genq's engine runs in this process as the worker's engine process runs it: OpenMP threads that wait asleep
+# (workers/process_tuning.py), unless set by the caller. vLLM's process gets the caller's environment as is.
+GENQ_ENVIRONMENT = engine_environment()
+os.environ.update(GENQ_ENVIRONMENT)
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+from transformers import (  # noqa: E402
     AttentionInterface,
     AttentionMaskInterface,
     AutoConfig,
@@ -104,9 +112,8 @@ from transformers import (
     GenerationConfig,
     LlamaForCausalLM,
 )
-from transformers.utils import logging as hf_logging
+from transformers.utils import logging as hf_logging  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 from bench import roofline  # noqa: E402
 from bench.harness import Interference, code_version, tree_cpu_seconds, wait_for_quiet  # noqa: E402
 from bench.roofline import Step  # noqa: E402
@@ -596,6 +603,8 @@ class VllmSystem:
         self.log_path = log_path
         self.log = open(log_path, "w")  # noqa: SIM115 (closed in close())
         env = {**os.environ, "PYTHONPATH": ""}  # genq's packages stay out of vLLM's interpreter
+        for name in GENQ_ENVIRONMENT:  # vLLM with its own thread settings, as its users run it
+            del env[name]
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         self.proc = subprocess.Popen(
             [
@@ -776,7 +785,8 @@ def main(argv=None):
     )
     print(
         f"torch {torch.__version__} threads={torch.get_num_threads()} device={args.device} "
-        f"({platform.processor() or platform.machine()}, {os.cpu_count()} CPUs)"
+        f"({platform.processor() or platform.machine()}, {os.cpu_count()} CPUs), "
+        f"genq's OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
     )
 
     fig = dict(
@@ -788,6 +798,7 @@ def main(argv=None):
         prompt_tokens=sum(len(p) for p, _ in reqs),
         useful_tokens=useful,
         threads=torch.get_num_threads(),
+        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
         device=args.device,
         load_avg_start=os.getloadavg(),
         repeat=args.repeat,

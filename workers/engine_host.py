@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
+import os
 import queue
 import threading
 import time
@@ -36,7 +37,7 @@ from batching import EngineConfig, SamplingParams
 from batching.detokenizer import Detokenizer, OutputText
 from batching.tokenizer import load_tokenizer
 from contract.deltas import Delta, Gap, Transcript
-from workers import engine_process, metrics
+from workers import engine_process, metrics, process_tuning
 from workers.engine_protocol import (
     AbortRequest,
     AddRequest,
@@ -355,7 +356,14 @@ class EngineHost:
                 self._threads,
             ),
         )
-        process.start()
+        # the spawned interpreter inherits this process's environment, read by libgomp as torch loads it
+        added = process_tuning.engine_environment()
+        os.environ.update(added)
+        try:
+            process.start()
+        finally:
+            for name in added:
+                del os.environ[name]
         commands_in.close()  # this process keeps only its own ends, so the engine's death reads as EOF
         events_out.close()
         self._process, self.pid = process, process.pid

@@ -220,3 +220,30 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def engine_environ(pid: int) -> dict[str, str]:
+    """The environment a process started with, as Linux keeps it."""
+    with open(f"/proc/{pid}/environ", "rb") as environ:
+        pairs = [entry.split(b"=", 1) for entry in environ.read().split(b"\0") if b"=" in entry]
+    return {name.decode(): value.decode() for name, value in pairs}
+
+
+def test_the_engine_process_waits_for_openmp_work_asleep_unless_the_user_says_otherwise(
+    settings, monkeypatch
+):
+    # OMP_WAIT_POLICY=PASSIVE: on a CPU that other processes share, spinning OpenMP threads stall every step
+    # (workers/process_tuning.py); a policy the user set is theirs, and the worker's own environment is unchanged
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    host = start(settings).host
+    try:
+        assert engine_environ(host.pid)["OMP_WAIT_POLICY"] == "PASSIVE"
+        assert "OMP_WAIT_POLICY" not in os.environ
+    finally:
+        host.stop()
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    host = start(settings).host
+    try:
+        assert engine_environ(host.pid)["OMP_WAIT_POLICY"] == "ACTIVE"
+    finally:
+        host.stop()
