@@ -1,4 +1,4 @@
-"""Fused decoder layers on the CPU: a Llama-shaped layer in 11 calls instead of about 45.
+"""Fused decoder layers on the CPU: a Llama-shaped layer in 12 calls instead of about 45.
 
 transformers runs a Llama decoder layer as its modules wrote it: RMSNorm as ~7 element-wise ops in float32,
 q, k and v as three products, RoPE as ~14 ops, gate and up as two products, SiLU and the product as two
@@ -9,11 +9,12 @@ Here the layer runs as: RMSNorm (one C++ pass), one product for q, k and v toget
 concatenated once at load, so the CPU's packed linears pack one weight: cpu_linear.py), RoPE on q and k in
 place (one pass; Qwen3's per-head q/k norms one pass each before it), attention as before (genq's paged
 attention writes the KV and attends: this module leaves it alone), the output projection, the residual add
-and RMSNorm (one pass), one product for gate and up, SiLU(gate) * up (one pass), the down projection, the
-residual add. The C++ passes (csrc/fused_ops.cpp, built and cached as the attention kernels are) round as
-transformers does at each op (RMSNorm in float32, cast back, times the weight in the model's dtype;
-SiLU rounded before the product; RoPE's products and sum each rounded), so bfloat16 values stay those of
-the unfused layer up to the order of a sum; float16 (no C++ pass) runs the same formulas in torch.
+and RMSNorm (one pass), one product for gate and up, SiLU(gate) * up (torch's two passes, which measured
+faster than a C++ one: `silu_mul`), the down projection, the residual add. The C++ passes
+(csrc/fused_ops.cpp, built and cached as the attention kernels are) round as transformers does at each op
+(RMSNorm in float32, cast back, times the weight in the model's dtype; RoPE's products and sum each
+rounded), so bfloat16 values stay those of the unfused layer up to the order of a sum; float16 (no C++
+pass) runs the same formulas in torch.
 
 Which layers: exactly transformers' own Llama, Mistral, Qwen2 and Qwen3 decoder layers, running their own
 code (a class whose forward anything replaced is left alone), with plain (not quantized) q/k/v and
@@ -48,7 +49,6 @@ SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
 DTYPE_SUFFIXES = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
 _I64, _F64, _PTR, _INT = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p, ctypes.c_int
 RMS_NORM_ARGTYPES = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _F64, _INT]
-SILU_MUL_ARGTYPES = [_PTR, _I64, _PTR, _I64, _I64, _I64, _INT]
 ROPE_ARGTYPES = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _INT]
 
 
@@ -94,13 +94,22 @@ class FusionReport:
 # --- the element-wise passes ------------------------------------------------------------------------------
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for gate_up = [gate | up], as transformers' MLP computes it, in torch for every dtype.
+    torch's two vectorized passes beat the one C++ pass this replaced (a scalar exp per element): on the 2-core
+    Intel Xeon (AMX), one thread, [64, 2816] took 80-207 us in float32 against 491-499 us and 84-244 us in
+    bfloat16 against 718-905 us; [512, 2816] 0.96-1.19 ms against 3.8-4.4 ms (float32), 1.06-1.10 ms against
+    6.7-7.5 ms (bfloat16). Its values are transformers' own, to the bit."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class KernelOps:
     """The C++ passes for one dtype. Tensors are 2-D [rows, ...] with the last dim contiguous."""
 
     def __init__(self, library: ctypes.CDLL, dtype: torch.dtype):
         suffix = DTYPE_SUFFIXES[dtype]
         self._rms_norm = _function(library, f"genq_rms_norm_{suffix}", RMS_NORM_ARGTYPES)
-        self._silu_mul = _function(library, f"genq_silu_mul_{suffix}", SILU_MUL_ARGTYPES)
         self._rope = _function(library, f"genq_rope_{suffix}", ROPE_ARGTYPES)
 
     def rms_norm(self, x, weight, eps: float, residual=None):
@@ -124,14 +133,7 @@ class KernelOps:
             eps, torch.get_num_threads(),
         )  # fmt: skip
 
-    def silu_mul(self, gate_up):
-        inter = gate_up.shape[1] // 2
-        out = gate_up.new_empty(gate_up.shape[0], inter)
-        self._silu_mul(
-            gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), gate_up.shape[0], inter,
-            torch.get_num_threads(),
-        )  # fmt: skip
-        return out
+    silu_mul = staticmethod(silu_mul)
 
     def rope_(self, x, heads: int, head_dim: int, cos, sin) -> None:
         """RoPE on the first `heads` heads of each row of x, in place; cos, sin: [rows, head_dim]."""
@@ -157,9 +159,7 @@ class TorchOps:
         hs = hs * torch.rsqrt(hs.pow(2).mean(-1, keepdim=True) + eps)
         part.copy_(weight * hs.to(x.dtype))
 
-    def silu_mul(self, gate_up):
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+    silu_mul = staticmethod(silu_mul)
 
     def rope_(self, x, heads: int, head_dim: int, cos, sin) -> None:
         part = x[:, : heads * head_dim].view(x.shape[0], heads, head_dim)

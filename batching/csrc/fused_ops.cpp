@@ -5,7 +5,6 @@
 // - RMSNorm (optionally after the residual add): the sum of squares and the scaling in float32 (also for
 //   a float64 model: transformers' RMSNorm casts to float32), the result cast back to the model's dtype,
 //   then multiplied by the weight in the model's dtype;
-// - SiLU(gate) * up: the SiLU rounded to the model's dtype, then the product;
 // - RoPE: q * cos + rotate_half(q) * sin, each product and the sum rounded to the model's dtype.
 // Sums run in another order than torch's (vectorized): float32 results may differ in the last bits.
 
@@ -15,23 +14,22 @@
 
 namespace {
 
-struct bf16 {
-    uint16_t bits;
-};
+// bfloat16 as its bits: a plain integer type, so that the loops over it vectorize (a struct's loads don't)
+using bf16 = uint16_t;
 
 inline float to_float(bf16 x) {
-    uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+    uint32_t u = static_cast<uint32_t>(x) << 16;
     float f;
     std::memcpy(&f, &u, sizeof f);
     return f;
 }
 
-inline bf16 to_bf16(float f) {  // round to nearest even, as torch's cast
+inline bf16 to_bf16(float f) {  // round to nearest even, as torch's cast; a NaN stays a (quiet) NaN
     uint32_t u;
     std::memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{static_cast<uint16_t>((u >> 16) | 0x40)};  // NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return bf16{static_cast<uint16_t>(u >> 16)};
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t nan = (u >> 16) | 0x40u;
+    return static_cast<bf16>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);  // a select, not a branch
 }
 
 // T: the storage type; C: what transformers computes an element-wise op of T in (torch's opmath)
@@ -54,28 +52,6 @@ template <> struct Num<bf16> {
     static bf16 store(float x) { return to_bf16(x); }
     static float round(float x) { return to_float(to_bf16(x)); }  // a value as the dtype holds it
 };
-
-// exp in plain arithmetic (Cephes' expf: Cody-Waite reduction, a degree-5 polynomial; ~1 ulp), so the SiLU
-// loop vectorizes: std::exp compiles to a scalar call per element without -ffast-math's vector library
-inline float exp_vec(float x) {
-    x = std::fmin(std::fmax(x, -87.3f), 88.3f);
-    const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float y = 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * (r * r) + r + 1.0f;
-    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    return y * scale;
-}
-inline float exp_of(float x) { return exp_vec(x); }
-inline double exp_of(double x) { return std::exp(x); }
 
 constexpr int64_t PARALLEL_ELEMENTS = 1 << 16;  // below this a step's op runs on one thread
 
@@ -115,25 +91,6 @@ void rms_norm(const T* x, int64_t x_stride, const T* residual, int64_t r_stride,
     }
 }
 
-// gu: [rows, 2 * inter] (gate, then up); out: [rows, inter] = silu(gate) * up
-template <typename T>
-void silu_mul(const T* gu, int64_t gu_stride, T* out, int64_t out_stride, int64_t rows, int64_t inter,
-              int threads) {
-    using N = Num<T>;
-    using C = typename N::C;
-#pragma omp parallel for num_threads(threads) if (rows * inter >= PARALLEL_ELEMENTS) schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-        const T* gate = gu + r * gu_stride;
-        const T* up = gate + inter;
-        T* o = out + r * out_stride;
-        for (int64_t i = 0; i < inter; ++i) {
-            const C g = N::load(gate[i]);
-            const C s = N::round(g / (C(1) + exp_of(-g)));
-            o[i] = N::store(s * N::load(up[i]));
-        }
-    }
-}
-
 // In place on `heads` heads of head_dim at the start of each row of x; cos, sin: [rows, head_dim]
 template <typename T>
 void rope(T* x, int64_t x_stride, int64_t heads, int64_t head_dim, const T* cos, const T* sin,
@@ -168,11 +125,6 @@ void rope(T* x, int64_t x_stride, int64_t heads, int64_t head_dim, const T* cos,
         rms_norm<T>(static_cast<const T*>(x), x_stride, static_cast<const T*>(residual), r_stride,            \
                     static_cast<T*>(sum), s_stride, static_cast<const T*>(weight), static_cast<T*>(out),      \
                     out_stride, tokens, groups, cols, eps, threads);                                          \
-    }                                                                                                          \
-    extern "C" void genq_silu_mul_##SUFFIX(const void* gu, int64_t gu_stride, void* out, int64_t out_stride,  \
-                                           int64_t rows, int64_t inter, int threads) {                        \
-        silu_mul<T>(static_cast<const T*>(gu), gu_stride, static_cast<T*>(out), out_stride, rows, inter,      \
-                    threads);                                                                                  \
     }                                                                                                          \
     extern "C" void genq_rope_##SUFFIX(void* x, int64_t x_stride, int64_t heads, int64_t head_dim,            \
                                        const void* cos, const void* sin, int64_t cs_stride, int64_t rows,     \
