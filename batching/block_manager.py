@@ -260,12 +260,36 @@ class BlockManager:
 
     def append_blocks(self, seqs: list[Sequence]) -> None:
         """One more block for each of `seqs`, decodes whose blocks are all full (and that hold their state
-        slot, if the model keeps states): `allocate(seq, 1)` for each, the pool holding len(seqs) free blocks."""
+        slot, if the model keeps states): `allocate(seq, 1)` for each, the pool holding len(seqs) free blocks.
+        The blocks come off the pool in one call, in the order one call each would take them."""
         assert len(seqs) <= len(self.free_device), "the pool cannot give a block to each"
-        take = self._take_free_block
-        for seq in seqs:
+        claim = self._claim
+        for seq, block in zip(seqs, self.free_device.pop_many(len(seqs)), strict=True):
             assert not self._lacks_state_slot(seq), seq
-            seq.block_table.append(take(seq.priority))
+            claim(block, seq.priority)
+            seq.block_table.append(block)
+
+    def cache_filled_blocks(self, seqs: list[Sequence]) -> None:
+        """`cache_computed_blocks` for each of `seqs`: decodes whose last computed block has just filled, one
+        block to hash each (the general way where it is not)."""
+        if not self.enable_prefix_caching:
+            return
+        bs, hash_of_block, cached = self.block_size, self.hash_of_block, self.cached
+        for seq in seqs:
+            offered, hashes, table = seq.num_cache_offered_blocks, seq.block_hashes, seq.block_table
+            full = seq.num_computed_tokens // bs
+            if full <= offered:
+                continue
+            if full != offered + 1 or len(hashes) != offered or len(table) < full:
+                self.cache_computed_blocks(seq)
+                continue
+            h = block_hash(hashes[-1] if offered else ROOT_HASH, seq.token_ids[offered * bs : full * bs])
+            hashes.append(h)
+            b = table[offered]
+            if hash_of_block[b] is None and h not in cached:
+                cached[h] = b
+                hash_of_block[b] = h
+            seq.num_cache_offered_blocks = full
 
     def _lacks_state_slot(self, seq: Sequence) -> bool:
         return bool(self.num_state_slots) and seq.state_slot is None and not self.free_state_slots
@@ -294,6 +318,11 @@ class BlockManager:
     def _take_free_block(self, priority: int) -> int:
         """A free device block for a sequence of `priority` (evicting the KV it may cache)."""
         block = self.free_device.pop()
+        self._claim(block, priority)
+        return block
+
+    def _claim(self, block: int, priority: int) -> None:
+        """`block`, just taken off the pool, for a sequence of `priority` (evicting the KV it may cache)."""
         h = self.hash_of_block[block]
         if h is not None:  # cached KV nobody references: evicted for new KV
             del self.cached[h]
@@ -302,7 +331,6 @@ class BlockManager:
             self._offload(block, h)
         self.ref_counts[block] = 1
         self.block_priority[block] = priority
-        return block
 
     def _offload(self, block: int, h: bytes) -> None:
         """Keep an evicted device block's KV in a free host block, if the host tier has one."""

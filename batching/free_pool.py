@@ -45,6 +45,18 @@ class FreeBlockPool:
         """Take a given free block (a cache hit on it)."""
         del self._where.pop(block)[block]
 
+    def pop_many(self, n: int) -> list[int]:
+        """Hand out the next `n` blocks, in the order `n` calls of pop() would (the pool must hold them)."""
+        taken: list[int] = []
+        where = self._where
+        while len(taken) < n:
+            pool = self._uncached if self._uncached else next(p for p in reversed(self._cached) if p)
+            for _ in range(min(n - len(taken), len(pool))):
+                block, _ = pool.popitem(last=False)
+                del where[block]
+                taken.append(block)
+        return taken
+
     def pop(self) -> int:
         """Hand out the next block (the pool must not be empty)."""
         pool = self._uncached if self._uncached else next(p for p in reversed(self._cached) if p)

@@ -297,13 +297,9 @@ class Scheduler:
         else:  # a few: numpy's calls cost more than they save
             computed = [c + 1 for c in steady.computed]
             crossed = [i for i, c in enumerate(computed) if c % bs == 0]
-        growing = []
-        for i in crossed:
-            seq = decoding[i]
-            if bm.enable_prefix_caching and seq.num_computed_tokens // bs > seq.num_cache_offered_blocks:
-                bm.cache_computed_blocks(seq)
-            if len(seq.block_table) * bs <= seq.num_computed_tokens:
-                growing.append(seq)
+        filled = [decoding[i] for i in crossed]
+        bm.cache_filled_blocks(filled)
+        growing = [seq for seq in filled if len(seq.block_table) * bs <= seq.num_computed_tokens]
         if len(growing) > bm.num_free_device_blocks:
             return False  # some would preempt: from scratch (the offers above are the same there)
         bm.append_blocks(growing)
