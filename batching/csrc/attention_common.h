@@ -76,12 +76,22 @@ template <typename T> inline T narrow(typename Compute<T>::type x) {
 // sequence and KV head: `head` is that head's pool, `table` the sequence's block ids, `rows` position
 // t0's head_dim values (the block's rows follow it contiguously), `slot` its slot in the head's pool
 // (an int8 cache's scales of the block's rows are at [slot, slot + t1 - t0) of the head's scales).
+// While fn works on one block, the next block's rows are fetched into the cache: a sequence's blocks lie
+// anywhere in the pool, so the hardware's prefetchers, which follow addresses that advance steadily, see
+// each block's start as a miss (decode attention ran 1.8x faster over blocks in pool order than over the
+// same blocks shuffled, before this).
 template <typename T, typename Fn>
 inline void for_each_block(const T *head, const int64_t *table, int64_t first, int64_t len,
                            int64_t block_size, int64_t D, Fn &&fn) {
+    constexpr int64_t kLine = 64;  // bytes a prefetch brings
+    const int64_t block_bytes = block_size * D * static_cast<int64_t>(sizeof(T));
     for (int64_t b = first / block_size; b * block_size < len; b++) {
         const int64_t t0 = std::max(first, b * block_size), t1 = std::min(len, (b + 1) * block_size);
         const int64_t slot = table[b] * block_size + (t0 - b * block_size);
+        if ((b + 1) * block_size < len) {
+            const char *next = reinterpret_cast<const char *>(head + table[b + 1] * block_size * D);
+            for (int64_t offset = 0; offset < block_bytes; offset += kLine) __builtin_prefetch(next + offset);
+        }
         fn(t0, t1, head + slot * D, slot);
     }
 }
