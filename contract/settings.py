@@ -112,22 +112,19 @@ class WorkerSettings(StoreSettings):
     # torch threads of the worker's engine process. None: OMP_NUM_THREADS if set, else cores - 1, leaving one
     # core to the worker's job I/O, Postgres and Redis (on 2 cores, 2 threads stepped slower than 1 under load)
     engine_threads: int | None = None
-    # order of the waiting jobs of one priority, in the queue's window and in the engine: fcfs (by arrival), or
+    # order of the waiting jobs of one priority, in the queue's window and in the engine: fcfs (by arrival),
     # predicted (predicted shortest first, by prompt + predicted output tokens, with aging; deadlines at risk
-    # first). Predicted / fcfs, issue 44's workload (160 jobs of one priority, 11 long, 47 with deadlines):
-    # through the whole stack (bench/within_class_stack.py, both policies at once, 2 rounds, 2026-11-27, load
-    # 13-17) mean 0.79x (rounds 0.61x, 0.99x), p99 1.03x, throughput 1.01x, deadlines met 66% against 56%; chat's
-    # and agent's short jobs 0.64x and 0.60x, the writer's (a long history) 1.24x; an ideal worker on the same
-    # jobs (bench/within_class_model.py) 0.72x / 1.04x / 1.04x; the engine alone (bench/within_class.py) 0.79x.
-    # Not worse than fcfs on mean or deadlines in any round, throughput within 3%: the default.
-    # preemptive: predicted, and within a class a running job that has made more tokens yields its slot to a waiting
-    # one (least attained service, batching/scheduler.py; its KV swapped to host memory, resumed, never recomputed);
-    # the worker holds 3x max_num_seqs jobs so that short ones reach the engine (worker_capacity). Issue 44's
-    # workload through the stack, the three policies at once, loaded (bench/RESULTS.md, 2026-11-27 10:32 and 10:40):
-    # preemptive / fcfs mean 0.54x and 0.34x, p99 1.22x and 0.94x, throughput 0.98x and 1.11x (predicted 0.70x and
-    # 0.61x in the same runs); not the default yet: the service tests have not run under it
-    scheduling_policy: Literal["fcfs", "predicted", "preemptive"] = "predicted"
-    # aging, under predicted: no job is overtaken by one of its priority arriving more than this many seconds later
+    # first), or preemptive: predicted, and within a class a running job that has made more tokens yields its slot
+    # to a waiting one (least attained service, batching/scheduler.py; its KV swapped to host memory, resumed,
+    # never recomputed); the worker holds 3x max_num_seqs jobs so that short ones reach the engine
+    # (worker_capacity), and shares what it holds beyond slots + reserve with idle workers (worker_base_capacity).
+    # Issue 44's workload (160 jobs of one priority, 11 long, 47 with deadlines) through the whole stack, the three
+    # policies at once (bench/within_class_stack.py, bench/RESULTS.md), against fcfs: preemptive mean 0.54x and
+    # 0.34x, p99 1.22x and 0.94x, throughput 0.98x and 1.11x (2026-11-27 10:32 and 10:40, loaded); predicted 0.70x
+    # and 0.61x in the same runs (0.61-0.99x by round earlier), missing issue 44's 0.6x. The default since the
+    # service tests (tests/workers, reliability, webapi, contract) pass under it: preemptive
+    scheduling_policy: Literal["fcfs", "predicted", "preemptive"] = "preemptive"
+    # aging (predicted, preemptive): no job is overtaken by one of its priority arriving more than this many s later
     scheduling_aging_seconds: float = Field(30.0, ge=0)
 
     # --- the job lifecycle

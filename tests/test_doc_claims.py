@@ -93,12 +93,15 @@ def test_the_settings_tables_of_the_docs_give_the_defaults(clean_env):
     assert checked >= 10 and wrong == {}, wrong
 
 
-def test_the_engine_defaults_the_docs_quote():
-    """MAX_NUM_SEQS unset is the engine's 256 (README, operations.md, .env.example), so a worker holds 288."""
+def test_the_engine_defaults_the_docs_quote(clean_env):
+    """MAX_NUM_SEQS unset is the engine's 256 (README, operations.md, .env.example), so a worker holds 768 under the
+    default SCHEDULING_POLICY=preemptive (256 + 2 x 256), 288 under predicted."""
     max_num_seqs = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "max_num_seqs")
     assert max_num_seqs == 256
-    assert Settings().worker_capacity(max_num_seqs) == 288  # operations.md's sample log line
-    assert "holds up to 288 jobs" in (ROOT / "docs" / "operations.md").read_text()
+    assert Settings.from_env().worker_capacity(max_num_seqs) == 768  # operations.md's sample log line
+    assert Settings.from_env(scheduling_policy="predicted").worker_capacity(max_num_seqs) == 288
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    assert "holds up to 768 jobs" in operations and "288 under `predicted`" in operations
 
 
 def answered_codes() -> set[tuple[int, str]]:

@@ -106,7 +106,11 @@ def test_api_stays_responsive_while_the_worker_is_saturated(
     make_worker(st, concurrency=8).start()
     ids = [
         client.post(
-            "/jobs", json={"prompt": f"load {i}", "max_tokens": 200, "temperature": 0.0}, headers=headers
+            # 1,500 tokens, cancelled once measured: jobs of 200 all ended during the 100 GETs (16 x 200 tokens on
+            # 8 slots are ~400 steps of a few ms), leaving none running to saturate the worker
+            "/jobs",
+            json={"prompt": f"load {i}", "max_tokens": 1500, "temperature": 0.0},
+            headers=headers,
         ).json["id"]
         for i in range(16)
     ]
