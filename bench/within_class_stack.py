@@ -1,6 +1,6 @@
 """Scheduling within a priority class through the whole stack (issue 44): API, worker, Postgres and Redis, the
-same jobs under SCHEDULING_POLICY=fcfs and =predicted in one run (`--policies`: also preemptive, each against
-fcfs).
+same jobs under SCHEDULING_POLICY=fcfs, =predicted and =preemptive (the default) in one run (`--policies`: fcfs
+first, each other against it).
 
 bench/within_class.py measures the engine alone; here the jobs go through `POST /jobs`, wait in Redis (the worker
 holds max_num_seqs + its reserve; the rest wait in its queue, where the intake's window orders them:
@@ -19,7 +19,7 @@ workers/queue_order.py) and in the engine, and end by themselves. Workload (seed
   what the worker can do, then the queue drains.
 
 Each pass is a fresh stack (its own database and Redis keys) with one worker. By default (`--together`) each
-round runs both policies at once, a stack each, the same jobs sent at the same moments: whatever else the
+round runs every policy at once, a stack each, the same jobs sent at the same moments: whatever else the
 shared machine runs weighs on both alike (one after the other, passes of one policy differed 1.5-3.8x in mean
 as others' load came and went). `--no-together` alternates them, fcfs, predicted, predicted, fcfs. A job's
 latency is its row's finished_at - created_at; throughput is the output tokens over the first creation to the
@@ -461,7 +461,7 @@ def main() -> None:
         "--policies",
         nargs="+",
         choices=["fcfs", "predicted", "preemptive"],
-        default=["fcfs", "predicted"],
+        default=["fcfs", "predicted", "preemptive"],
         help="fcfs and the policies to measure against it (each / fcfs)",
     )
     parser.add_argument(
