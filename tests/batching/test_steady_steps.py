@@ -238,6 +238,10 @@ def test_steady_engine_steps_equal_steps_from_scratch(
         async_scheduling=async_scheduling,
         seed=seed,
         dtype="float32",  # the CPU kernels' path (float32, bfloat16), whose runner packs decodes by columns
+        # no decision by the wall clock (budgets priced on step times, a step-time estimate in the order): the two
+        # engines' steps take different times, and must schedule the same
+        scheduling_policy="fcfs",
+        attention_aware_chunks=False,
     )
     fast, slow = make_cpu_engine(**kwargs), make_cpu_engine(**kwargs)
     hits = _count_steady_paths(fast, monkeypatch)
