@@ -96,8 +96,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 from workers.process_tuning import engine_environment  # noqa: E402  (no torch: set before torch loads)
 
-# genq's engine runs in this process as the worker's engine process runs it: OpenMP threads that wait asleep
-# (workers/process_tuning.py), unless set by the caller. vLLM's process gets the caller's environment as is.
+# genq's engine runs in this process as the worker's engine process runs it: OpenMP threads that spin briefly,
+# then sleep (workers/process_tuning.py), unless the caller set how they wait. vLLM's process gets the caller's environment as is.
 GENQ_ENVIRONMENT = engine_environment()
 os.environ.update(GENQ_ENVIRONMENT)
 
@@ -786,7 +786,8 @@ def main(argv=None):
     print(
         f"torch {torch.__version__} threads={torch.get_num_threads()} device={args.device} "
         f"({platform.processor() or platform.machine()}, {os.cpu_count()} CPUs), "
-        f"genq's OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+        f"genq's OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')} "
+        f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}"
     )
 
     fig = dict(
@@ -799,6 +800,7 @@ def main(argv=None):
         useful_tokens=useful,
         threads=torch.get_num_threads(),
         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+        gomp_spincount=os.environ.get("GOMP_SPINCOUNT"),
         device=args.device,
         load_avg_start=os.getloadavg(),
         repeat=args.repeat,

@@ -229,21 +229,23 @@ def engine_environ(pid: int) -> dict[str, str]:
     return {name.decode(): value.decode() for name, value in pairs}
 
 
-def test_the_engine_process_waits_for_openmp_work_asleep_unless_the_user_says_otherwise(
+def test_the_engine_process_spins_briefly_for_openmp_work_unless_the_user_says_otherwise(
     settings, monkeypatch
 ):
-    # OMP_WAIT_POLICY=PASSIVE: on a CPU that other processes share, spinning OpenMP threads stall every step
-    # (workers/process_tuning.py); a policy the user set is theirs, and the worker's own environment is unchanged
+    # GOMP_SPINCOUNT=10000: on a CPU that other processes share, long-spinning OpenMP threads stall every step
+    # (workers/process_tuning.py); a wait policy the user set is theirs, and the worker's environment is unchanged
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     host = start(settings).host
     try:
-        assert engine_environ(host.pid)["OMP_WAIT_POLICY"] == "PASSIVE"
-        assert "OMP_WAIT_POLICY" not in os.environ
+        assert engine_environ(host.pid)["GOMP_SPINCOUNT"] == "10000"
+        assert "GOMP_SPINCOUNT" not in os.environ
     finally:
         host.stop()
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     host = start(settings).host
     try:
-        assert engine_environ(host.pid)["OMP_WAIT_POLICY"] == "ACTIVE"
+        environ = engine_environ(host.pid)
+        assert environ["OMP_WAIT_POLICY"] == "ACTIVE" and "GOMP_SPINCOUNT" not in environ
     finally:
         host.stop()
