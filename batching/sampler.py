@@ -116,9 +116,8 @@ class Sampler:
     def __init__(self, eos_token_ids: set[int] | frozenset[int] = frozenset()):
         self.eos_token_ids = sorted(eos_token_ids)  # held back with stop_token_ids before min_tokens
         self.token_counts = TokenCounts()  # penalized sequences' seen tokens and output counts, on the device
-        self._plain_seqs: list[
-            Sequence
-        ] = []  # the last step's rows when all were plain (params do not change)
+        # the last step's rows when all were plain (a sequence's params do not change)
+        self._plain_seqs: list[Sequence] = []
 
     def forget(self, seq: Sequence) -> None:
         """`seq` ended: its counts go."""

@@ -76,6 +76,8 @@ class SchedulerOutput:
         del self.seqs[i], self.num_scheduled_tokens[i]
         if i < self.num_decodes:
             self.num_decodes -= 1
+            if self.decode_context is not None:  # (before a preemption resets its computed tokens)
+                self.decode_context -= seq.num_computed_tokens
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -249,19 +251,23 @@ class Scheduler:
         if sum(bm.num_new_blocks(s, 1) for s in growing) > bm.num_free_device_blocks:
             return False
         bm.append_blocks(growing)
-        out = fill.out
-        out.seqs.extend(decoding)
-        out.num_scheduled_tokens.extend([1] * len(decoding))
-        out.num_decodes = len(decoding)
+        self._take_decodes(decoding, sum(map(_computed, decoding)), fill)
         fill.decodes.update(decoding)
-        c = self.costs.decode_context_per_token  # the sum of _decode_cost over them
-        out.decode_context = sum(map(_computed, decoding))
-        context = out.decode_context / c if c else 0.0
-        fill.decode_cost += self.costs.decode_tokens * len(decoding) + context
         fill.all_decoding = len(decoding) == len(self.running)
         if fill.all_decoding and not self.swapped and not self.waiting and decoding:
             self._steady = _Steady.of(decoding, self._version)
         return True
+
+    def _take_decodes(self, decoding: list[Sequence], context: int, fill: _Fill) -> None:
+        """`decoding` (every one with its block) as the step's decodes, a token each, in one pass; `context`: the
+        sum of their num_computed_tokens, priced as the sum of their `_decode_cost`."""
+        out = fill.out
+        out.seqs.extend(decoding)
+        out.num_scheduled_tokens.extend([1] * len(decoding))
+        out.num_decodes = len(decoding)
+        out.decode_context = context
+        c = self.costs.decode_context_per_token
+        fill.decode_cost += self.costs.decode_tokens * len(decoding) + (context / c if c else 0.0)
 
     @property
     def version(self) -> int:
@@ -303,13 +309,8 @@ class Scheduler:
         if len(growing) > bm.num_free_device_blocks:
             return False  # some would preempt: from scratch (the offers above are the same there)
         bm.append_blocks(growing)
-        out = fill.out
-        out.seqs.extend(decoding)
-        out.num_scheduled_tokens.extend([1] * len(decoding))
-        out.num_decodes = len(decoding)
-        out.decode_context = sum_computed = steady.sum_computed + len(decoding)
-        c = self.costs.decode_context_per_token
-        fill.decode_cost += self.costs.decode_tokens * len(decoding) + (sum_computed / c if c else 0.0)
+        sum_computed = steady.sum_computed + len(decoding)
+        self._take_decodes(decoding, sum_computed, fill)
         fill.all_decoding = True
         # (no prefill order: every running sequence decodes, none waits, none is swapped out)
         steady.computed, steady.margin, steady.sum_computed = computed, steady.margin - 1, sum_computed

@@ -62,7 +62,7 @@ class StopChecker:
         if others:
             for i in rows:
                 self._place(seqs[i], tokens[i])
-        else:
+        else:  # `_place`, inlined: this loop runs for every sequence of every steady step
             for seq, token in zip(seqs, tokens, strict=True):
                 if seq.pending_row >= 0:  # its placeholder, last in token_ids (async scheduling)
                     seq.token_ids[-1] = token

@@ -139,6 +139,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
         scheduled = dict(zip([s.req_id for s in out.seqs], out.num_scheduled_tokens, strict=True))
         assert len(scheduled) == len(out.seqs), "a sequence was scheduled twice"
+        if out.decode_context is not None:  # what the step's cost model is told (step_cost.features)
+            decodes = out.seqs[: out.num_decodes]
+            assert out.decode_context == sum(s.num_computed_tokens for s in decodes), "a stale decode context"
         assert len(sched.running) <= self.config.max_num_seqs
         budget = self.config.max_num_batched_tokens
         if self.config.enable_chunked_prefill:
