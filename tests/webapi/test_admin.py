@@ -56,13 +56,18 @@ def submit(url: str, key: str, **fields) -> str:
 
 def click_and_wait(browser, element) -> None:
     """Click something that loads a page, and wait until the new page has replaced the old one."""
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import WebDriverWait
 
     page = browser.find_element(By.TAG_NAME, "html")
     element.click()
-    WebDriverWait(browser, 15).until(expected_conditions.staleness_of(page))
+    # asked mid-navigation, chromedriver may answer "unhandled inspector error" (a 500) instead of "stale":
+    # asked again, until the old page is gone (or 15 s pass: a click that loads nothing still fails)
+    WebDriverWait(browser, 15, ignored_exceptions=(WebDriverException,)).until(
+        expected_conditions.staleness_of(page)
+    )
 
 
 def rows(browser) -> list[dict]:
