@@ -317,6 +317,7 @@ class EngineHost:
             if stopping:
                 self._fail(lost, HostStopped("the worker is shutting down"))
                 break
+            self.pid = None  # until the next one is built: stats never name a dead process beside a new count
             self.losses.append(time.monotonic())
             log.error(
                 "the engine process (pid %s) died (exit code %s) with %d requests; they go back to the queue "

@@ -242,7 +242,7 @@ def test_a_dead_engine_process_hands_its_jobs_back_and_a_new_one_finishes_them(
     os.kill(first_engine, signal.SIGKILL)
     killed_at = time.monotonic()
     stats = wait_for(
-        lambda: (s := worker.engine_stats(celery)).get("engine_restarts") == 1 and s,
+        lambda: (s := worker.engine_stats(celery)).get("engine_restarts") == 1 and s.get("engine_pid") and s,
         60,
         "a new engine process",
     )
