@@ -18,6 +18,11 @@ its idle time between one step's work and the next's (issue 38's target: <= 200 
     python bench/host_overhead.py --widths 256 --profile   # cProfile of the last round, by cumulative time
     python bench/host_overhead.py --sections               # and the thread CPU by part of the step
     python bench/host_overhead.py --detokenize engine      # text made in the engine (default: the worker)
+    python bench/host_overhead.py --waiting 512 --policy preemptive  # with a backlog that cannot start
+
+`--waiting N`: N more requests, one priority class less urgent, queued behind each width's sequences, with
+max_num_seqs set to the width (an engine per width), so none starts: what a backlog in the engine costs every
+step (the service's worker holds several times its engine's slots, so its engine nearly always has one).
 """
 
 from __future__ import annotations
@@ -38,7 +43,10 @@ import torch  # noqa: E402
 from transformers import AutoConfig, LlamaForCausalLM  # noqa: E402
 
 from batching import Engine, EngineConfig, SamplingParams  # noqa: E402
+from batching.config import SCHEDULING_POLICIES  # noqa: E402
 from batching.tokenizer import byte_level_tokenizer  # noqa: E402
+
+BACKLOG_PRIORITY = 6  # --waiting's requests: one class less urgent than the default 5 of the measured ones
 
 NEARLY_FREE = dict(
     vocab_size=259,
@@ -191,9 +199,11 @@ def measure(
     profile: bool = False,
     report: str = "deltas",
     sections: bool = False,
+    waiting: int = 0,
 ) -> dict:
     """Host work per step of `width` sequences in steady decode, over `steps` steps (median of 3 runs; with
-    `sections`, a fourth run's thread CPU by part of the step, not counted in the figures)."""
+    `sections`, a fourth run's thread CPU by part of the step, not counted in the figures), with `waiting`
+    less urgent requests queued behind them (the engine's max_num_seqs is `width` then: none starts)."""
     step = stepper(engine, report)
     # deltas, as the worker asks (workers/engine_process.py)
     params = decode_params(steps * 3 + 64)
@@ -202,8 +212,11 @@ def measure(
         engine.add_request(f"w{width}-{i}", prompt, params)
     while engine.stats()["num_running"] < width or engine.stats()["num_waiting"]:
         step()
+    for i in range(waiting):
+        engine.add_request(f"b{width}-{i}", prompts[i % width], params, priority=BACKLOG_PRIORITY)
     for _ in range(8):  # every sequence decoding
         step()
+    assert engine.stats()["num_waiting"] == waiting, engine.stats()
     timer = ForwardTimer(engine.model, engine.device)
     rounds = []
     profiler = None
@@ -235,6 +248,8 @@ def measure(
         parts = section_timer.per_step(steps)
     for i in range(width):
         engine.abort(f"w{width}-{i}")
+    for i in range(waiting):
+        engine.abort(f"b{width}-{i}")
     step()
     wall, forward, _ = sorted(rounds, key=lambda r: r[0] - r[1])[1]
     host_cpu_us = sorted(r[2] for r in rounds)[1] / steps * 1e6
@@ -244,6 +259,7 @@ def measure(
     target = 100.0 if width == 1 else 100.0 + 1.0 * width
     result = dict(
         width=width,
+        waiting=waiting,
         step_us=round(step_us, 1),
         forward_us=round(forward_us, 1),
         host_us_per_step=round(host_us, 1),
@@ -310,26 +326,40 @@ def measure_widths(
     text: str = "ascii",
     report: str = "deltas",
     sections: bool = False,
+    waiting: int = 0,
+    policy: str | None = None,
 ) -> dict:
     """The figures for `widths` on `device` (and, on CUDA, the device's idle time between steps)."""
     with tempfile.TemporaryDirectory() as tmp:
-        engine = Engine(
-            EngineConfig(
-                model=build_model_dir(tmp, text),
+        model = build_model_dir(tmp, text)
+
+        def build(max_num_seqs: int) -> Engine:
+            config = EngineConfig(
+                model=model,
                 dtype="float32",
                 device=device,
-                max_num_seqs=max(widths),
+                max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max(512, max(widths)),
                 num_device_blocks=max(widths) * 16 + 64,
                 attention_backend=attention,
+                **({"scheduling_policy": policy} if policy else {}),
             )
-        )
+            return Engine(config)
+
+        engine = build(max(widths))
         # as the engine process does once its engine is built (workers/process_tuning.py): the heap so far
         # frozen out of the collector's sight, so no full collection walks the model in a timed step
         gc.collect()
         gc.freeze()
         try:
-            results = [measure(engine, w, steps, profile, report, sections) for w in widths]
+            results = []
+            for w in widths:
+                if waiting:  # max_num_seqs = the width: the backlog never starts
+                    gc.unfreeze()
+                    engine = build(w)
+                    gc.collect()
+                    gc.freeze()
+                results.append(measure(engine, w, steps, profile, report, sections, waiting))
             gaps = [device_gaps(engine, w, steps) for w in widths] if engine.device.type == "cuda" else []
         finally:
             gc.unfreeze()
@@ -341,6 +371,7 @@ def measure_widths(
         # where the text was made: this engine's SamplingParams without detokenize (older) makes it itself
         detokenize=TEXT_IN if hasattr(SamplingParams(), "detokenize") else "engine",
         async_scheduling=engine.async_scheduling,
+        scheduling_policy=engine.config.scheduling_policy,
         torch=torch.__version__,
         results=results,
         gaps=gaps,
@@ -352,14 +383,14 @@ def table(report: dict) -> list[str]:
         f"host work outside the forward: {report['device_name']}, async scheduling "
         f"{'on' if report['async_scheduling'] else 'off'}, torch {report['torch']}, "
         f"{report.get('text', 'bytes')} text made by the {report.get('detokenize', 'engine')}, steps reported "
-        f"as {report.get('report', 'outputs')}",
+        f"as {report.get('report', 'outputs')}, scheduling policy {report.get('scheduling_policy', 'predicted')}",
         "",
-        "| width | step us | forward us | host us | host us / seq | host CPU us | target us | met |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| width | waiting | step us | forward us | host us | host us / seq | host CPU us | target us | met |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in report["results"]:
         lines.append(
-            f"| {r['width']} | {r['step_us']:.0f} | {r['forward_us']:.0f} | {r['host_us_per_step']:.0f} | "
+            f"| {r['width']} | {r.get('waiting', 0)} | {r['step_us']:.0f} | {r['forward_us']:.0f} | {r['host_us_per_step']:.0f} | "
             f"{r['host_us_per_seq']:.2f} | {r['host_cpu_us_per_step']:.0f} | {r['target_us']:.0f} | "
             f"{'yes' if r['met'] else 'no'} |"
         )
@@ -429,13 +460,31 @@ def main(argv=None) -> int:
         default="worker",
         help="where the text is made: in the worker, as it asks for requests without stop strings, or the engine",
     )
+    ap.add_argument(
+        "--waiting",
+        type=int,
+        default=0,
+        help="requests queued behind each width's, one class less urgent, that never start (a backlog)",
+    )
+    ap.add_argument(
+        "--policy", choices=SCHEDULING_POLICIES, help="the engine's scheduling_policy (default: its own)"
+    )
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     global TEXT_IN
     TEXT_IN = args.detokenize
     widths = [int(w) for w in args.widths.split(",")]
     report = measure_widths(
-        widths, args.steps, args.device, args.profile, args.attention, args.text, args.report, args.sections
+        widths,
+        args.steps,
+        args.device,
+        args.profile,
+        args.attention,
+        args.text,
+        args.report,
+        args.sections,
+        args.waiting,
+        args.policy,
     )
     print("\n".join(table(report)))
     if args.json:

@@ -28,7 +28,7 @@ from hypothesis.stateful import (
 
 from batching import EngineConfig, SamplingParams
 from batching.block_manager import BlockManager, blocks_for
-from batching.scheduler import Scheduler
+from batching.scheduler import Scheduler, SchedulerOutput, _Fill
 from batching.sequence import Sequence, SequenceStatus
 from tests.batching.conftest import random_prompts
 
@@ -196,6 +196,26 @@ class SchedulerMachine(RuleBasedStateMachine):
                     sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
                     assert seq.req_id not in self.finished
                     self.finished[seq.req_id] = seq.status
+
+    @invariant()
+    def prefill_order_is_the_rank_order(self):
+        """The order the step reads the prefills, swapped and waiting sequences in (merged from the place-sorted
+        queues as read, `Scheduler._prefill_order`) is the full sort by rank, and the sequences ranked apart
+        from their place are exactly the waiting and swapped ones whose rank may not follow it."""
+        if not hasattr(self, "sched"):
+            return
+        sched = self.sched
+        queued = sched.swapped + sched.waiting
+        assert list(sched._apart) == [s for s in sched._apart if s in queued]
+        assert all((s in sched._apart) == sched._ranked_apart(s) for s in queued)
+        order, prefilling = sched._prefill_order(_Fill(SchedulerOutput()))
+        order = list(order)
+
+        def key(s):
+            return (s.priority, s.status != SequenceStatus.RUNNING, sched.rank(s))
+
+        assert sorted(s.req_id for s in order) == sorted(s.req_id for s in prefilling + queued)
+        assert [key(s) for s in order] == sorted(map(key, prefilling + queued))
 
     @invariant()
     def blocks_are_free_or_owned_once(self):
@@ -370,6 +390,26 @@ class EngineMachine(RuleBasedStateMachine):
                 assert out.finish_reason == expected_reason
                 if expected_reason == "length":
                     assert len(out.token_ids) == params.max_tokens
+
+    @invariant()
+    def prefill_order_is_the_rank_order(self):
+        """The order the step reads the prefills, swapped and waiting sequences in (merged from the place-sorted
+        queues as read, `Scheduler._prefill_order`) is the full sort by rank, and the sequences ranked apart
+        from their place are exactly the waiting and swapped ones whose rank may not follow it."""
+        if not hasattr(self, "sched"):
+            return
+        sched = self.sched
+        queued = sched.swapped + sched.waiting
+        assert list(sched._apart) == [s for s in sched._apart if s in queued]
+        assert all((s in sched._apart) == sched._ranked_apart(s) for s in queued)
+        order, prefilling = sched._prefill_order(_Fill(SchedulerOutput()))
+        order = list(order)
+
+        def key(s):
+            return (s.priority, s.status != SequenceStatus.RUNNING, sched.rank(s))
+
+        assert sorted(s.req_id for s in order) == sorted(s.req_id for s in prefilling + queued)
+        assert [key(s) for s in order] == sorted(map(key, prefilling + queued))
 
     @invariant()
     def blocks_are_free_or_owned_once(self):
