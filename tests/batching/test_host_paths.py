@@ -81,10 +81,13 @@ def test_a_decode_step_packed_by_columns_is_the_general_paths(make_cpu_engine, w
 
 
 def test_numpy_argmax_is_torchs():
-    """The first of equal maxima, a NaN before every number, in float32 and float64; bfloat16 through torch."""
+    """The first of equal maxima (-0 and +0 equal), a NaN before every number, in float32 and float64, and in
+    bfloat16 and float16 widened to float32."""
     g = torch.Generator().manual_seed(3)
-    for dtype in (torch.float32, torch.float64, torch.bfloat16):
-        logits = torch.randint(0, 4, (64, 259), generator=g).to(dtype)  # many ties
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        logits = torch.randint(0, 4, (64, 259), generator=g).to(dtype) - 3  # many ties
+        logits[4, :] = -1.0
+        logits[4, 30], logits[4, 31] = -0.0, 0.0
         logits[5, 17] = float("nan")
         logits[6, :] = float("-inf")
         logits[7, 200] = float("inf")
