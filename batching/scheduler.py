@@ -488,13 +488,19 @@ class Scheduler:
         """Swap in or start a not-running sequence with its first chunk, preempting for it if it lacks
         blocks or a slot; returns the budget it took (0: it cannot start)."""
         bm = self.block_manager
-        self._version += 1
-        self._make_room(seq, fill, lambda: self._lacks_room(seq, fill))
+        plan = self._plan_admission(seq, fill)  # planned again only after a preemption
+        while plan[2] < plan[1]:  # it lacks room: as _make_room does
+            victim = self._least_urgent_running(exclude=[], less_urgent_than=seq)
+            if victim is None:
+                break
+            self._preempt(victim, fill)
+            plan = self._plan_admission(seq, fill)
         if self.preemptive:
-            self._yield_in_class(seq, fill)
-        hit, _, n = self._plan_admission(seq, fill)
+            plan = self._yield_in_class(seq, fill, plan)
+        hit, _, n = plan
         if n == 0:
-            return 0
+            return 0  # nothing changed: a backlog that cannot start leaves the version (step_deltas' epoch) as is
+        self._version += 1
         budget, out = self._budget(fill), fill.out
         if seq.status == SequenceStatus.SWAPPED:
             mapping = bm.swap_in(seq)
@@ -571,11 +577,6 @@ class Scheduler:
             for other in self.running
         )
 
-    def _lacks_room(self, seq: Sequence, fill: _Fill) -> bool:
-        """Whether `seq` cannot have the first chunk it wants for want of slots or blocks."""
-        _, want, can = self._plan_admission(seq, fill)
-        return can < want
-
     def _usable_cached_prefix(self, seq: Sequence, out: SchedulerOutput) -> CachedPrefix:
         """The cached blocks `seq` starts on: its longest cached prefix, shortened until the pool has a
         block left for the tokens after it (a cached block nobody references, or one copied back from
@@ -630,16 +631,20 @@ class Scheduler:
                 victim, victim_rank = seq, rank
         return victim
 
-    def _yield_in_class(self, seq: Sequence, fill: _Fill) -> None:
+    def _yield_in_class(
+        self, seq: Sequence, fill: _Fill, plan: tuple[CachedPrefix, int, int]
+    ) -> tuple[CachedPrefix, int, int]:
         """Under "preemptive": while `seq` cannot start at all (no slot, or no blocks), preempt the running
         sequence of its class that yields to it (`_yields_to`) at the highest level, the last in the class's
-        order among equals."""
+        order among equals. `plan`: `_plan_admission`'s now; returns it as it stands after the yields."""
         level = self._preemptive_rank(seq)[2]
-        while (plan := self._plan_admission(seq, fill))[1] > 0 and plan[2] == 0:
+        while plan[1] > 0 and plan[2] == 0:
             victims = [r for r in self.running if self._yields_to(r, seq, level, fill)]
             if not victims:
-                return
+                break
             self._preempt(max(victims, key=self._preemptive_rank), fill)
+            plan = self._plan_admission(seq, fill)
+        return plan
 
     def _yields_to(self, running: Sequence, seq: Sequence, level: int, fill: _Fill) -> bool:
         """Whether `running` gives its slot to `seq` (of level `level`): the same class, a higher level, its
