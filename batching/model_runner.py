@@ -33,7 +33,7 @@ from batching.attention_metadata import (
 from batching.cpu_attention import PagedAttentionKernel, PrefillTables
 from batching.host_to_device import device_tensor
 from batching.kv_cache import KVCache
-from batching.scheduler import SchedulerOutput
+from batching.scheduler import FEW_DECODES, SchedulerOutput  # (fewer decodes: packed in plain Python)
 from batching.sequence import Sequence
 from batching.state_cache import StateCache
 from batching.state_step import build_step
@@ -42,7 +42,6 @@ _InferenceMode = torch._C._InferenceMode  # what torch.inference_mode() enters
 
 _computed = attrgetter("num_computed_tokens")
 PREFILL_TILE = 16  # queries of one chunk per Triton program (triton_attention.py)
-FEW_DECODES = 16  # a step of fewer decodes is packed in plain Python (ModelRunner._few_decodes)
 BACKENDS = ("triton", "cpu_kernel", "torch")
 
 

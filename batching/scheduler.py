@@ -750,7 +750,9 @@ class _Steady:
         return _Steady(list(decoding), version, computed, margin, total)
 
 
-FEW_DECODES = 16  # below this many decodes, a steady step's positions are a list, not an array
+# below this many decodes, numpy's calls cost more than they save: a steady step's positions are a list, not an
+# array, and the runner packs the step in plain Python (ModelRunner._few_decodes)
+FEW_DECODES = 16
 
 
 _computed = attrgetter("num_computed_tokens")
