@@ -90,9 +90,9 @@ def free_port() -> int:
 def settings_env(settings: Settings) -> dict[str, str]:
     """The environment that makes a subprocess (alembic, worker, gunicorn) read `settings`."""
     env = dict(os.environ)
-    for name, value in settings.model_dump(
-        exclude_defaults=True
-    ).items():  # defaults: as the environment says
+    # every value set (by the environment, or by the test: a test's value equal to the default too, which an
+    # environment naming another would otherwise override); the rest: as the environment says
+    for name, value in settings.model_dump(exclude_unset=True).items():
         if value is not None:
             env[name.upper()] = str(value)
     return env

@@ -43,13 +43,7 @@ def worker(settings: Settings, log: Path, metrics_port: int = 0) -> Iterator[sub
         process = subprocess.Popen(
             worker_command(f"{name}@%h", 2),
             cwd=ROOT,
-            # the policy always named: settings_env leaves out a value equal to the default, and an environment
-            # naming another policy (SCHEDULING_POLICY=... for a whole run) would then win over the test's
-            env={
-                **settings_env(settings),
-                "SCHEDULING_POLICY": settings.scheduling_policy,
-                "WORKER_METRICS_PORT": str(metrics_port),
-            },
+            env={**settings_env(settings), "WORKER_METRICS_PORT": str(metrics_port)},
             stdout=out,
             stderr=subprocess.STDOUT,
         )
