@@ -11,7 +11,8 @@ so recording them costs no extra write:
                    (the worker's clock, written with its next progress, result or hand-back write)
     resumed        its first new token after a preemption                                    (likewise)
     handed_back    its worker gave it back to the queue with its tokens: `reason` (preempted: for more urgent
-                   work; handed_back: shutting down; engine_lost: its engine process died), `tokens` kept,
+                   work; handed_back: shutting down; rebalanced: for an idle worker with free slots;
+                   engine_lost: its engine process died), `tokens` kept,
                    `worker`                                                                   (the hand-back, DB clock)
     lease_expired  its worker stopped renewing its lease; the reconciler sent it back to the queue: `worker`
 

@@ -257,6 +257,7 @@ _LABELS = {
 _HANDED_BACK = {
     "preempted": "to the queue, for more urgent work",
     "handed_back": "to the queue: its worker shut down",
+    "rebalanced": "to the queue, for an idle worker with free slots",
     "engine_lost": "to the queue: its engine process died",
 }
 

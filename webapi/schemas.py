@@ -114,9 +114,10 @@ class JobEventOut(BaseModel):
     at: datetime
     attempt: int | None = Field(None, description="claimed: which claim this is (the first is `started_at`).")
     count: int | None = Field(None, description="preempted: how many times since it last made tokens.")
-    reason: Literal["preempted", "handed_back", "engine_lost"] | None = Field(
+    reason: Literal["preempted", "handed_back", "rebalanced", "engine_lost"] | None = Field(
         None,
-        description="handed_back: for more urgent work, its worker shutting down, or its engine process dying.",
+        description="handed_back: for more urgent work, its worker shutting down, for an idle worker with free "
+        "slots, or its engine process dying.",
     )
     tokens: int | None = Field(None, description="handed_back: the output tokens it kept.")
 

@@ -328,9 +328,8 @@ class JobBook:
                     token_ids=tokens,
                     text=text,
                     preempted=outcome is Outcome.PREEMPTED,
-                    # preempted, handed_back (shutting down, or rebalanced: the row's events name no more) or
-                    # engine_lost
-                    reason=Outcome.HANDED_BACK.value if outcome is Outcome.REBALANCED else outcome.value,
+                    # preempted, handed_back (shutting down), rebalanced (for an idle worker) or engine_lost
+                    reason=outcome.value,
                     events=h.unwritten_events(),
                 ):
                     released.append((h, outcome, len(tokens)))

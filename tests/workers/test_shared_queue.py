@@ -53,7 +53,11 @@ def test_a_worker_that_starts_idle_gets_jobs_another_holds_beyond_its_slots(
     # the jobs B ran are jobs A handed back for it (not jobs A left, nor ran: A had claimed all 6 first)
     handed = re.findall(r"handed back for a worker with free slots: (.*)", (tmp_path / "a.log").read_text())
     moved = {m for line in handed for m in re.findall(r"[0-9a-f]{8}-[0-9a-f-]{27}", line)}
-    assert {i for i, pid in by.items() if pid == b.pid} <= moved, (by, handed)
+    ran_by_b = {i for i, pid in by.items() if pid == b.pid}
+    assert ran_by_b <= moved, (by, handed)
+    for i in ran_by_b:  # and its record says why
+        reasons = [e.get("reason") for e in done[i]["events"] if e["kind"] == "handed_back"]
+        assert "rebalanced" in reasons, done[i]["events"]
     assert all(job["status"] == "succeeded" for job in done.values()), done
     assert list(by.values()).count(b.pid) == 2, by  # B's two free slots
     [alone] = offline_engine.generate([LONG["prompt"]], offline_params())
