@@ -27,6 +27,17 @@ job runs to its `max_tokens` (`ignore_eos`), so the token counts are fixed.
 With `--profile DIR`, py-spy samples the API's and the worker's processes (not the engine's) during each
 path (samples holding the GIL: Python CPU, not waits) and writes DIR/<path>-<part>-<pid>.txt (collapsed stacks) and DIR/<path>-<part>.top (the functions
 taking the most samples, self and total); the profiler's own cost makes those runs' figures higher.
+
+With `--counts`, each path also counts what the stack did per job, deterministic where timing is not: the
+private Redis's commands by name (`INFO commandstats`) and, through MONITOR, by the part whose connection sent
+them (API, worker), command and key, with the token events entries' fields (a job's step or status each), and
+the Postgres statements of the stack's database
+by kind and by text (`log_statement = 'all'` is set on that database alone when it is created; the server's
+log, `--pg-log`, is read from where it stood when the path began; the meter's own connection is left out),
+beside the database's `pg_stat_database` counters (the meter's own queries subtracted from xact_commit), and
+the connections the stack opened to Redis (`INFO stats`; a burst of calls grows the API's pools). An
+idle window of `--idle` seconds first gives the background's rate (beat, heartbeats), which a path's counts
+also hold. Logging every statement costs Postgres CPU: time runs without `--counts`.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ import asyncio
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -48,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 import requests  # noqa: E402
 from sqlalchemy import text  # noqa: E402
 
+import bench.stack  # noqa: E402
 from bench.harness import own_seconds as own_cpu  # noqa: E402
 from bench.harness import proc_stat, session_cpu  # noqa: E402
 from bench.stack import bench_settings, local_stack, private_redis  # noqa: E402
@@ -66,8 +79,10 @@ class Meter:
         self.conn = self.db.connect().execution_options(isolation_level="AUTOCOMMIT")
         self.own_backend = self.conn.scalar(text("SELECT pg_backend_pid()"))
         self.name = self.conn.scalar(text("SELECT current_database()"))
+        self.own_queries = 0  # this connection's queries, which pg_stat_database counts with the stack's
 
     def backends(self) -> list[int]:
+        self.own_queries += 1
         rows = self.conn.execute(
             text("SELECT pid FROM pg_stat_activity WHERE datname = :db AND pid <> :me"),
             {"db": self.name, "me": self.own_backend},
@@ -108,6 +123,7 @@ class Meter:
         return used
 
     def done(self, since: float) -> int:
+        self.own_queries += 1
         return self.conn.scalar(
             text("SELECT count(*) FROM jobs WHERE status = 'succeeded' AND created_at >= to_timestamp(:t)"),
             {"t": since},
@@ -121,6 +137,252 @@ class Meter:
             ),
             {"t": since},
         )
+
+
+PG_STATS = ("xact_commit", "xact_rollback", "tup_returned", "tup_fetched", "tup_inserted", "tup_updated",
+            "tup_deleted", "blks_hit", "blks_read")  # fmt: skip
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d [\d:.]+ \w+ \[(\d+)\] (\S*)@(\S*) (\w+):  (.*)$")
+STATEMENT = re.compile(r"^(?:statement|execute [^:]*): (.*)$", re.S)
+
+
+def log_statements(database_url: str) -> None:
+    """Have the stack's database log every statement (set as it is created, so every connection does)."""
+    from sqlalchemy.engine import make_url
+
+    create = bench.stack.create_database_if_missing
+
+    def create_and_log(url: str) -> bool:
+        created = create(url)
+        name = make_url(url).database
+        server = make_engine(url.rsplit("/", 1)[0] + "/postgres")
+        with server.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(text(f"ALTER DATABASE \"{name}\" SET log_statement = 'all'"))
+        server.dispose()
+        return created
+
+    assert make_url(database_url).database
+    bench.stack.create_database_if_missing = create_and_log  # local_stack looks the name up when it runs
+
+
+def kind(statement: str) -> str:
+    """A statement's verb and first table: 'SELECT jobs', 'UPDATE jobs', 'BEGIN'."""
+    words = statement.split()
+    verb = words[0].upper().rstrip(";") if words else "?"
+    table = re.search(
+        {"SELECT": r"\bFROM\s+(\w+)", "INSERT": r"\bINTO\s+(\w+)", "UPDATE": r"^\s*UPDATE\s+(\w+)",
+         "DELETE": r"\bFROM\s+(\w+)", "WITH": r"\b(?:UPDATE|INTO|FROM)\s+(\w+)"}.get(verb, r"^$(x)"),
+        statement, re.I,
+    )  # fmt: skip
+    return f"{verb} {table.group(1)}" if table else verb
+
+
+def normal(statement: str) -> str:
+    """A statement's text with its literals folded, one line."""
+    one = " ".join(statement.split())
+    one = re.sub(r"'[^']*'", "?", one)
+    one = re.sub(r"\b\d+\b", "N", one)
+    return re.sub(r"\$N", "$", one)
+
+
+class Counter:
+    """Redis commands and Postgres statements between start() and stop(): the stack's, per path."""
+
+    def __init__(self, redis_port: int, meter: Meter, pg_log: Path):
+        import redis
+
+        self.redis = redis.Redis(port=redis_port)
+        self.meter, self.pg_log = meter, pg_log
+        url = meter.db.url.set(database="postgres")  # read from another database: not counted in the stack's
+        self.server = make_engine(url.render_as_string(hide_password=False))
+        self.stats = self.server.connect().execution_options(isolation_level="AUTOCOMMIT")
+
+    def redis_calls(self) -> dict[str, int]:
+        return {
+            name.removeprefix("cmdstat_"): int(v["calls"])
+            for name, v in self.redis.info("commandstats").items()
+            if name not in ("cmdstat_info", "cmdstat_monitor")
+        }
+
+    def pg_stats(self) -> dict[str, int]:
+        self.stats.execute(text("SELECT pg_stat_clear_snapshot()"))
+        row = self.stats.execute(
+            text(f"SELECT {', '.join(PG_STATS)} FROM pg_stat_database WHERE datname = :db"),
+            {"db": self.meter.name},
+        ).one()
+        return dict(zip(PG_STATS, row))
+
+    SETTLE = 11.0  # an idle backend reports its statistics within 10 s (PGSTAT_IDLE_INTERVAL)
+
+    def start(self) -> None:
+        time.sleep(self.SETTLE)
+        self.log_at = self.pg_log.stat().st_size
+        self.redis_before, self.pg_before = self.redis_calls(), self.pg_stats()
+        self.connections_before = self.redis.info("stats")["total_connections_received"]
+        self.own_before = self.meter.own_queries
+        self.monitor = Monitor(self.redis)
+
+    def parts_by_port(self) -> dict[int, str]:
+        """The stack's part ("api", "worker") that owns each local TCP port of the stack's processes."""
+        import psutil
+
+        owner: dict[int, str] = {}
+        for part, pids in self.meter.sample().items():
+            for pid in pids:
+                try:
+                    for conn in psutil.Process(pid).net_connections("tcp"):
+                        owner[conn.laddr.port] = part
+                except psutil.Error:
+                    pass
+        return owner
+
+    def stop(self) -> dict:
+        redis_after = self.redis_calls()
+        connections = self.redis.info("stats")["total_connections_received"] - self.connections_before - 1
+        open_by_command: dict[
+            str, int
+        ] = {}  # the stack's connections open now, by the last command each sent
+        for client in self.redis.client_list():
+            if client.get("cmd") not in ("client|list", "monitor"):
+                open_by_command[client.get("cmd", "?")] = open_by_command.get(client.get("cmd", "?"), 0) + 1
+        owner = self.parts_by_port()
+        monitored = self.monitor.stop()
+        event_fields = self.monitor.fields
+        by_key: dict[str, int] = {}
+        for (port, command), calls in monitored.items():
+            name = f"{owner.get(port, '?')}: {command}"
+            by_key[name] = by_key.get(name, 0) + calls
+        with self.pg_log.open("rb") as log:
+            log.seek(self.log_at)
+            lines = log.read().decode(errors="replace").splitlines()
+        time.sleep(self.SETTLE)  # pg_stat_database alone waits: it also holds this idle window
+        pg_after = self.pg_stats()
+        statements: list[str] = []
+        current: list[str] | None = None
+        for line in lines:
+            if line.startswith("\t") and current is not None:
+                current.append(line[1:])
+                continue
+            if current is not None:
+                statements.append("\n".join(current))
+                current = None
+            found = LOG_LINE.match(line)
+            if not found or found[3] != self.meter.name or int(found[1]) == self.meter.own_backend:
+                continue
+            if found[4] == "LOG" and (stmt := STATEMENT.match(found[5])):
+                current = [stmt[1]]
+        if current is not None:
+            statements.append("\n".join(current))
+        by_kind: dict[str, int] = {}
+        by_text: dict[str, int] = {}
+        for stmt in statements:
+            by_kind[kind(stmt)] = by_kind.get(kind(stmt), 0) + 1
+            by_text[normal(stmt)] = by_text.get(normal(stmt), 0) + 1
+        pg = {k: pg_after[k] - self.pg_before[k] for k in PG_STATS}
+        pg["xact_commit"] -= self.meter.own_queries - self.own_before  # the meter's own reads
+        return {
+            "redis": {
+                k: v - self.redis_before.get(k, 0)
+                for k, v in redis_after.items()
+                if v != self.redis_before.get(k, 0)
+            },
+            "redis_by_key": by_key,
+            "redis_connections": connections,  # opened by the stack (this counter's MONITOR left out)
+            "redis_open_by_command": open_by_command,
+            "event_fields": event_fields,
+            "pg_statements": len(statements),
+            "pg_by_kind": by_kind,
+            "pg_by_text": by_text,
+            "pg_stats": pg,
+        }
+
+
+class Monitor:
+    """Redis's MONITOR in a thread: calls by (client port, command and its key with ids folded)."""
+
+    def __init__(self, client):
+        import threading
+
+        self.calls: dict[tuple[int, str], int] = {}
+        self.fields: dict[str, int] = {}  # token events entries' fields (one job each), deltas and status
+        self.connection = client.connection_pool.get_connection("MONITOR")
+        self.connection.send_command("MONITOR")
+        assert self.connection.read_response() in (b"OK", "OK")
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.read, daemon=True)
+        self.thread.start()
+
+    def read(self) -> None:
+        head = re.compile(r"^[\d.]+ \[\d+ ([\d.]+|unix|lua):?(\d*)\] ")
+        arg = re.compile(r'"((?:[^"\\]|\\.)*)"')
+        while not self.done.is_set():
+            try:
+                raw = self.connection.read_response()
+            except Exception:
+                return
+            raw = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+            found = head.match(raw)
+            args = arg.findall(raw[found.end() :]) if found else []
+            if not args or args[0].lower() == "monitor":
+                continue
+            name = args[0].lower()
+            if name == "xadd" and "*" in args:  # a token events entry: a step's deltas or status changes
+                values = args[args.index("*") + 2 :: 2]
+                what = "status" if values and values[0].startswith('\\"') else "deltas"
+                name = f"xadd events {what}"
+                self.fields[what] = self.fields.get(what, 0) + len(values)
+            elif name in ("xread", "xrevrange", "blmpop", "lmpop", "evalsha", "eval"):
+                name = f"{name} {' '.join(args[1:4])}"  # options before the key
+            else:
+                name = f"{name} {args[1] if len(args) > 1 else ''}"
+            name = re.sub(r"[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}", "<id>", name)
+            name = re.sub(r"[0-9a-f]{40}", "<sha>", re.sub(r"genq-bench-[0-9a-f]+:", "", name))
+            name = re.sub(r"\d+", "N", name)[:70].strip()
+            slot = (int(found[2] or 0), name)
+            self.calls[slot] = self.calls.get(slot, 0) + 1
+
+    def stop(self) -> dict[tuple[int, str], int]:
+        time.sleep(0.2)  # the last commands' lines
+        self.done.set()
+        self.connection.disconnect()
+        self.thread.join(timeout=5)
+        return dict(self.calls)
+
+
+def count_table(title: str, counts: dict, n: int, limit: int = 40) -> str:
+    rows = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:limit]
+    return "\n".join(
+        [f"  {title}: {sum(counts.values()) / n:.2f} per job"]
+        + [f"    {v / n:8.3f}  {k[:160]}" for k, v in rows]
+    )
+
+
+def report_counts(counts: dict, n: int, unit: str = "job") -> None:
+    print(count_table(f"Redis commands per {unit}", counts["redis"], n))
+    print(
+        f"  Redis connections opened per {unit}: {counts['redis_connections'] / n:.3f}; open at the end, by the last "
+        "command each sent: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(counts["redis_open_by_command"].items()))
+    )
+    print(
+        count_table(
+            f"Redis commands per {unit}, by part, command and key (MONITOR)", counts["redis_by_key"], n
+        )
+    )
+    print(
+        count_table(
+            f"token events entries' fields per {unit} (a job's step or status each)",
+            counts["event_fields"],
+            n,
+        )
+    )
+    print(count_table(f"Postgres statements per {unit}, by kind", counts["pg_by_kind"], n))
+    print(count_table(f"Postgres statements per {unit}, by text", counts["pg_by_text"], n, limit=30))
+    print(
+        "  pg_stat_database per "
+        + unit
+        + ": "
+        + ", ".join(f"{k} {v / n:.2f}" for k, v in counts["pg_stats"].items())
+    )
 
 
 async def http(port: int, requests_: list[bytes], connections: int) -> list[int]:
@@ -249,9 +511,18 @@ def top_functions(files: list[Path], n: int = 60) -> str:
 
 
 def run_path(
-    path: str, stack, meter: Meter, n: int, max_tokens: int, profiler: Profiler, long_factor: int = 8
+    path: str,
+    stack,
+    meter: Meter,
+    n: int,
+    max_tokens: int,
+    profiler: Profiler,
+    long_factor: int = 8,
+    counter: Counter | None = None,
 ) -> dict:
     port = int(stack.url.rsplit(":", 1)[1])
+    if counter:
+        counter.start()
     since = time.time() - 0.01  # jobs created from now: not the previous path's last ones
     profiler.start(path)
     meter.start()
@@ -305,6 +576,7 @@ def run_path(
     seconds = time.monotonic() - started
     used = meter.stop()
     profiler.stop()
+    counts = counter.stop() if counter else None
     tokens = meter.tokens(since)
     stack_cpu = used["api"] + used["worker"] + used["redis"] + used["postgres"]
     return {
@@ -318,6 +590,7 @@ def run_path(
         "parts_ms_per_job": {k: v / n * 1000 for k, v in used.items()},
         "stack_us_per_token": stack_cpu / max(tokens, 1) * 1e6,
         "failed": failed,
+        **({"counts": counts} if counts else {}),
     }
 
 
@@ -334,22 +607,41 @@ def main(argv=None) -> list[dict]:
     )
     ap.add_argument("--json", default="bench/out/job_cpu.json")
     ap.add_argument("--profile", type=Path, help="a folder for py-spy profiles of the API and the worker")
+    ap.add_argument(
+        "--counts", action="store_true", help="count Redis commands and Postgres statements per job"
+    )
+    ap.add_argument("--pg-log", type=Path, default=Path("/var/log/postgresql/postgresql-15-main.log"))
+    ap.add_argument(
+        "--idle", type=float, default=10.0, help="with --counts: seconds of idle stack counted first"
+    )
     args = ap.parse_args(argv)
     results = []
     with private_redis() as own_redis:
         settings = bench_settings(redis_url=f"redis://127.0.0.1:{own_redis.port}/0")
+        if args.counts:
+            log_statements(settings.database_url)
         with local_stack(settings, log_dir=Path("bench/out/logs/job_cpu")) as stack:
             meter = Meter(stack, own_redis.pid, settings.database_url)
             profiler = Profiler(args.profile, meter)
+            counter = Counter(own_redis.port, meter, args.pg_log) if args.counts else None
+            if counter and args.idle > 0:
+                counter.start()
+                time.sleep(args.idle)
+                idle = counter.stop()
+                print(f"idle stack, {args.idle:.0f} s (rates per second):")
+                report_counts(idle, args.idle, unit="second")
+                results.append({"path": "idle", "seconds": args.idle, "counts": idle, "round": -1})
             for round_ in range(args.repeat):
                 for path in args.paths.split(","):
                     load = os.getloadavg()[0]
                     result = run_path(
-                        path, stack, meter, args.jobs, args.max_tokens, profiler, args.long_factor
+                        path, stack, meter, args.jobs, args.max_tokens, profiler, args.long_factor, counter
                     )
                     result["load_before"], result["round"] = load, round_
                     results.append(result)
                     report(result, load)
+                    if counter:
+                        report_counts(result["counts"], result["jobs"])
     if args.repeat > 1:
         for path in args.paths.split(","):
             rounds = [r["stack_ms_per_job"] for r in results if r["path"] == path]
