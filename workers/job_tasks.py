@@ -47,6 +47,8 @@ class JobTasks:
 
     def started(self, job: Job) -> None:
         """The job was claimed: its task is received and started."""
+        if self._dispatcher() is None:  # unwatched: nothing built (every claim comes here)
+            return
         task = str(job.id)
         self._send(
             ("task-received", dict(name=TASK, args=repr([task]), kwargs="{}", retries=job.attempts - 1)),
@@ -58,6 +60,8 @@ class JobTasks:
         self, job: Job, outcome: Outcome, error: str | None = None, runtime: float | None = None
     ) -> None:
         """The worker's hold on the job ended with `outcome` (`error`: a failure's code)."""
+        if self._dispatcher() is None:  # unwatched: nothing built (every job's end comes here)
+            return
         if outcome is Outcome.SUCCEEDED:
             event = ("task-succeeded", dict(result=repr(outcome.value), runtime=runtime))
         elif outcome is Outcome.FAILED:
