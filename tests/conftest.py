@@ -90,10 +90,12 @@ def free_port() -> int:
 def settings_env(settings: Settings) -> dict[str, str]:
     """The environment that makes a subprocess (alembic, worker, gunicorn) read `settings`."""
     env = dict(os.environ)
-    # every value set (by the environment, or by the test: a test's value equal to the default too, which an
-    # environment naming another would otherwise override); the rest: as the environment says
-    for name, value in settings.model_dump(exclude_unset=True).items():
-        if value is not None:
+    # the values unlike their defaults, and those the environment names (a test's value equal to the default
+    # would otherwise lose to an environment naming another); the rest: as the environment says (not every value:
+    # some defaults are worked out where they are read, as the API's completion slots from its worker class)
+    changed = settings.model_dump(exclude_defaults=True)
+    for name, value in settings.model_dump().items():
+        if value is not None and (name in changed or name.upper() in os.environ):
             env[name.upper()] = str(value)
     return env
 

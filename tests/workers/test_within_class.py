@@ -150,9 +150,11 @@ def test_a_restarted_worker_takes_the_waiting_jobs_in_the_order_of_their_rows(
     log = tmp_path / "worker.log"
     with api(settings, new_key, log, "predicted", max_num_seqs=1, reserve=0) as stack:
         with worker(stack.settings, log):
-            blocker = stack.submit(**LONG, max_tokens=300)
+            # 2,000 tokens (the model's context: 2,048): a fast CPU runs 300 in a quarter of a second, before
+            # the wait below sees it running
+            blocker = stack.submit(**LONG, max_tokens=2000)
             stack.wait(blocker, until=lambda j: j["status"] == "running" and j["output"]["token_ids"])
-            long = stack.submit(**LONG, max_tokens=300)
+            long = stack.submit(**LONG, max_tokens=2000)  # as long as the blocker: it goes after it
             shorts = [stack.submit(**LONG, max_tokens=4) for _ in range(2)]
         assert stack.job(blocker)["status"] == "queued", "the blocker was not handed back at the restart"
         with worker(stack.settings, log):
@@ -162,7 +164,7 @@ def test_a_restarted_worker_takes_the_waiting_jobs_in_the_order_of_their_rows(
     assert order == [*shorts, blocker, long], order
     with sessions.begin() as s:
         row = jobs.get_job(s, uuid.UUID(blocker))
-    assert row.attempts == 2 and len(row.output_token_ids) == 300  # resumed after the restart
+    assert row.attempts == 2 and len(row.output_token_ids) == 2000  # resumed after the restart
 
 
 def test_the_worker_counts_the_deadlines_of_the_jobs_it_ends(
