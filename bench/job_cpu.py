@@ -23,6 +23,13 @@ job runs to its `max_tokens` (`ignore_eos`), so the token counts are fixed.
     python bench/job_cpu.py --jobs 200 --paths jobs,stream
     python bench/job_cpu.py --paths stream,stream-long --repeat 3   # a streamed token, the median of 3
     python bench/job_cpu.py --profile bench/out/profile   # + py-spy of the API and worker, per path
+    python bench/job_cpu.py --paths jobs --rate 100 --repeat 2   # POST /jobs paced: two versions' batches alike
+    python bench/job_cpu.py --paths stream --counts --jobs 300     # + what each job did, counted (below)
+
+Each path also prints its engine steps per job (the batch's width, a step's wall time): the stack's per-step
+work (the worker's reads and token events, the API hub's reads, the engine's own) is paid per step, and the
+`jobs` and `stream` paths' jobs arrive as fast as the API takes them, so a version whose API or engine is faster
+runs narrower batches and more steps per job; compare such runs at like steps per job, or paced (`--rate`).
 
 With `--profile DIR`, py-spy samples the API's and the worker's processes (not the engine's) during each
 path (samples holding the GIL: Python CPU, not waits) and writes DIR/<path>-<part>-<pid>.txt (collapsed stacks) and DIR/<path>-<part>.top (the functions
@@ -304,7 +311,7 @@ class Monitor:
 
         self.calls: dict[tuple[int, str], int] = {}
         self.fields: dict[str, int] = {}  # token events entries' fields (one job each), deltas and status
-        self.connection = client.connection_pool.get_connection("MONITOR")
+        self.connection = client.connection_pool.get_connection()
         self.connection.send_command("MONITOR")
         assert self.connection.read_response() in (b"OK", "OK")
         self.done = threading.Event()
@@ -385,17 +392,24 @@ def report_counts(counts: dict, n: int, unit: str = "job") -> None:
     )
 
 
-async def http(port: int, requests_: list[bytes], connections: int) -> list[int]:
-    """Send raw HTTP/1.1 requests over `connections` keep-alive connections; their statuses."""
+async def http(port: int, requests_: list[bytes], connections: int, rate: float | None = None) -> list[int]:
+    """Send raw HTTP/1.1 requests over `connections` keep-alive connections; their statuses. With `rate`, the
+    i-th request goes no sooner than i / rate seconds after the first (the same arrivals whatever the API's
+    speed, so the engine's batches are as wide for any two versions)."""
     queue: asyncio.Queue = asyncio.Queue()
-    for r in requests_:
-        queue.put_nowait(r)
+    for i, r in enumerate(requests_):
+        queue.put_nowait((i, r))
     statuses: list[int] = []
+    loop = asyncio.get_running_loop()
+    start = loop.time()
 
     async def connection():
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         while not queue.empty():
-            writer.write(queue.get_nowait())
+            i, request_ = queue.get_nowait()
+            if rate is not None:
+                await asyncio.sleep(max(0.0, start + i / rate - loop.time()))
+            writer.write(request_)
             await writer.drain()
             head = await reader.readuntil(b"\r\n\r\n")
             length = int(
@@ -510,6 +524,24 @@ def top_functions(files: list[Path], n: int = 60) -> str:
     return "\n".join(lines) + "\n"
 
 
+def engine_steps(stack) -> tuple[int, float]:
+    """Engine steps the stack's workers made so far and their seconds (genq_engine_steps_total,
+    genq_engine_step_seconds_sum). The per-step work (token events, the engine host's reads, the API hub's reads)
+    grows with the steps, and the same jobs take more steps when they arrive spread out (a narrower batch: a
+    faster step ends a job before the next ones come): a path's cost per job is read beside its steps per job."""
+    steps = seconds = 0.0
+    for url in stack.worker_metrics_urls:
+        text_ = requests.get(url, timeout=5).text
+        for name, value in re.findall(
+            r"^(genq_engine_steps_total|genq_engine_step_seconds_sum)(?:\{[^}]*\})? (\S+)", text_, re.M
+        ):
+            if name == "genq_engine_steps_total":
+                steps += float(value)
+            else:
+                seconds += float(value)
+    return int(steps), seconds
+
+
 def run_path(
     path: str,
     stack,
@@ -519,17 +551,19 @@ def run_path(
     profiler: Profiler,
     long_factor: int = 8,
     counter: Counter | None = None,
+    rate: float | None = None,
 ) -> dict:
     port = int(stack.url.rsplit(":", 1)[1])
     if counter:
         counter.start()
+    steps_before, step_seconds_before = engine_steps(stack)
     since = time.time() - 0.01  # jobs created from now: not the previous path's last ones
     profiler.start(path)
     meter.start()
     started = time.monotonic()
     if path == "jobs":
         body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-        statuses = asyncio.run(http(port, [post("/jobs", stack.key, body)] * n, 16))
+        statuses = asyncio.run(http(port, [post("/jobs", stack.key, body)] * n, 16, rate))
         assert statuses.count(202) == n, {s: statuses.count(s) for s in set(statuses)}
     elif path == "batch":
         lines = "".join(
@@ -575,6 +609,8 @@ def run_path(
             time.sleep(0.2)
     seconds = time.monotonic() - started
     used = meter.stop()
+    steps, step_seconds = engine_steps(stack)
+    steps, step_seconds = steps - steps_before, step_seconds - step_seconds_before
     profiler.stop()
     counts = counter.stop() if counter else None
     tokens = meter.tokens(since)
@@ -589,6 +625,8 @@ def run_path(
         "engine_ms_per_job": used["engine"] / n * 1000,
         "parts_ms_per_job": {k: v / n * 1000 for k, v in used.items()},
         "stack_us_per_token": stack_cpu / max(tokens, 1) * 1e6,
+        "engine_steps": steps,  # the jobs' tokens over these: the batch's mean width
+        "engine_step_ms": step_seconds / max(steps, 1) * 1000,  # a step's mean wall time
         "failed": failed,
         **({"counts": counts} if counts else {}),
     }
@@ -610,6 +648,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument(
         "--counts", action="store_true", help="count Redis commands and Postgres statements per job"
     )
+    ap.add_argument("--rate", type=float, help="jobs path: send POST /jobs at this many a second at most")
     ap.add_argument("--pg-log", type=Path, default=Path("/var/log/postgresql/postgresql-15-main.log"))
     ap.add_argument(
         "--idle", type=float, default=10.0, help="with --counts: seconds of idle stack counted first"
@@ -635,7 +674,15 @@ def main(argv=None) -> list[dict]:
                 for path in args.paths.split(","):
                     load = os.getloadavg()[0]
                     result = run_path(
-                        path, stack, meter, args.jobs, args.max_tokens, profiler, args.long_factor, counter
+                        path,
+                        stack,
+                        meter,
+                        args.jobs,
+                        args.max_tokens,
+                        profiler,
+                        args.long_factor,
+                        counter,
+                        args.rate,
                     )
                     result["load_before"], result["round"] = load, round_
                     results.append(result)
@@ -669,7 +716,9 @@ def report(result: dict, load: float) -> None:
     print(
         f"{result['path']:>6}: {result['jobs']} jobs, {result['tokens']} tokens in {result['seconds']:.1f} s "
         f"(load {load:.1f}): stack {result['stack_ms_per_job']:.2f} ms/job "
-        f"(target {TARGETS.get(result['path'], '-')}), engine {result['engine_ms_per_job']:.2f} ms/job; "
+        f"(target {TARGETS.get(result['path'], '-')}), engine {result['engine_ms_per_job']:.2f} ms/job, "
+        f"{result['engine_steps'] / max(result['jobs'], 1):.2f} steps/job "
+        f"(width {result['tokens'] / max(result['engine_steps'], 1):.1f}, {result['engine_step_ms']:.2f} ms a step); "
         f"per part ms/job: {parts}" + (f"; failed: {result['failed']}" if result["failed"] else ""),
         flush=True,
     )
