@@ -136,6 +136,24 @@ class Meter:
             {"t": since},
         )
 
+    def latencies(self, since: float) -> dict[str, float]:
+        """Medians (ms) over the jobs created since `since`: created to claimed, to first token, to end. A job
+        that ends sooner shares fewer steps with the next ones: the batch is narrower."""
+        self.own_queries += 1
+        row = self.conn.execute(
+            text(
+                "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY started_at - created_at), "
+                "percentile_cont(0.5) WITHIN GROUP (ORDER BY first_token_at - created_at), "
+                "percentile_cont(0.5) WITHIN GROUP (ORDER BY finished_at - created_at) "
+                "FROM jobs WHERE status = 'succeeded' AND created_at >= to_timestamp(:t)"
+            ),
+            {"t": since},
+        ).one()
+        return {
+            name: value.total_seconds() * 1000 if value is not None else float("nan")
+            for name, value in zip(("claimed", "first_token", "ended"), row)
+        }
+
     def tokens(self, since: float) -> int:
         return self.conn.scalar(
             text(
@@ -355,16 +373,16 @@ class Monitor:
         return dict(self.calls)
 
 
-def count_table(title: str, counts: dict, n: int, limit: int = 40) -> str:
+def count_table(title: str, counts: dict, n: int, limit: int = 40, unit: str = "job") -> str:
     rows = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:limit]
     return "\n".join(
-        [f"  {title}: {sum(counts.values()) / n:.2f} per job"]
+        [f"  {title}: {sum(counts.values()) / n:.2f} per {unit}"]
         + [f"    {v / n:8.3f}  {k[:160]}" for k, v in rows]
     )
 
 
 def report_counts(counts: dict, n: int, unit: str = "job") -> None:
-    print(count_table(f"Redis commands per {unit}", counts["redis"], n))
+    print(count_table(f"Redis commands per {unit}", counts["redis"], n, unit=unit))
     print(
         f"  Redis connections opened per {unit}: {counts['redis_connections'] / n:.3f}; open at the end, by the last "
         "command each sent: "
@@ -372,7 +390,10 @@ def report_counts(counts: dict, n: int, unit: str = "job") -> None:
     )
     print(
         count_table(
-            f"Redis commands per {unit}, by part, command and key (MONITOR)", counts["redis_by_key"], n
+            f"Redis commands per {unit}, by part, command and key (MONITOR)",
+            counts["redis_by_key"],
+            n,
+            unit=unit,
         )
     )
     print(
@@ -380,10 +401,13 @@ def report_counts(counts: dict, n: int, unit: str = "job") -> None:
             f"token events entries' fields per {unit} (a job's step or status each)",
             counts["event_fields"],
             n,
+            unit=unit,
         )
     )
-    print(count_table(f"Postgres statements per {unit}, by kind", counts["pg_by_kind"], n))
-    print(count_table(f"Postgres statements per {unit}, by text", counts["pg_by_text"], n, limit=30))
+    print(count_table(f"Postgres statements per {unit}, by kind", counts["pg_by_kind"], n, unit=unit))
+    print(
+        count_table(f"Postgres statements per {unit}, by text", counts["pg_by_text"], n, limit=30, unit=unit)
+    )
     print(
         "  pg_stat_database per "
         + unit
@@ -614,6 +638,7 @@ def run_path(
     profiler.stop()
     counts = counter.stop() if counter else None
     tokens = meter.tokens(since)
+    latency = meter.latencies(since)
     stack_cpu = used["api"] + used["worker"] + used["redis"] + used["postgres"]
     return {
         "path": path,
@@ -627,6 +652,7 @@ def run_path(
         "stack_us_per_token": stack_cpu / max(tokens, 1) * 1e6,
         "engine_steps": steps,  # the jobs' tokens over these: the batch's mean width
         "engine_step_ms": step_seconds / max(steps, 1) * 1000,  # a step's mean wall time
+        "latency_ms": latency,  # medians from creation: claimed, first token, ended
         "failed": failed,
         **({"counts": counts} if counts else {}),
     }
@@ -719,7 +745,10 @@ def report(result: dict, load: float) -> None:
         f"(target {TARGETS.get(result['path'], '-')}), engine {result['engine_ms_per_job']:.2f} ms/job, "
         f"{result['engine_steps'] / max(result['jobs'], 1):.2f} steps/job "
         f"(width {result['tokens'] / max(result['engine_steps'], 1):.1f}, {result['engine_step_ms']:.2f} ms a step); "
-        f"per part ms/job: {parts}" + (f"; failed: {result['failed']}" if result["failed"] else ""),
+        f"from creation, median ms: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in result["latency_ms"].items())
+        + f"; per part ms/job: {parts}"
+        + (f"; failed: {result['failed']}" if result["failed"] else ""),
         flush=True,
     )
 
