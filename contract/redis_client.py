@@ -29,6 +29,14 @@ from redis.sentinel import Sentinel, SentinelConnectionPool
 
 SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}  # scheme -> TLS
 
+try:  # redis-py 7 looks its own version up in the installed packages for each new connection unless told it:
+    # 384 -> 45 us a connection object, 987 -> 180 us a connection opened (a burst of requests opens ~1 a request)
+    from redis.driver_info import DriverInfo
+
+    DRIVER_OPTIONS: dict[str, Any] = {"driver_info": DriverInfo(lib_version=redis.__version__)}
+except ImportError:  # redis-py 5 and 6 read it once, at import
+    DRIVER_OPTIONS = {}
+
 
 @dataclass(frozen=True, slots=True)
 class SentinelService:
@@ -96,6 +104,7 @@ def redis_client(
     options: dict[str, Any] = {
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout if connect_timeout is None else connect_timeout,
+        **DRIVER_OPTIONS,
     }
     service = sentinel_service(url)
     if service is None:
@@ -169,8 +178,8 @@ def limiter_storage(url: str) -> tuple[str, dict[str, Any]]:
             options["ssl"] = True
         return f"redis+sentinel://{auth}{hosts}/{service.service}", options
     if url.startswith("unix://"):
-        return "redis+unix://" + url[len("unix://") :], {}
-    return url, {}
+        return "redis+unix://" + url[len("unix://") :], dict(DRIVER_OPTIONS)
+    return url, dict(DRIVER_OPTIONS)  # (limits hands its options to redis.from_url)
 
 
 def _userinfo(username: str | None, password: str | None) -> str:
