@@ -31,6 +31,8 @@ from functools import partial
 
 import torch
 
+from batching import cpu_linear
+
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -169,7 +171,8 @@ def step_flops(config, step: Step) -> int:
 @dataclass(frozen=True, slots=True)
 class DeviceRates:
     """A device's measured limits: bytes/s (the better of a copy and a sum of a large tensor) and FLOP/s
-    (a large square matmul), in the run's dtype."""
+    (a large square matmul; on the CPU the better of torch.mm and oneDNN with a packed weight, genq's
+    linears), in the run's dtype."""
 
     device: str
     dtype: str
@@ -221,6 +224,12 @@ def measure_device(
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
         mm_s = _best_seconds(partial(torch.mm, a, b), device, repeat)
+        if not cuda and cpu_linear.available(dtype, torch.device(device)):
+            # genq's linears (batching/cpu_linear.py): on the Zen 5 in float32 twice torch.mm's MKL rate, so
+            # torch.mm alone gave a bound genq beat (110-147% of it)
+            packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), cpu_linear.PACK_BATCH_HINT)
+            linear = partial(torch.ops.mkldnn._linear_pointwise, a, packed, None, "none", [], "")
+            mm_s = min(mm_s, _best_seconds(linear, device, repeat))
     copy_bw, sum_bw = 2 * tensor_bytes / copy_s, tensor_bytes / sum_s
     return DeviceRates(
         device,
