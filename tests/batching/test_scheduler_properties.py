@@ -32,6 +32,24 @@ from batching.scheduler import Scheduler, SchedulerOutput, _Fill
 from batching.sequence import Sequence, SequenceStatus
 from tests.batching.conftest import random_prompts
 
+
+def check_prefill_order(sched: Scheduler) -> None:
+    """The order a step reads the prefills, swapped and waiting sequences in (merged from the place-sorted
+    queues as read, `Scheduler._prefill_order`) is the full sort by rank, and the sequences ranked apart from
+    their place are exactly the waiting and swapped ones whose rank may not follow it."""
+    queued = sched.swapped + sched.waiting
+    assert list(sched._apart) == [s for s in sched._apart if s in queued]
+    assert all((s in sched._apart) == sched._ranked_apart(s) for s in queued)
+    order, prefilling = sched._prefill_order(_Fill(SchedulerOutput()))
+    order = list(order)
+
+    def key(s):
+        return (s.priority, s.status != SequenceStatus.RUNNING, sched.rank(s))
+
+    assert sorted(s.req_id for s in order) == sorted(s.req_id for s in prefilling + queued)
+    assert [key(s) for s in order] == sorted(map(key, prefilling + queued))
+
+
 # --- 1. the scheduler with a fake runner -------------------------------------------------------------
 
 
@@ -199,23 +217,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def prefill_order_is_the_rank_order(self):
-        """The order the step reads the prefills, swapped and waiting sequences in (merged from the place-sorted
-        queues as read, `Scheduler._prefill_order`) is the full sort by rank, and the sequences ranked apart
-        from their place are exactly the waiting and swapped ones whose rank may not follow it."""
-        if not hasattr(self, "sched"):
-            return
-        sched = self.sched
-        queued = sched.swapped + sched.waiting
-        assert list(sched._apart) == [s for s in sched._apart if s in queued]
-        assert all((s in sched._apart) == sched._ranked_apart(s) for s in queued)
-        order, prefilling = sched._prefill_order(_Fill(SchedulerOutput()))
-        order = list(order)
-
-        def key(s):
-            return (s.priority, s.status != SequenceStatus.RUNNING, sched.rank(s))
-
-        assert sorted(s.req_id for s in order) == sorted(s.req_id for s in prefilling + queued)
-        assert [key(s) for s in order] == sorted(map(key, prefilling + queued))
+        if hasattr(self, "sched"):
+            check_prefill_order(self.sched)
 
     @invariant()
     def blocks_are_free_or_owned_once(self):
@@ -393,23 +396,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     @invariant()
     def prefill_order_is_the_rank_order(self):
-        """The order the step reads the prefills, swapped and waiting sequences in (merged from the place-sorted
-        queues as read, `Scheduler._prefill_order`) is the full sort by rank, and the sequences ranked apart
-        from their place are exactly the waiting and swapped ones whose rank may not follow it."""
-        if not hasattr(self, "sched"):
-            return
-        sched = self.sched
-        queued = sched.swapped + sched.waiting
-        assert list(sched._apart) == [s for s in sched._apart if s in queued]
-        assert all((s in sched._apart) == sched._ranked_apart(s) for s in queued)
-        order, prefilling = sched._prefill_order(_Fill(SchedulerOutput()))
-        order = list(order)
-
-        def key(s):
-            return (s.priority, s.status != SequenceStatus.RUNNING, sched.rank(s))
-
-        assert sorted(s.req_id for s in order) == sorted(s.req_id for s in prefilling + queued)
-        assert [key(s) for s in order] == sorted(map(key, prefilling + queued))
+        if hasattr(self, "engine"):
+            check_prefill_order(self.engine.scheduler)
 
     @invariant()
     def blocks_are_free_or_owned_once(self):
