@@ -489,11 +489,7 @@ class Scheduler:
         blocks or a slot; returns the budget it took (0: it cannot start)."""
         bm = self.block_manager
         plan = self._plan_admission(seq, fill)  # planned again only after a preemption
-        while plan[2] < plan[1]:  # it lacks room: as _make_room does
-            victim = self._least_urgent_running(exclude=[], less_urgent_than=seq)
-            if victim is None:
-                break
-            self._preempt(victim, fill)
+        while plan[2] < plan[1] and self._preempt_less_urgent(seq, fill):  # it lacks room
             plan = self._plan_admission(seq, fill)
         if self.preemptive:
             plan = self._yield_in_class(seq, fill, plan)
@@ -611,11 +607,16 @@ class Scheduler:
         `seq`. The fill's order (by priority) makes every prefill chunk already in this step at least as
         urgent as `seq`, so victims are decodes of this step (which give back their token and budget)
         and sequences not reached yet."""
-        while lacks_room():
-            victim = self._least_urgent_running(exclude=[], less_urgent_than=seq)
-            if victim is None:
-                return
-            self._preempt(victim, fill)
+        while lacks_room() and self._preempt_less_urgent(seq, fill):
+            pass
+
+    def _preempt_less_urgent(self, seq: Sequence, fill: _Fill) -> bool:
+        """Preempt the least urgent running sequence strictly less urgent than `seq`; False if there is none."""
+        victim = self._least_urgent_running(exclude=[], less_urgent_than=seq)
+        if victim is None:
+            return False
+        self._preempt(victim, fill)
+        return True
 
     def _least_urgent_running(self, exclude: list[Sequence], less_urgent_than: Sequence | None = None):
         """The victim rule: highest priority number, then the last in the class's order (the latest arrival

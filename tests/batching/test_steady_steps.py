@@ -312,3 +312,27 @@ def _count_steady_paths(engine: Engine, monkeypatch) -> dict[str, int]:
 
     monkeypatch.setattr(engine.runner, "_many_decodes", packed)
     return hits
+
+
+def test_a_backlog_that_cannot_start_leaves_the_queues_version():
+    """Every slot taken and a less urgent request waiting: each step tries to admit it and cannot, which changes
+    nothing, so the queues' version (step_deltas' epoch: its steady rows apply only while it holds) stays; it
+    changes once the request starts."""
+    config = EngineConfig(block_size=4, num_device_blocks=32, num_host_blocks=0, max_num_seqs=2)
+    sched = Scheduler(config, BlockManager(32, 0, 4))
+    params = SamplingParams(max_tokens=6, temperature=0)
+    running = [Sequence(f"r{i}", [5, 6, 7], params, 1, 0, arrival_time=float(i)) for i in range(2)]
+    backlog = Sequence("later", [5, 6], SamplingParams(max_tokens=2, temperature=0), 2, 0, arrival_time=3.0)
+    for seq in (*running, backlog):
+        sched.add(seq)
+    rng, finished = random.Random(0), set()
+    _fake_run(sched, sched.schedule(), rng, finished)  # the two start
+    versions = []
+    while backlog.status == SequenceStatus.WAITING and all(
+        s.status == SequenceStatus.RUNNING for s in running
+    ):
+        versions.append(sched.version)
+        out = sched.schedule()
+        assert backlog not in out.seqs
+        _fake_run(sched, out, rng, finished)
+    assert len(versions) >= 3 and len(set(versions)) == 1, versions
