@@ -58,7 +58,8 @@ def admin_timeline(stack, job_id: str) -> list[tuple[str, datetime]]:
 def test_a_job_preempted_in_the_engine_by_an_urgent_one(wide):
     """The worker's engine runs 8 sequences and holds 2 jobs more: 8 priority-9 jobs decoding, a priority-0 job
     takes one's place in the batch (the engine preempts it) and, once the urgent job ends, it resumes."""
-    body = {**LONG, "max_tokens": 400, "ignore_eos": True, "priority": 9}
+    # 2,000 tokens (the model's context: 2,048): a fast CPU ran 400 before the waits below saw each running
+    body = {**LONG, "max_tokens": 2000, "ignore_eos": True, "priority": 9}
     low = [wide.submit(**body) for _ in range(8)]
     for job_id in low:
         wide.wait(job_id, until=lambda j: j["status"] == "running" and len(j["output"]["token_ids"]) >= 2)
@@ -76,7 +77,7 @@ def test_a_job_preempted_in_the_engine_by_an_urgent_one(wide):
         # it was out of the batch while the urgent job ran: taken out before its end, resumed after its claim
         assert at(job["events"][0]["at"]) < at(urgent["finished_at"])
         assert at(job["events"][1]["at"]) > at(urgent["started_at"])
-        assert job["usage"]["completion_tokens"] == 400
+        assert job["usage"]["completion_tokens"] == body["max_tokens"]
     page = admin_timeline(wide, preempted[0]["id"])
     events = [e["kind"] for e in preempted[0]["events"]]
     assert [kind for kind, _ in page] == ["created", "first_claim", "first_token", *events, "ended"], page
