@@ -76,21 +76,29 @@ template <typename T> inline T narrow(typename Compute<T>::type x) {
 // sequence and KV head: `head` is that head's pool, `table` the sequence's block ids, `rows` position
 // t0's head_dim values (the block's rows follow it contiguously), `slot` its slot in the head's pool
 // (an int8 cache's scales of the block's rows are at [slot, slot + t1 - t0) of the head's scales).
-// While fn works on one block, the next block's rows are fetched into the cache: a sequence's blocks lie
-// anywhere in the pool, so the hardware's prefetchers, which follow addresses that advance steadily, see
-// each block's start as a miss (decode attention ran 1.8x faster over blocks in pool order than over the
-// same blocks shuffled, before this).
+// While fn works on one block, the blocks two ahead are fetched into L2: a sequence's blocks lie anywhere in
+// the pool, so the hardware's prefetchers, which follow addresses that advance steadily, see each block's
+// start as a miss (decode attention ran 1.8x faster over blocks in pool order than over the same blocks
+// shuffled, before prefetching). Into L2, not L1: a block is 32-64 lines, more than L1's miss buffers hold,
+// and prefetches into L1 (`__builtin_prefetch`'s default) stalled on them. On the 2-core EPYC (Zen 4),
+// DRAM-bound (8 layers of pools, 64 sequences x 300 tokens, two threads): one block ahead into L1 read
+// 12.4 GB/s (float32) and 9.5 (bfloat16), two ahead into L2 18-20 and 17.
 template <typename T, typename Fn>
 inline void for_each_block(const T *head, const int64_t *table, int64_t first, int64_t len,
                            int64_t block_size, int64_t D, Fn &&fn) {
     constexpr int64_t kLine = 64;  // bytes a prefetch brings
+    constexpr int64_t kAhead = 2;  // blocks fetched ahead of the one fn works on
+    constexpr int kIntoL2 = 1;     // __builtin_prefetch's locality: 1 is prefetcht2 (L2 on AMD and Intel)
     const int64_t block_bytes = block_size * D * static_cast<int64_t>(sizeof(T));
-    for (int64_t b = first / block_size; b * block_size < len; b++) {
+    const int64_t start = first / block_size;
+    for (int64_t b = start; b * block_size < len; b++) {
         const int64_t t0 = std::max(first, b * block_size), t1 = std::min(len, (b + 1) * block_size);
         const int64_t slot = table[b] * block_size + (t0 - b * block_size);
-        if ((b + 1) * block_size < len) {
-            const char *next = reinterpret_cast<const char *>(head + table[b + 1] * block_size * D);
-            for (int64_t offset = 0; offset < block_bytes; offset += kLine) __builtin_prefetch(next + offset);
+        for (int64_t ahead = b == start ? 1 : kAhead; ahead <= kAhead; ahead++) {
+            if ((b + ahead) * block_size >= len) break;
+            const char *next = reinterpret_cast<const char *>(head + table[b + ahead] * block_size * D);
+            for (int64_t offset = 0; offset < block_bytes; offset += kLine)
+                __builtin_prefetch(next + offset, 0, kIntoL2);
         }
         fn(t0, t1, head + slot * D, slot);
     }
