@@ -36,10 +36,21 @@ def require_api_key() -> None:
             "missing API key after `Bearer`: send `Authorization: Bearer <key>`",
             CHALLENGE,
         )
-    caller = look_up_caller(hash_key(key.strip()))
+    caller = caller_of_key(key.strip())
     if caller is None:
         raise APIError(401, "unauthorized", "unknown or revoked API key", CHALLENGE)
     g.tenant = caller
+
+
+def caller_of_key(key: str) -> Caller | None:
+    """The caller of API key `key`, or None: hashed and looked up once a request (the rate limiter asks for
+    it before the key check does)."""
+    asked = g.get("caller_of_key")
+    if asked is not None and asked[0] == key:
+        return asked[1]
+    caller = look_up_caller(hash_key(key))
+    g.caller_of_key = (key, caller)
+    return caller
 
 
 def look_up_caller(key_hash: str) -> Caller | None:

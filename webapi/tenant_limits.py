@@ -12,9 +12,8 @@ from datetime import datetime, timezone
 from flask import request
 from sqlalchemy import func, select
 
-from jobstore.keys import hash_key
 from jobstore.tenant_policy import Policy, tokens_used
-from webapi.auth import current_tenant, look_up_caller
+from webapi.auth import caller_of_key, current_tenant
 from webapi.errors import APIError
 from webapi.extensions import services
 
@@ -84,7 +83,7 @@ def rate_limit_of_caller() -> str:
     scheme, _, key = request.headers.get("Authorization", "").strip().partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         return settings.rate_limit
-    caller = look_up_caller(hash_key(key.strip()))
+    caller = caller_of_key(key.strip())
     if caller is None or caller.policy is None:
         return settings.rate_limit
     return caller.policy.rate_limit or settings.rate_limit

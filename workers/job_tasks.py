@@ -47,10 +47,11 @@ class JobTasks:
 
     def started(self, job: Job) -> None:
         """The job was claimed: its task is received and started."""
-        if self._dispatcher() is None:  # unwatched: nothing built (every claim comes here)
+        if (dispatcher := self._dispatcher()) is None:  # unwatched: nothing built (every claim comes here)
             return
         task = str(job.id)
         self._send(
+            dispatcher,
             ("task-received", dict(name=TASK, args=repr([task]), kwargs="{}", retries=job.attempts - 1)),
             ("task-started", {}),
             task=task,
@@ -60,7 +61,9 @@ class JobTasks:
         self, job: Job, outcome: Outcome, error: str | None = None, runtime: float | None = None
     ) -> None:
         """The worker's hold on the job ended with `outcome` (`error`: a failure's code)."""
-        if self._dispatcher() is None:  # unwatched: nothing built (every job's end comes here)
+        if (
+            dispatcher := self._dispatcher()
+        ) is None:  # unwatched: nothing built (every job's end comes here)
             return
         if outcome is Outcome.SUCCEEDED:
             event = ("task-succeeded", dict(result=repr(outcome.value), runtime=runtime))
@@ -72,13 +75,12 @@ class JobTasks:
             event = ("task-retried", dict(exception=repr(outcome.value), traceback=None))
         else:  # discarded: the job is another attempt's, which tells
             return
-        self._send(event, task=str(job.id))
+        self._send(dispatcher, event, task=str(job.id))
 
-    def _send(self, *events: tuple[str, dict], task: str) -> None:
-        """Send task `task`'s events when task events are on. A failure to send is logged, never raised: jobs
-        do not depend on it."""
-        if (dispatcher := self._dispatcher()) is None:
-            return
+    @staticmethod
+    def _send(dispatcher, *events: tuple[str, dict], task: str) -> None:
+        """Send task `task`'s events through `dispatcher`. A failure to send is logged, never raised: jobs do
+        not depend on it."""
         try:
             for kind, fields in events:
                 dispatcher.send(kind, uuid=task, **fields)

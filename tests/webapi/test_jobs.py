@@ -259,6 +259,24 @@ def test_a_revoked_key_stops_working_after_the_auth_cache_time(settings, session
     uncached.extensions["genq"].close()
 
 
+def test_a_request_looks_its_key_up_once(settings, new_key, monkeypatch):
+    """The rate limiter asks for the key's tenant before the key check does: one lookup serves both (with no
+    cache, each lookup is a query)."""
+    from webapi import auth, create_app
+
+    lookups = []
+    look_up = auth._look_up
+    monkeypatch.setattr(auth, "_look_up", lambda key_hash: lookups.append(key_hash) or look_up(key_hash))
+    app = create_app(settings.replace(auth_cache_seconds=0))
+    client, headers = app.test_client(), {"Authorization": f"Bearer {new_key()}"}
+    try:
+        assert client.post("/jobs", json=JOB, headers=headers).status_code == 202
+        assert client.get("/jobs", headers=headers).status_code == 200
+        assert len(lookups) == 2 and lookups[0] == lookups[1]  # one a request
+    finally:
+        app.extensions["genq"].close()
+
+
 def test_the_per_tenant_cap_is_checked_inside_the_insert(settings, auth):
     """At the cap nothing is inserted, even for submissions racing each other: near its cap a tenant's
     count and insert run under its advisory lock; other tenants go on."""
