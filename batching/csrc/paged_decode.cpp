@@ -22,6 +22,8 @@
 // well under a second and calls it through ctypes on the tensors' memory.
 #include <vector>
 
+#include <omp.h>
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -150,6 +152,7 @@ void attend_one(const T *q, int64_t q_sh, const KV *kh, const KV *vh, const bf16
     denom_inv.resize(rep);
 #if defined(GENQ_DECODE_AVX512)
     if constexpr (kVector) {
+        prefetch_blocks(vh, table, first / block_size, first / block_size + kPrefetchAhead, len, block_size, D);
         for_each_block(kh, table, first, len, block_size, D, [&](int64_t t0, int64_t t1, const KV *rows, int64_t) {
             for (int64_t r = 0; r < rep; r++)
                 score_rows<FixedD>(q + r * q_sh, rows, t1 - t0, scale, scores.data() + r * span + (t0 - first));
@@ -206,7 +209,7 @@ void attend_one(const T *q, int64_t q_sh, const KV *kh, const KV *vh, const bf16
             const float *wide = widen_rows<FixedD>(rows, t1 - t0, qw.data());
             for (int64_t r = 0; r < rep; r++)
                 accumulate_rows<FixedD>(scores.data() + r * span + (t0 - first), wide, t1 - t0, acc.data() + r * D);
-        });
+        }, true);
     }
 #endif
     if constexpr (!kVector)
@@ -247,11 +250,18 @@ void paged_decode(const T *q, int64_t q_sn, int64_t q_sh, const KV *k_pool, cons
 #pragma omp parallel num_threads(num_threads)
     {
         std::vector<A> qw, scores, acc, denom_inv;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < n * num_kv_heads; item++) {
+        const int64_t items = n * num_kv_heads, stride = omp_get_num_threads();
+        const auto first_of = [&](int64_t i) { return window > 0 && lens[i] > window ? lens[i] - window : 0; };
+#pragma omp for schedule(static, 1)
+        for (int64_t item = 0; item < items; item++) {
             const int64_t i = item / num_kv_heads, g = item % num_kv_heads;
             const int64_t len = lens[i];
-            const int64_t first = window > 0 && len > window ? len - window : 0;
+            const int64_t first = first_of(i);
+            if (item + stride < items) {  // this thread's next item: its first blocks, while this one runs
+                const int64_t ni = (item + stride) / num_kv_heads, ng = (item + stride) % num_kv_heads;
+                const int64_t nb = first_of(ni) / block_size;
+                prefetch_blocks(k_pool + ng * head_stride, tables + ni * width, nb, nb + 1, lens[ni], block_size, head_dim);
+            }
             auto attend = head_dim == 64    ? attend_one<64, T, KV>
                           : head_dim == 128 ? attend_one<128, T, KV>
                                             : attend_one<0, T, KV>;
