@@ -67,7 +67,7 @@ constexpr int kValueRows = 6;      // rows per register block of p . v: 12 accum
 
 template <typename A> struct Scratch {
     std::vector<A> q, scores, acc, denom_inv;
-    std::vector<uint32_t> q_pairs;  // the pair product's queries (bfloat16 pairs)
+    std::vector<uint32_t> q_pairs, p_pairs;  // the pair products' queries and weights (bfloat16 pairs)
     std::vector<int64_t> lo, hi;  // each row's visible keys [lo, hi), absolute positions
 };
 
@@ -99,6 +99,33 @@ inline void score_pairs(const uint32_t *q, const uint32_t *keys, float *scores, 
     }
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int i = 0; i < R; i++) _mm512_storeu_ps(scores + i * stride, _mm512_mul_ps(acc[i], vscale));
+}
+
+// acc[i] += sum over key pairs P in [from, to) of p[i][P] . values' pair row P, for R rows: p's words are two
+// bfloat16 weights (keys 2P and 2P + 1), a pair row D words of the two keys' values (element d of each);
+// pair row P lies at values + (P / 8) * group_words + (P % 8) * D (eight pairs to a group of 16 keys)
+template <int R, int D>
+inline void value_pairs(const uint32_t *p, int64_t p_stride, const uint32_t *values, int64_t group_words,
+                        int64_t from, int64_t to, float *acc) {
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        __m512 o[R][4];
+        for (int i = 0; i < R; i++)
+            for (int v = 0; v < 4; v++) o[i][v] = _mm512_setzero_ps();
+        for (int64_t P = from; P < to; P++) {
+            const uint32_t *row = values + (P >> 3) * group_words + (P & 7) * D + d0;
+            __m512bh x[4];
+            for (int v = 0; v < 4; v++) x[v] = (__m512bh)_mm512_loadu_si512(row + 16 * v);
+            for (int i = 0; i < R; i++) {
+                const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[i * p_stride + P]));
+                for (int v = 0; v < 4; v++) o[i][v] = _mm512_dpbf16_ps(o[i][v], weight, x[v]);
+            }
+        }
+        for (int i = 0; i < R; i++)
+            for (int v = 0; v < 4; v++) {
+                float *out = acc + i * D + d0 + 16 * v;
+                _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), o[i][v]));
+            }
+    }
 }
 #endif
 
@@ -237,8 +264,48 @@ void attend_tile(const T *q, int64_t q_sn, int64_t q_sh, const PackedHead<A> &pa
         std::fill(sr + hi, sr + kmax, A(0));
     }
 
-    // 3. out_r = sum_t p[r][t] v_t / sum, a block of the pool (float32, float64) or of the widened
-    // rows (bfloat16, int8) at a time
+    // 3. out_r = sum_t p[r][t] v_t / sum
+#if defined(__AVX512BF16__)
+    if constexpr (kPairs) {
+        // bfloat16 pairs: p rounded to bfloat16, two keys to a word (as torch's CPU flash attention rounds p
+        // for bfloat16 before its p . v product; the denominator is the unrounded sum, as there), and the
+        // values packed in pairs of keys; a hidden key weighs 0
+        const int64_t p_first = kmin / 2, p_count = (kmax + 1) / 2 - p_first;
+        w.p_pairs.resize(M * p_count);
+        for (int64_t r = 0; r < M; r++) {
+            const float *sr = w.scores.data() + r * stride - kbase;
+            const int64_t lo = w.lo[r], hi = w.hi[r];
+            uint32_t *words = w.p_pairs.data() + r * p_count - p_first;
+            // 32 keys a step: the visible ones loaded (the rest 0), rounded to nearest even, 16 words stored
+            const auto visible = [&](int64_t t) {  // bit k: key t + k is visible
+                const int64_t from = std::clamp<int64_t>(lo - t, 0, 16), to = std::clamp<int64_t>(hi - t, 0, 16);
+                return static_cast<__mmask16>(((1u << to) - 1) & ~((1u << from) - 1));
+            };
+            for (int64_t P = p_first; P < p_first + p_count; P += 16) {
+                const int64_t t = 2 * P, count = std::min<int64_t>(16, p_first + p_count - P);
+                const __m512 low = _mm512_maskz_loadu_ps(visible(t), sr + t);
+                const __m512 high = _mm512_maskz_loadu_ps(visible(t + 16), sr + t + 16);
+                const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(high, low);
+                _mm512_mask_storeu_epi32(words + P, static_cast<__mmask16>((1u << count) - 1), packed);
+            }
+        }
+        const uint32_t *values = reinterpret_cast<const uint32_t *>(packed.values) - packed.first_group * K * D;
+        for (int64_t r = 0; r < M; r += kValueRows) {
+            const int64_t rows_here = std::min<int64_t>(kValueRows, M - r);
+            int64_t a = kmax, b = kmin;  // the keys any of these rows sees
+            for (int64_t i = r; i < r + rows_here; i++) a = std::min(a, w.lo[i]), b = std::max(b, w.hi[i]);
+            const uint32_t *pr = w.p_pairs.data() + r * p_count - p_first;
+            float *acc = w.acc.data() + r * D;
+            if (rows_here == kValueRows)
+                value_pairs<kValueRows, FixedD>(pr, p_count, values, K * D, a / 2, (b + 1) / 2, acc);
+            else
+                for (int64_t i = 0; i < rows_here; i++)
+                    value_pairs<1, FixedD>(pr + i * p_count, p_count, values, K * D, a / 2, (b + 1) / 2, acc + i * D);
+        }
+    }
+#endif
+    // a block of the pool (float32, float64) or of the widened rows (bfloat16, int8) at a time
+    if constexpr (!kPairs)
     for_each_block(vh, table, kmin, kmax, block_size, D, [&](int64_t t0, int64_t t1, const KV *rows,
                                                              int64_t /* slot */) {
         const A *values;  // the block's rows, indexed by position
@@ -349,8 +416,16 @@ void paged_prefill(const T *q, int64_t q_sn, int64_t q_sh, const KV *k_pool, con
             A *wide = kWiden ? values + value_at[i] + (g * groups[i] + u) * K * D : nullptr;
             for (int64_t l = 0; l < K; l++) {
                 const int64_t pos = (first[i] + u) * K + l;
-                if (pos >= ctx_lens[i]) {
+                if (pos >= ctx_lens[i]) {  // past the context: zeros (pairs: a weight of 0 meets a value of 0)
                     for (int64_t d = 0; d < D; d++) dst[d * K + l] = A(0);
+                    if constexpr (kWiden) {
+                        if (pairs) {  // this key's half of its pair row
+                            uint16_t *halves = reinterpret_cast<uint16_t *>(wide) + l / 2 * D * 2 + (l & 1);
+                            for (int64_t d = 0; d < D; d++) halves[2 * d] = 0;
+                        } else {
+                            for (int64_t d = 0; d < D; d++) wide[l * D + d] = A(0);
+                        }
+                    }
                     continue;
                 }
                 const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
@@ -371,10 +446,14 @@ void paged_prefill(const T *q, int64_t q_sn, int64_t q_sh, const KV *k_pool, con
                 }
                 if constexpr (kWiden) {
                     const KV *value = v_pool + g * head_stride + slot * D;
-                    if constexpr (kInt8)
+                    if constexpr (kInt8) {
                         for (int64_t d = 0; d < D; d++) wide[l * D + d] = A(widen(value[d])) * v_scale;
-                    else
+                    } else if (pairs) {  // pair row l / 2: element d of keys l (low half) and l + 1 (high)
+                        uint16_t *halves = reinterpret_cast<uint16_t *>(wide) + l / 2 * D * 2 + (l & 1);
+                        for (int64_t d = 0; d < D; d++) halves[2 * d] = reinterpret_cast<const uint16_t &>(value[d]);
+                    } else {
                         for (int64_t d = 0; d < D; d++) wide[l * D + d] = widen(value[d]);
+                    }
                 }
             }
         }
