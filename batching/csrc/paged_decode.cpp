@@ -13,7 +13,8 @@
 //
 // Element types: float32 and float64 compute in their own type; bfloat16 (the pool, q and out in
 // bfloat16, sinks in float32) computes in float32 (scores, softmax and the weighted sum of values),
-// widening each element as it is read and rounding the output once, to nearest even.
+// widening each element as it is read; the softmax's weights are rounded to bfloat16 before they weigh the
+// values (as torch's CPU SDPA rounds them) and the output once, to nearest even.
 // int8 pools (the *_i8 kernels; q and out in the model's type) come with k_scales and v_scales,
 // [num_kv_heads, num_blocks, block_size] in bfloat16, a scale per row: a key's dot product is
 // scaled once, and a value's softmax weight takes its row's scale.
@@ -200,6 +201,10 @@ void attend_one(const T *q, int64_t q_sh, const KV *kh, const KV *vh, const bf16
             sum += sr[t];
         }
         denom_inv[r] = A(1) / sum;
+        // bfloat16: p rounded to bfloat16 before p . v, as torch's CPU SDPA does (the sum above unrounded, as
+        // there): on 32 sequences x 300 tokens the output then equals SDPA's in 86% of elements, against 60%
+        if constexpr (std::is_same<T, bf16>::value)
+            for (int64_t t = 0; t < span; t++) sr[t] = widen(narrow<bf16>(sr[t]));
     }
     // out_r = sum_t p[r][t] v_t / sum
 #if defined(GENQ_DECODE_AVX512)

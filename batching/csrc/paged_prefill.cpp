@@ -23,7 +23,8 @@
 //   tables         : [n, width] block ids; ctx_lens: [n] tokens each chunk attends over (its own
 //                    included: its last query sits at ctx_lens[i] - 1)
 //   sinks          : [num_heads] or null; softcap <= 0: none; window <= 0: none
-// Element types as in paged_decode.cpp: bfloat16 computes in float32, float64 in float64. int8
+// Element types as in paged_decode.cpp: bfloat16 computes in float32 (the softmax's weights rounded to
+// bfloat16 before p . v, as torch's CPU SDPA rounds them), float64 in float64. int8
 // pools (the *_i8 kernels) come with k_scales and v_scales, [num_kv_heads, num_blocks, block_size]
 // in bfloat16: their keys and values are packed dequantized (row x its scale, exact in float32).
 #include <vector>
@@ -260,6 +261,8 @@ void attend_tile(const T *q, int64_t q_sn, int64_t q_sh, const PackedHead<A> &pa
             sum += sr[t];
         }
         w.denom_inv[r] = A(1) / sum;
+        if constexpr (std::is_same<T, bf16>::value && !kPairs)  // rounded as the pair product rounds them
+            for (int64_t t = lo; t < hi; t++) sr[t] = widen(narrow<bf16>(sr[t]));
         std::fill(sr + kmin, sr + lo, A(0));  // hidden keys weigh nothing in step 3's row blocks
         std::fill(sr + hi, sr + kmax, A(0));
     }
