@@ -94,7 +94,8 @@ def test_cancel_running_job_frees_its_slot(narrow):
 
 def test_cancel_queued_job_never_runs(narrow):
     outcomes_before = narrow.outcomes()
-    blocker = narrow.submit(**LONG, max_tokens=400)  # runs on while `queued` is submitted and cancelled
+    # runs on while `queued` is submitted and cancelled (2,000 tokens: a fast CPU runs 400 in a few tenths of a second)
+    blocker = narrow.submit(**LONG, max_tokens=2000)
     narrow.wait(blocker, until=lambda j: j["status"] == "running")
     queued = narrow.submit(prompt="never", max_tokens=2)
     assert narrow.client.post(f"/jobs/{queued}/cancel", headers=narrow.headers).json["status"] == "cancelled"
