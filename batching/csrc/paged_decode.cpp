@@ -50,24 +50,20 @@ inline __m512 load16(const bf16 *p) {  // 16 bfloat16 values, widened (exactly)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
-// 16 lanes whose sum is q . k over D elements
-template <int D> inline __m512 dot_lanes(const float *q, const float *k) {
+// 16 lanes whose sum is q . k over D elements (bfloat16 without avx512_bf16: widened, as float32)
+template <int D, typename T> inline __m512 dot_lanes(const T *q, const T *k) {
     __m512 acc = _mm512_mul_ps(load16(q), load16(k));
     for (int d = 16; d < D; d += 16) acc = _mm512_fmadd_ps(load16(q + d), load16(k + d), acc);
     return acc;
 }
-template <int D> inline __m512 dot_lanes(const bf16 *q, const bf16 *k) {
 #if defined(__AVX512BF16__)
+template <int D> inline __m512 dot_lanes(const bf16 *q, const bf16 *k) {
     __m512 acc = _mm512_setzero_ps();
     for (int d = 0; d < D; d += 32)
         acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + d));
     return acc;
-#else
-    __m512 acc = _mm512_mul_ps(load16(q), load16(k));
-    for (int d = 16; d < D; d += 16) acc = _mm512_fmadd_ps(load16(q + d), load16(k + d), acc);
-    return acc;
-#endif
 }
+#endif
 
 // lane j of the result: the sum of v[j]'s 16 lanes (a transpose and add in 15 steps of three instructions)
 inline __m512 sum16(const __m512 *v) {
