@@ -115,7 +115,14 @@ from transformers import (  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from bench import roofline  # noqa: E402
-from bench.harness import Interference, code_version, tree_cpu_seconds, wait_for_quiet  # noqa: E402
+from bench.harness import (  # noqa: E402
+    Interference,
+    code_version,
+    own_seconds,
+    tree_cpu_seconds,
+    wait_for_quiet,
+    wait_until_idle,
+)
 from bench.roofline import Step  # noqa: E402
 from bench.vllm_runner import MARK  # noqa: E402
 
@@ -682,6 +689,10 @@ def run_passes(
             system = systems[key]
             if on_first is not None:
                 on_first(key, system)
+            # the other systems idle first: each pass runs on a machine its peers have stopped using
+            wait_until_idle(
+                [getattr(peer, "cpu_seconds", own_seconds) for peer in systems.values() if peer is not system]
+            )
             if quiet_wait:
                 wait_for_quiet(quiet_wait)
             with (

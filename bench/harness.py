@@ -157,6 +157,26 @@ def wait_for_quiet(max_wait: float, threshold: float = 0.15, window: float = 3.0
     return time.perf_counter() - t0
 
 
+def wait_until_idle(
+    meters: list[Callable[[], float | None]],
+    threshold: float = 0.03,
+    window: float = 0.5,
+    max_wait: float = 20.0,
+) -> float:
+    """Wait (at most max_wait seconds) until every meter (CPU seconds of a process or tree) rises by less than
+    `threshold` cores over a window: a system that was just measured has stopped spinning (vLLM's processes
+    keep ~0.2 cores busy for a few seconds after a pass; OpenMP threads spin after their last region). Returns
+    the seconds waited."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < max_wait:
+        before = [meter() for meter in meters]
+        time.sleep(window)
+        after = [meter() for meter in meters]
+        if all(a is None or b is None or (b - a) / window < threshold for a, b in zip(before, after)):
+            break
+    return time.perf_counter() - t0
+
+
 # --- what a run was ---------------------------------------------------------------------------------
 
 
