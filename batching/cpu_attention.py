@@ -1,4 +1,5 @@
-"""Paged attention kernels for the CPU, from csrc/paged_decode.cpp and csrc/paged_prefill.cpp.
+"""Paged attention kernels for the CPU, from csrc/paged_decode.cpp and csrc/paged_prefill.cpp (and the pool's
+row writes, csrc/kv_write.cpp).
 
 On a CPU the torch path spends much of its attention time gathering K/V blocks into contiguous
 buffers (a write and a re-read of the context per layer), and for prefill chunks it repeats them per
@@ -36,7 +37,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = [SOURCE_DIR / "paged_decode.cpp", SOURCE_DIR / "paged_prefill.cpp"]
+SOURCES = [SOURCE_DIR / "paged_decode.cpp", SOURCE_DIR / "paged_prefill.cpp", SOURCE_DIR / "kv_write.cpp"]
 HEADERS = [SOURCE_DIR / "attention_common.h"]
 # Value-safe relaxations only: sums may be reordered (as any vectorized reduction does), no errno,
 # no traps. Not -ffast-math: its finite-math assumption would be wrong for a -inf score.
@@ -92,6 +93,8 @@ DECODE_ARGTYPES = [
 ]
 PREFILL_ARGTYPES = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
 PREFILL_ARGTYPES += [_I64, _I64, _I64, _I64, _I64, _F64, _F64, _PTR, _I64, ctypes.c_int]
+# src, its head and row strides (bytes), the pool, its head stride (bytes), slots, heads, rows, row bytes
+WRITE_ROWS_ARGTYPES = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64]
 
 
 def _function(library: ctypes.CDLL, name: str, argtypes: list):
@@ -120,6 +123,29 @@ class PagedAttentionKernel:
             for dtype, suffix in DTYPE_SUFFIXES.items()
             for int8 in (False, True)
         }
+
+        self._write_rows = _function(library, "genq_write_rows", WRITE_ROWS_ARGTYPES)
+
+    def write_rows(self, cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
+        """cache[:, slot_mapping[t]] = rows[:, t]: a step's new keys or values of one layer into their slots.
+        cache: [Hkv, slots, D] with rows contiguous; rows: [Hkv, T, D] with D contiguous (any other strides);
+        slot_mapping: [T] int64, contiguous. Byte copies: every dtype."""
+        assert rows.stride(-1) == 1 and cache.stride(-1) == 1 and cache.stride(1) == cache.shape[-1]
+        assert (
+            slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and rows.dtype == cache.dtype
+        )
+        size = rows.element_size()
+        self._write_rows(
+            rows.data_ptr(),
+            rows.stride(0) * size,
+            rows.stride(1) * size,
+            cache.data_ptr(),
+            cache.stride(0) * size,
+            slot_mapping.data_ptr(),
+            rows.shape[0],
+            rows.shape[1],
+            rows.shape[2] * size,
+        )
 
     def supports(self, dtype: torch.dtype, device: torch.device) -> bool:
         return device.type == "cpu" and dtype in DTYPE_SUFFIXES

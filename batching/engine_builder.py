@@ -176,6 +176,8 @@ def build(
         device,
         config.kv_cache_dtype,
     )
+    if kernel is not None and device.type == "cpu":
+        kv_cache.row_writer = kernel.write_rows
     num_host_state_slots = num_state_slots if num_host_blocks else 0
     state_cache = None
     if state_geometry:

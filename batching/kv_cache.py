@@ -17,6 +17,7 @@ float32 (8 bits times 8 bits of mantissa), so every path attends over the same v
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -146,6 +147,9 @@ class KVCache:
         self.device_pools += scale_pools
         self.host_pools += scale_host_pools
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # CPU pools: the C++ row write (cpu_attention's `write_rows`), set by the engine's builder where the
+        # kernels are loaded; else (and for int8 caches) index_copy_
+        self.row_writer: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
         self._ready: torch.cuda.Event | None = None  # the last swap's device-side work
         # gather buffers reused by every layer and step: fresh large tensors would page-fault each time
         self._workspace = {
@@ -171,6 +175,10 @@ class KVCache:
         k_cache, v_cache = self.k[layer], self.v[layer]
         assert k_cache is not None and v_cache is not None, f"layer {layer} has no KV cache"
         if not self.quantized:
+            if self.row_writer is not None and key.stride(-1) == 1 and value.stride(-1) == 1:
+                self.row_writer(k_cache, slot_mapping, key)
+                self.row_writer(v_cache, slot_mapping, value)
+                return
             k_cache.index_copy_(1, slot_mapping, key)
             v_cache.index_copy_(1, slot_mapping, value)
             return

@@ -292,3 +292,18 @@ def test_bfloat16_weights_are_rounded_before_they_weigh_the_values(kernel, head_
         v = v_pool[h // 2, tables[0]].flatten(0, 1)[:300].float()
         want[:, h] = expected(qp[:, h].float(), k, v, causal=True)
     assert (out == want).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.int8])
+def test_write_rows_stores_each_row_in_its_slot_as_index_copy_does(kernel, dtype):
+    """The pool's row write (the KV cache's on the CPU): a step's keys, a strided view of the fused q/k/v
+    projection as the layer hands them over, land in their slots; every other slot keeps what it held."""
+    gen = torch.Generator().manual_seed(3)
+    heads, slots, dim, rows = 3, 64, 40, 7
+    pool = (torch.randn(heads, slots, dim, generator=gen) * 50).to(dtype)
+    projection = (torch.randn(rows, (4 + 2 * heads) * dim, generator=gen) * 50).to(dtype)  # [T, (H + 2 Hkv) D]
+    keys = projection[:, 4 * dim : (4 + heads) * dim].view(rows, heads, dim).transpose(0, 1)  # [Hkv, T, D]
+    slot_mapping = torch.randperm(slots, generator=gen)[:rows].contiguous()
+    expected = pool.clone().index_copy_(1, slot_mapping, keys)
+    kernel.write_rows(pool, slot_mapping, keys)
+    assert torch.equal(pool, expected)
