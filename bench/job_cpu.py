@@ -3,16 +3,16 @@
 A fresh stack (bench/stack.py: gunicorn, one worker) on a private redis-server, the built-in tiny-llama;
 N jobs (default 1,000) of 16 tokens, three ways in:
 
-| path | how the jobs come in | how the bench waits |
-| --- | --- | --- |
-| `jobs` | one `POST /jobs` each, over 16 keep-alive connections | Postgres (a connection not counted) |
-| `batch` | one JSONL upload + `POST /v1/batches` | Postgres, then one `GET /v1/batches/<id>` (it writes the output file) |
-| `stream` | one streamed `POST /v1/completions` each, all at once | the streams' ends |
-| `stream-long` | as `stream`, each job `--long-factor` (8) times the tokens | the streams' ends |
+| path | how the jobs come in | how the bench waits | with `--hold`, the worker stopped until |
+| --- | --- | --- | --- |
+| `jobs` | one `POST /jobs` each, over 16 keep-alive connections | Postgres (a connection not counted) | every POST answered and the N jobs sent to Redis |
+| `batch` | one JSONL upload + `POST /v1/batches` | Postgres, then one `GET /v1/batches/<id>` (it writes the output file) | (not held) |
+| `stream` | one streamed `POST /v1/completions` each, all at once | the streams' ends | the N jobs in Postgres and sent to Redis |
+| `stream-long` | as `stream`, each job `--long-factor` (8) times the tokens | the streams' ends | as `stream` |
 
 Stack CPU = the CPU time of the API's processes, of the worker's process less its engine process, of the
 private Redis, and of the Postgres backends serving the stack's database, from the first request to the
-last job done. The engine process and this client are reported apart and not counted. It prints, per path:
+last job done (with `--hold` too: below). The engine process and this client are reported apart and not counted. It prints, per path:
 stack ms per job and engine ms per job (targets: batch <= 2 ms/job, jobs <= 4 ms/job). A streamed token's
 cost is what `stream-long` costs beyond `stream`, over the tokens it adds: the same number of streamed
 jobs, so their per-job costs (request, claim, result) cancel, and what is left is what grows with tokens
@@ -25,11 +25,29 @@ job runs to its `max_tokens` (`ignore_eos`), so the token counts are fixed.
     python bench/job_cpu.py --profile bench/out/profile   # + py-spy of the API and worker, per path
     python bench/job_cpu.py --paths jobs --rate 100 --repeat 2   # POST /jobs paced: two versions' batches alike
     python bench/job_cpu.py --paths stream --counts --jobs 300     # + what each job did, counted (below)
+    python bench/job_cpu.py --paths jobs,stream --hold --jobs 300 --repeat 2   # the same backlog drained (below)
 
 Each path also prints its engine steps per job (the batch's width, a step's wall time): the stack's per-step
 work (the worker's reads and token events, the API hub's reads, the engine's own) is paid per step, and the
 `jobs` and `stream` paths' jobs arrive as fast as the API takes them, so a version whose API or engine is faster
-runs narrower batches and more steps per job; compare such runs at like steps per job, or paced (`--rate`).
+runs narrower batches and more steps per job; compare such runs at like steps per job, or paced (`--rate`), or
+held (`--hold`).
+
+With `--hold`, the `jobs`, `stream` and `stream-long` paths first stop the worker: SIGSTOP to every process of
+each worker's session (the Celery worker, its engine process and anything else it started; the same for any
+version, nothing asked of the worker), then submit all N jobs, wait until all are accepted (`jobs`: every POST
+answered; streams: their requests stay open, so the bench reads Postgres) and sent to Redis (N rows of the path
+with `enqueued_at` set, which the API's sent-marks flusher writes within 0.5 s of the send, in both versions), and
+only then SIGCONT the worker: every version drains the same backlog of N queued jobs, so its batches are as wide
+as its engine's limits let them be (like `batch`), whatever the API's or the engine's speed. The CPU window is
+unchanged: from just before the first request to the last job done; it holds the submission with the worker
+stopped (a stopped process uses no CPU: the API, Redis and Postgres are counted at work, the worker at zero) and
+the drain after it. The worker is resumed even if the bench fails; a hold longer than `--hold-timeout` (60 s)
+resumes it and says so (a worker's fleet announcement, where the version has one, expires after 15 s; the API
+still takes jobs for its configured model). `batch` is not held (its jobs are all there at once anyway). The
+seconds printed include the hold, and the line ends with it ("worker held 1.2 s"). Compare versions held at
+like steps per job and width (printed); the engine's slots (256 by default) and its prefill token budget bound
+the width, so N within the worker's capacity (slots plus reserve) is drained at the widest.
 
 With `--profile DIR`, py-spy samples the API's and the worker's processes (not the engine's) during each
 path (samples holding the GIL: Python CPU, not waits) and writes DIR/<path>-<part>-<pid>.txt (collapsed stacks) and DIR/<path>-<part>.top (the functions
@@ -60,7 +78,9 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
@@ -75,6 +95,52 @@ from jobstore.db import make_engine  # noqa: E402
 
 PROMPT = "Once upon a time"
 TARGETS = {"batch": 2.0, "jobs": 4.0}
+
+
+class Hold:
+    """--hold: the stack's workers stopped (SIGSTOP to every process of each worker's session: the Celery worker and
+    its engine process) until resume() (SIGCONT to the same processes). A stopped process takes no CPU and reads no
+    message: the jobs submitted meanwhile wait in Redis and Postgres, and the worker then drains them together."""
+
+    def __init__(self, stack):
+        self.stack = stack
+        self.stopped: list[int] = []
+
+    def pause(self) -> None:
+        pids = [pid for worker in self.stack.workers for pid in session_cpu(worker.pid)]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                self.stopped.append(pid)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 5
+        while not all(state(pid) in ("T", None) for pid in self.stopped):  # every thread stopped
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the worker did not stop: {[(p, state(p)) for p in self.stopped]}")
+            time.sleep(0.005)
+        self.since = time.monotonic()
+
+    def resume(self) -> float:
+        """SIGCONT to every process stopped; the seconds they were held (0 if none was)."""
+        if not self.stopped:
+            return 0.0
+        for pid in self.stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        self.stopped = []
+        return time.monotonic() - self.since
+
+
+def state(pid: int) -> str | None:
+    """A process's state letter in /proc/PID/stat (T: stopped), None if it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw[raw.rindex(")") + 2]
 
 
 class Meter:
@@ -133,6 +199,16 @@ class Meter:
         self.own_queries += 1
         return self.conn.scalar(
             text("SELECT count(*) FROM jobs WHERE status = 'succeeded' AND created_at >= to_timestamp(:t)"),
+            {"t": since},
+        )
+
+    def sent(self, since: float) -> int:
+        """Jobs created since `since` whose message went to Redis (`enqueued_at`: the API's sent-marks, batched)."""
+        self.own_queries += 1
+        return self.conn.scalar(
+            text(
+                "SELECT count(*) FROM jobs WHERE enqueued_at IS NOT NULL AND created_at >= to_timestamp(:t)"
+            ),
             {"t": since},
         )
 
@@ -576,18 +652,52 @@ def run_path(
     long_factor: int = 8,
     counter: Counter | None = None,
     rate: float | None = None,
+    hold: Hold | None = None,
+    hold_timeout: float = 60.0,
+) -> dict:
+    """One path's N jobs, measured; with `hold`, the worker is stopped while they are submitted (module doc)."""
+    hold = hold if path in ("jobs", "stream", "stream-long") else None
+    try:
+        return _run_path(
+            path, stack, meter, n, max_tokens, profiler, long_factor, counter, rate, hold, hold_timeout
+        )
+    finally:
+        if hold is not None:
+            hold.resume()  # a failed path leaves no stopped worker (its stop at the stack's end would wait)
+
+
+def _run_path(
+    path, stack, meter, n, max_tokens, profiler, long_factor, counter, rate, hold, hold_timeout
 ) -> dict:
     port = int(stack.url.rsplit(":", 1)[1])
     if counter:
         counter.start()
-    steps_before, step_seconds_before = engine_steps(stack)
+    steps_before, step_seconds_before = engine_steps(stack)  # the worker's metrics: read before it is stopped
     since = time.time() - 0.01  # jobs created from now: not the previous path's last ones
+    if hold is not None:
+        hold.pause()
     profiler.start(path)
     meter.start()
     started = time.monotonic()
+    held_s = 0.0
+
+    def release(short: Callable[[], bool]) -> float:
+        """Once the N jobs are in Postgres and sent to Redis, the worker resumes; also if the hold times out or
+        `short()` says the submission ended with fewer (refused requests)."""
+        deadline = time.monotonic() + hold_timeout
+        while meter.sent(since) < n:
+            if time.monotonic() > deadline or short():
+                print(f"--hold: {meter.sent(since)} of {n} jobs sent after {hold_timeout:.0f} s (or the "
+                      "submission ended short); the worker resumes", flush=True)  # fmt: skip
+                break
+            time.sleep(0.05)
+        return hold.resume()
+
     if path == "jobs":
         body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
         statuses = asyncio.run(http(port, [post("/jobs", stack.key, body)] * n, 16, rate))
+        if hold is not None:
+            held_s = release(lambda: statuses.count(202) < n)
         assert statuses.count(202) == n, {s: statuses.count(s) for s in set(statuses)}
     elif path == "batch":
         lines = "".join(
@@ -621,7 +731,17 @@ def run_path(
     failed = {}
     if path in ("stream", "stream-long"):
         tokens = max_tokens * (long_factor if path == "stream-long" else 1)
-        statuses = asyncio.run(streams(port, stack.key, n, tokens))
+        if hold is None:
+            statuses = asyncio.run(streams(port, stack.key, n, tokens))
+        else:  # the streams stay open until their jobs end: they run in a thread while this one waits to resume
+            ended: list[list[int]] = []
+            thread = threading.Thread(
+                target=lambda: ended.append(asyncio.run(streams(port, stack.key, n, tokens)))
+            )
+            thread.start()
+            held_s = release(lambda: not thread.is_alive())
+            thread.join()
+            statuses = ended[0] if ended else []
         failed = {s: statuses.count(s) for s in set(statuses) if s != 200}  # -1: no [DONE]
         n = statuses.count(200)
     while meter.done(since) < n:
@@ -654,6 +774,7 @@ def run_path(
         "engine_step_ms": step_seconds / max(steps, 1) * 1000,  # a step's mean wall time
         "latency_ms": latency,  # medians from creation: claimed, first token, ended
         "failed": failed,
+        "held_s": held_s,  # --hold: seconds the worker was stopped while the jobs came in (0: not held)
         **({"counts": counts} if counts else {}),
     }
 
@@ -675,6 +796,14 @@ def main(argv=None) -> list[dict]:
         "--counts", action="store_true", help="count Redis commands and Postgres statements per job"
     )
     ap.add_argument("--rate", type=float, help="jobs path: send POST /jobs at this many a second at most")
+    ap.add_argument(
+        "--hold",
+        action="store_true",
+        help="jobs and stream paths: stop the worker (SIGSTOP) until all N jobs are accepted, then drain them",
+    )
+    ap.add_argument(
+        "--hold-timeout", type=float, default=60.0, help="with --hold: resume after this many seconds"
+    )
     ap.add_argument("--pg-log", type=Path, default=Path("/var/log/postgresql/postgresql-15-main.log"))
     ap.add_argument(
         "--idle", type=float, default=10.0, help="with --counts: seconds of idle stack counted first"
@@ -689,6 +818,7 @@ def main(argv=None) -> list[dict]:
             meter = Meter(stack, own_redis.pid, settings.database_url)
             profiler = Profiler(args.profile, meter)
             counter = Counter(own_redis.port, meter, args.pg_log) if args.counts else None
+            hold = Hold(stack) if args.hold else None
             if counter and args.idle > 0:
                 counter.start()
                 time.sleep(args.idle)
@@ -709,6 +839,8 @@ def main(argv=None) -> list[dict]:
                         args.long_factor,
                         counter,
                         args.rate,
+                        hold,
+                        args.hold_timeout,
                     )
                     result["load_before"], result["round"] = load, round_
                     results.append(result)
@@ -748,6 +880,7 @@ def report(result: dict, load: float) -> None:
         f"from creation, median ms: "
         + ", ".join(f"{k} {v:.0f}" for k, v in result["latency_ms"].items())
         + f"; per part ms/job: {parts}"
+        + (f"; worker held {result['held_s']:.1f} s" if result.get("held_s") else "")
         + (f"; failed: {result['failed']}" if result["failed"] else ""),
         flush=True,
     )
