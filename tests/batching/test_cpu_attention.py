@@ -301,7 +301,8 @@ def test_write_rows_stores_each_row_in_its_slot_as_index_copy_does(kernel, dtype
     gen = torch.Generator().manual_seed(3)
     heads, slots, dim, rows = 3, 64, 40, 7
     pool = (torch.randn(heads, slots, dim, generator=gen) * 50).to(dtype)
-    projection = (torch.randn(rows, (4 + 2 * heads) * dim, generator=gen) * 50).to(dtype)  # [T, (H + 2 Hkv) D]
+    # the fused q/k/v projection's output, [T, (H + 2 Hkv) D]
+    projection = (torch.randn(rows, (4 + 2 * heads) * dim, generator=gen) * 50).to(dtype)
     keys = projection[:, 4 * dim : (4 + heads) * dim].view(rows, heads, dim).transpose(0, 1)  # [Hkv, T, D]
     slot_mapping = torch.randperm(slots, generator=gen)[:rows].contiguous()
     expected = pool.clone().index_copy_(1, slot_mapping, keys)
