@@ -168,7 +168,7 @@ def wait_until_idle(
     keep ~0.2 cores busy for a few seconds after a pass; OpenMP threads spin after their last region). Returns
     the seconds waited."""
     t0 = time.perf_counter()
-    while time.perf_counter() - t0 < max_wait:
+    while meters and time.perf_counter() - t0 < max_wait:
         before = [meter() for meter in meters]
         time.sleep(window)
         after = [meter() for meter in meters]

@@ -55,6 +55,8 @@ inline float widen(bf16 x) {
     std::memcpy(&f, &bits, sizeof f);
     return f;
 }
+// two bfloat16 values in one 32-bit word, `lo` in the low half: an operand of avx512_bf16's pair products
+inline uint32_t pair(bf16 lo, bf16 hi) { return uint32_t(lo.bits) | uint32_t(hi.bits) << 16; }
 inline float widen(float x) { return x; }
 inline double widen(double x) { return x; }
 inline float widen(int8_t x) { return x; }  // an int8 cache's row, before its scale (kv_cache.py)

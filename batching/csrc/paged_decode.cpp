@@ -125,7 +125,6 @@ inline void accumulate_rows(const float *p, const float *rows, int64_t count, fl
 // in the order `pair_element` gives; `unpermute_pairs` puts them back once an item is done. On the 2-core EPYC
 // (Zen 4), 64 sequences x ~250 tokens, two threads: from cache 47 -> 62 GB/s; from DRAM (8 layers of pools,
 // blocks shuffled) unchanged at ~21, the reads bound there; the decode workload's attention 3.2-3.5 -> 3.0-3.4 s.
-constexpr bool kDecodePairs = true;
 
 // the element of a head's row that lane j of accumulator c holds (c: 32-element chunk x 2 + 0 lo / 1 hi)
 inline int pair_element(int c, int j) { return (c / 2) * 32 + (j / 4) * 8 + (c % 2) * 4 + j % 4; }
@@ -136,14 +135,9 @@ inline void accumulate_pairs(const float *p, const bf16 *rows, int64_t count, fl
     constexpr int kChunks = D / 32;
     __m512 lo[kChunks], hi[kChunks];
     for (int c = 0; c < kChunks; c++) lo[c] = _mm512_loadu_ps(acc + 32 * c), hi[c] = _mm512_loadu_ps(acc + 32 * c + 16);
-    const auto bits = [](float x) {  // x is a bfloat16 value (rounded above): its upper half
-        uint32_t u;
-        std::memcpy(&u, &x, sizeof u);
-        return u >> 16;
-    };
-    for (int64_t t = 0; t < count; t += 2) {
+    for (int64_t t = 0; t < count; t += 2) {  // p holds bfloat16 values (rounded above): narrowing is exact
         const bool both = t + 1 < count;
-        const uint32_t word = bits(p[t]) | (both ? bits(p[t + 1]) << 16 : 0u);
+        const uint32_t word = pair(narrow<bf16>(p[t]), both ? narrow<bf16>(p[t + 1]) : bf16{0});
         const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
         for (int c = 0; c < kChunks; c++) {
             const __m512i a = _mm512_loadu_si512(rows + t * D + 32 * c);
@@ -165,8 +159,6 @@ template <int D> inline void unpermute_pairs(float *acc, int64_t rep) {
         std::memcpy(a, row, sizeof row);
     }
 }
-#else
-constexpr bool kDecodePairs = false;
 #endif
 
 // `count` rows of D bfloat16 values widened into `wide` (the block's values once, for every query head)
@@ -258,7 +250,7 @@ void attend_one(const T *q, int64_t q_sh, const KV *kh, const KV *vh, const bf16
     // out_r = sum_t p[r][t] v_t / sum
 #if defined(GENQ_DECODE_AVX512)
 #if defined(__AVX512BF16__)
-    if constexpr (kVector && kDecodePairs && std::is_same<KV, bf16>::value) {
+    if constexpr (kVector && std::is_same<KV, bf16>::value) {
         for_each_block(vh, table, first, len, block_size, D, [&](int64_t t0, int64_t t1, const KV *rows, int64_t) {
             for (int64_t r = 0; r < rep; r++)
                 accumulate_pairs<FixedD>(scores.data() + r * span + (t0 - first), rows, t1 - t0, acc.data() + r * D);

@@ -130,8 +130,6 @@ inline void value_pairs(const uint32_t *p, int64_t p_stride, const uint32_t *val
 }
 #endif
 
-inline uint32_t pair(bf16 lo, bf16 hi) { return uint32_t(lo.bits) | uint32_t(hi.bits) << 16; }
-
 // scores[i][0..group) = (q_i . keys_t[:, l]) * scale for R rows; keys_t: [D][group]
 template <int R, typename A>
 inline void score_rows(const A *q, int64_t D, const A *keys_t, A *scores, int64_t stride, A scale) {
