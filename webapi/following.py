@@ -182,6 +182,10 @@ class JobFollower:
                         return
                 if job is not None and job is not RETRY:  # a row read: what it holds beyond the caller first
                     read_at = time.monotonic()
+                    now_status = JobStatus(job.status).value
+                    if now_status != status and now_status not in ENDED:  # its event was lost: the row says
+                        status = now_status
+                        yield Status(status)
                     for new in followed.from_row(job, pending):
                         given += 1
                         yield new

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import select, update
 
 from contract.deltas import Delta, Position
-from contract.token_events import Status, encode, stream_key
+from contract.token_events import LOST_FIELD, Status, encode, stream_key
 from jobstore import jobs
 from jobstore.keys import create_key
 from jobstore.models import Tenant
@@ -129,6 +129,21 @@ def test_a_lost_status_is_found_in_the_row(found, new_job, redis_client):
         ended = follower.wait()
     assert ended is not None and ended.status == "cancelled"
     assert time.monotonic() - started < 2
+
+
+def test_a_status_change_whose_event_was_lost_comes_from_the_row_before_its_tokens(
+    found, new_job, redis_client
+):
+    """The job started and made tokens while the hub could not vouch for its reads (LOST): the follower reads
+    the row and gives the caller "running" first, then the row's tokens (CI once saw a delta follow "queued")."""
+    job = new_job()
+    with JobFollower(found, timeout=5.0, tick_seconds=0.1) as follower:  # its events end in 5 s at most
+        follower.follow(job)
+        events = follower.events()
+        assert next(events) == Status("queued")
+        set_row(found, job, status="running", output_token_ids=[0, 1], output_text=TEXT[:2])
+        redis_client.xadd(stream_key(found.settings.redis_key_prefix), {LOST_FIELD: b"lost"})
+        assert given(events, 2) == [Status("running"), Delta(0, [0, 1], 0, "ab")]
 
 
 def test_a_caller_that_leaves_before_the_end_cancels_its_job(found, new_job, redis_client):
