@@ -74,8 +74,12 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         num_state_slots: int = 0,
         num_host_state_slots: int = 0,
+        contiguous: bool = False,
     ):
         self.block_size = block_size
+        # place each sequence's blocks one after another where the pool allows (FreeBlockPool.take_run):
+        # for the CPU's attention; off, blocks come in the pool's order alone (exact LRU within a class)
+        self.contiguous = contiguous
         self.num_device_blocks = num_device_blocks
         self.num_host_blocks = num_host_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -252,7 +256,7 @@ class BlockManager:
         n = self.num_new_blocks(seq, num_new_tokens)
         if n > len(self.free_device) or self._lacks_state_slot(seq):
             return None
-        new = [self._take_free_block(seq.priority) for _ in range(n)]
+        new = self._take_blocks(seq, n)
         seq.block_table.extend(new)
         if self.num_state_slots and seq.state_slot is None:
             seq.state_slot = self.free_state_slots.pop()
@@ -261,11 +265,20 @@ class BlockManager:
     def append_blocks(self, seqs: list[Sequence]) -> None:
         """One more block for each of `seqs`, decodes whose blocks are all full (and that hold their state
         slot, if the model keeps states): `allocate(seq, 1)` for each, the pool holding len(seqs) free blocks.
-        The blocks come off the pool in one call, in the order one call each would take them."""
+        Each takes the block after its last where the pool allows (FreeBlockPool.take_next); the others'
+        come off the pool in one call, in the order one call each would take them."""
         assert len(seqs) <= len(self.free_device), "the pool cannot give a block to each"
-        claim = self._claim
-        for seq, block in zip(seqs, self.free_device.pop_many(len(seqs)), strict=True):
+        claim, take_next = self._claim, self.free_device.take_next
+        elsewhere = []
+        for seq in seqs:
             assert not self._lacks_state_slot(seq), seq
+            block = take_next(seq.block_table[-1]) if self.contiguous else None
+            if block is None:
+                elsewhere.append(seq)
+                continue
+            claim(block, seq.priority)
+            seq.block_table.append(block)
+        for seq, block in zip(elsewhere, self.free_device.pop_many(len(elsewhere)), strict=True):
             claim(block, seq.priority)
             seq.block_table.append(block)
 
@@ -314,6 +327,26 @@ class BlockManager:
         if seq.host_state_slot is not None:
             self.free_host_state_slots.append(seq.host_state_slot)
             seq.host_state_slot = None
+
+    def _take_blocks(self, seq: Sequence, n: int) -> list[int]:
+        """`n` free device blocks for the end of `seq`'s table, placed where the pool allows so that its blocks
+        run on in memory: after its last block, or for a table not begun, at the start of a free run with room
+        for the tokens it may reach (FreeBlockPool.take_next, take_run); the pool's next blocks where not."""
+        pool, table = self.free_device, seq.block_table
+        if not n:
+            return []
+        if not self.contiguous:
+            taken = pool.pop_many(n)
+        else:
+            taken = [] if table else pool.take_run(n, blocks_for(seq.max_num_tokens, self.block_size)) or []
+            last = table[-1] if table else None
+            while len(taken) < n:
+                block = None if last is None else pool.take_next(last)
+                last = pool.pop() if block is None else block
+                taken.append(last)
+        for block in taken:
+            self._claim(block, seq.priority)
+        return taken
 
     def _take_free_block(self, priority: int) -> int:
         """A free device block for a sequence of `priority` (evicting the KV it may cache)."""
@@ -421,7 +454,7 @@ class BlockManager:
             self.state_swap_in.append((seq.host_state_slot, seq.state_slot))
             self.host_state_released.append(seq.host_state_slot)
             seq.host_state_slot = None
-        device = [self._take_free_block(seq.priority) for _ in range(n)]
+        device = self._take_blocks(seq, n)  # (its device table is empty)
         mapping = list(zip(seq.host_block_table, device, strict=True))
         self.host_released.extend(seq.host_block_table)
         seq.host_block_table = []
@@ -468,6 +501,7 @@ class BlockManager:
         assert refs == self.ref_counts, "a reference count differs from the tables holding the block"
         free = list(self.free_device)
         assert len(set(free)) == len(free), "a device block is free twice"
+        self.free_device.check()
         assert sorted(free) == [b for b in range(self.num_device_blocks) if refs[b] == 0], (
             "device block leaked, or both free and owned"
         )

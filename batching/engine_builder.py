@@ -196,6 +196,9 @@ def build(
         enable_prefix_caching,
         num_state_slots,
         num_host_state_slots,
+        # the CPU's attention reads a sequence's blocks faster as one run of memory; a GPU's does not care,
+        # and there the pool's exact LRU order serves the prefix cache
+        contiguous=device.type == "cpu",
     )
     context_per_token = attention_context_per_token(model, geometry.query_width) if geometry.layers else None
     scheduler = Scheduler(config, block_manager, context_per_token, stateful=bool(state_geometry))

@@ -138,8 +138,9 @@ def finished_seq(bm: BlockManager, tokens: list[int], priority: int, name: str) 
     return seq
 
 
-def test_eviction_takes_uncached_then_bulk_then_urgent_least_recently_used_first():
-    bm = BlockManager(num_device_blocks=8, num_host_blocks=0, block_size=2)
+@pytest.mark.parametrize("contiguous", [False, True])  # placement takes only a class's oldest quarter
+def test_eviction_takes_uncached_then_bulk_then_urgent_least_recently_used_first(contiguous):
+    bm = BlockManager(num_device_blocks=8, num_host_blocks=0, block_size=2, contiguous=contiguous)
     urgent = finished_seq(bm, [10, 11, 12, 13], priority=0, name="urgent")  # 2 cached blocks
     bulk_old = finished_seq(bm, [20, 21, 22, 23], priority=9, name="bulk_old")
     bulk_new = finished_seq(bm, [30, 31, 32, 33], priority=9, name="bulk_new")
@@ -165,6 +166,52 @@ def test_eviction_takes_uncached_then_bulk_then_urgent_least_recently_used_first
     assert bm.num_evictions == 6
 
 
+def test_contiguous_placement_gives_each_sequence_one_run_of_blocks():
+    """Four sequences prefilled together, then decoding in lockstep: with placement each table is one run
+    (each started where its expected length fits, then grew into the block after its last); without, the
+    pool's order interleaves them."""
+    for contiguous in (True, False):
+        bm = BlockManager(num_device_blocks=40, num_host_blocks=0, block_size=2, contiguous=contiguous)
+        seqs = [
+            Sequence(f"s{i}", [5, 6, 7], SamplingParams(max_tokens=12), priority=5, sample_seed=0)
+            for i in range(4)
+        ]
+        for seq in seqs:
+            bm.allocate(seq, 3)
+            seq.num_computed_tokens = 3
+        for _ in range(11):
+            bm.append_blocks([s for s in seqs if s.num_computed_tokens == 2 * len(s.block_table)])
+            for seq in seqs:
+                seq.num_computed_tokens += 1
+        runs = [t == list(range(t[0], t[0] + len(t))) for t in (s.block_table for s in seqs)]
+        assert all(len(s.block_table) == 7 for s in seqs)
+        assert all(runs) if contiguous else not any(runs), [s.block_table for s in seqs]
+        bm.check_invariants(seqs)
+
+
+def test_contiguous_placement_keeps_the_eviction_tiers():
+    """Placement takes only what the pool hands out next: no cached block while an uncached one is free, and
+    cached KV of bulk work before urgent work's (the tiers' order of the test above)."""
+    bm = BlockManager(num_device_blocks=8, num_host_blocks=0, block_size=2, contiguous=True)
+    urgent = finished_seq(bm, [10, 11, 12, 13], priority=0, name="urgent")
+    bulk = finished_seq(bm, [20, 21, 22, 23], priority=9, name="bulk")
+    assert bm.num_cached_device_blocks == 4 and bm.num_free_device_blocks == 8
+
+    def hits(seq) -> int:
+        return len(bm.find_cached_prefix(Sequence("q", seq.token_ids + [1], SamplingParams(), 5, 0)).device)
+
+    t = new_seq(16, "t")
+    bm.allocate(t, 8)  # the 4 uncached blocks: nothing evicted
+    assert bm.num_evictions == 0 and (hits(urgent), hits(bulk)) == (2, 2)
+    t.num_computed_tokens = 8
+    bm.allocate(t, 4)  # 2 more: bulk's
+    assert bm.num_evictions == 2 and (hits(urgent), hits(bulk)) == (2, 0)
+    t.num_computed_tokens = 12
+    bm.allocate(t, 4)
+    assert bm.num_evictions == 4 and hits(urgent) == 0
+    bm.check_invariants([t])
+
+
 class BlockManagerMachine(RuleBasedStateMachine):
     """Random sequences of acts on a small pool; a None answer must leave everything as it was."""
 
@@ -181,9 +228,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         host=st.integers(0, 8),
         block_size=st.integers(1, 4),
         caching=st.booleans(),
+        contiguous=st.booleans(),
     )
-    def make_pool(self, device, host, block_size, caching):
-        self.bm = BlockManager(device, host, block_size, enable_prefix_caching=caching)
+    def make_pool(self, device, host, block_size, caching, contiguous):
+        self.bm = BlockManager(device, host, block_size, enable_prefix_caching=caching, contiguous=contiguous)
 
     @precondition(lambda self: self.bm is not None)
     @rule(target=seqs, prompt=st.integers(1, 30), kind=st.integers(0, len(PROMPT_KINDS) - 1))
