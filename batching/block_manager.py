@@ -177,7 +177,7 @@ class BlockManager:
         for b in hit.host:
             h = self.hash_of_host_block[b]
             assert h is not None, "a host-tier hit is a cached host block"
-            d = self._take_free_block(seq.priority)
+            [d] = self._take_blocks(seq, 1)
             self.loads.append((b, d))
             seq.block_table.append(d)
             if h not in self.cached:  # back in the device tier
@@ -268,16 +268,18 @@ class BlockManager:
         Each takes the block after its last where the pool allows (FreeBlockPool.take_next); the others'
         come off the pool in one call, in the order one call each would take them."""
         assert len(seqs) <= len(self.free_device), "the pool cannot give a block to each"
+        assert not any(self._lacks_state_slot(seq) for seq in seqs), seqs
         claim, take_next = self._claim, self.free_device.take_next
-        elsewhere = []
-        for seq in seqs:
-            assert not self._lacks_state_slot(seq), seq
-            block = take_next(seq.block_table[-1]) if self.contiguous else None
-            if block is None:
-                elsewhere.append(seq)
-                continue
-            claim(block, seq.priority)
-            seq.block_table.append(block)
+        elsewhere = seqs
+        if self.contiguous:
+            elsewhere = []
+            for seq in seqs:
+                block = take_next(seq.block_table[-1])
+                if block is None:
+                    elsewhere.append(seq)
+                else:
+                    claim(block, seq.priority)
+                    seq.block_table.append(block)
         for seq, block in zip(elsewhere, self.free_device.pop_many(len(elsewhere)), strict=True):
             claim(block, seq.priority)
             seq.block_table.append(block)
@@ -347,12 +349,6 @@ class BlockManager:
         for block in taken:
             self._claim(block, seq.priority)
         return taken
-
-    def _take_free_block(self, priority: int) -> int:
-        """A free device block for a sequence of `priority` (evicting the KV it may cache)."""
-        block = self.free_device.pop()
-        self._claim(block, priority)
-        return block
 
     def _claim(self, block: int, priority: int) -> None:
         """`block`, just taken off the pool, for a sequence of `priority` (evicting the KV it may cache)."""
