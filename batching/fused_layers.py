@@ -9,8 +9,8 @@ Here the layer runs as: RMSNorm (one C++ pass), one product for q, k and v toget
 concatenated once at load, so the CPU's packed linears pack one weight: cpu_linear.py), RoPE on q and k in
 place (one pass; Qwen3's per-head q/k norms one pass each before it), attention as before (genq's paged
 attention writes the KV and attends: this module leaves it alone), the output projection, the residual add
-and RMSNorm (one pass), one product for gate and up, SiLU(gate) * up (torch's two passes, which measured
-faster than a C++ one: `silu_mul`), the down projection, the residual add. The C++ passes
+and RMSNorm (one pass), one product for gate and up, SiLU(gate) * up (one pass), the down projection, the
+residual add. The C++ passes
 (csrc/fused_ops.cpp, built and cached as the attention kernels are) round as transformers does at each op
 (RMSNorm in float32, cast back, times the weight in the model's dtype; RoPE's products and sum each
 rounded), so bfloat16 values stay those of the unfused layer up to the order of a sum; float16 (no C++
@@ -46,10 +46,12 @@ from batching import cpu_attention
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
+HEADERS = [Path(__file__).parent / "csrc" / "attention_common.h"]  # its vectorizable exp
 DTYPE_SUFFIXES = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
 _I64, _F64, _PTR, _INT = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p, ctypes.c_int
 RMS_NORM_ARGTYPES = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _F64, _INT]
 ROPE_ARGTYPES = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _INT]
+SILU_MUL_ARGTYPES = [_PTR, _I64, _PTR, _I64, _I64, _I64, _INT]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,11 +97,8 @@ class FusionReport:
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up for gate_up = [gate | up], as transformers' MLP computes it, in torch for every dtype.
-    torch's two vectorized passes beat the one C++ pass this replaced (a scalar exp per element): on the 2-core
-    Intel Xeon (AMX), one thread, [64, 2816] took 80-207 us in float32 against 491-499 us and 84-244 us in
-    bfloat16 against 718-905 us; [512, 2816] 0.96-1.19 ms against 3.8-4.4 ms (float32), 1.06-1.10 ms against
-    6.7-7.5 ms (bfloat16). Its values are transformers' own, to the bit."""
+    """SiLU(gate) * up for gate_up = [gate | up], as transformers' MLP computes it, in torch (the dtypes with no
+    C++ pass: KernelOps.silu_mul). Its values are transformers' own, to the bit."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -111,6 +110,7 @@ class KernelOps:
         suffix = DTYPE_SUFFIXES[dtype]
         self._rms_norm = _function(library, f"genq_rms_norm_{suffix}", RMS_NORM_ARGTYPES)
         self._rope = _function(library, f"genq_rope_{suffix}", ROPE_ARGTYPES)
+        self._silu_mul = _function(library, f"genq_silu_mul_{suffix}", SILU_MUL_ARGTYPES)
 
     def rms_norm(self, x, weight, eps: float, residual=None):
         """(RMSNorm(x [+ residual]), x + residual or None)."""
@@ -133,7 +133,19 @@ class KernelOps:
             eps, torch.get_num_threads(),
         )  # fmt: skip
 
-    silu_mul = staticmethod(silu_mul)
+    def silu_mul(self, gate_up):
+        """SiLU(gate) * up for gate_up = [gate | up] in one pass, where torch makes two and a tensor between them
+        (on the 2-core Intel Xeon, Cascade Lake, float32, two threads, the 8 layers of the bench's model between
+        their products: 1.8-2.0 -> 1.1-1.2 ms a step at 64 rows, 9.6-9.9 -> 5.9-6.7 ms at 512; the pass is bound by
+        its exp and division, where torch's second pass and its temporary cost as much again)
+        The vectorized exp is within an ulp or two of torch's, so values may differ in the last bits."""
+        rows, cols = gate_up.shape[0], gate_up.shape[1] // 2
+        out = gate_up.new_empty(rows, cols)
+        self._silu_mul(
+            gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), rows, cols,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
 
     def rope_(self, x, heads: int, head_dim: int, cos, sin) -> None:
         """RoPE on the first `heads` heads of each row of x, in place; cos, sin: [rows, head_dim]."""
@@ -196,7 +208,7 @@ def _build() -> Path:
         raise OSError("no C++ compiler on PATH (set CXX)")
     flags = cpu_attention.FLAGS
     key = hashlib.sha256(
-        b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), compiler.encode(),
+        b"\0".join([SOURCE.read_bytes(), *(h.read_bytes() for h in HEADERS), " ".join(flags).encode(), compiler.encode(),
                     cpu_attention._cpu_signature().encode()])
     ).hexdigest()[:16]  # fmt: skip
     target = cpu_attention._cache_dir() / f"fused_ops-{key}.so"

@@ -44,6 +44,17 @@ inline T exp_nonpositive(T x) {
     return p * scale;
 }
 
+// exp(x) for any x that is not NaN: below the clamp as exp_nonpositive; above it the largest finite power its
+// scaling reaches (exp(88) in float, exp(709) in double: the reduction and the exponent bits hold up to there),
+// where the true value overflows or nearly does (SiLU's 1 + exp(-x) is then as good as infinite).
+template <typename T> struct ExpHighest;
+template <> struct ExpHighest<float> { static constexpr float value = 88.0f; };
+template <> struct ExpHighest<double> { static constexpr double value = 709.0; };
+template <typename T>
+inline T exp_finite(T x) {
+    return exp_nonpositive(x > ExpHighest<T>::value ? ExpHighest<T>::value : x);
+}
+
 // bfloat16: the upper half of a float32. Widening is exact; narrowing rounds to nearest even (the
 // softmax's outputs are finite: no NaN case).
 struct bf16 {

@@ -5,12 +5,16 @@
 // - RMSNorm (optionally after the residual add): the sum of squares and the scaling in float32 (also for
 //   a float64 model: transformers' RMSNorm casts to float32), the result cast back to the model's dtype,
 //   then multiplied by the weight in the model's dtype;
-// - RoPE: q * cos + rotate_half(q) * sin, each product and the sum rounded to the model's dtype.
+// - RoPE: q * cos + rotate_half(q) * sin, each product and the sum rounded to the model's dtype;
+// - SiLU(gate) * up: x / (1 + exp(-x)) rounded to the model's dtype, then the product rounded (torch's silu
+//   and mul); exp by a polynomial that vectorizes (attention_common.h's), within an ulp or two of libm's.
 // Sums run in another order than torch's (vectorized): float32 results may differ in the last bits.
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "attention_common.h"  // genq::exp_finite
 
 namespace {
 
@@ -115,6 +119,30 @@ void rope(T* x, int64_t x_stride, int64_t heads, int64_t head_dim, const T* cos,
     }
 }
 
+// out[r][i] = SiLU(gate_up[r][i]) * gate_up[r][cols + i]: gate and up side by side in each row (the merged
+// projection's output); out [rows, cols]
+template <typename T>
+void silu_mul(const T* gate_up, int64_t gu_stride, T* out, int64_t out_stride, int64_t rows, int64_t cols,
+              int threads) {
+    using N = Num<T>;
+    using C = typename N::C;
+#pragma omp parallel for num_threads(threads) if (rows * cols >= PARALLEL_ELEMENTS) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const T* gate = gate_up + r * gu_stride;
+        const T* up = gate + cols;
+        T* orow = out + r * out_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < cols; ++i) {
+            const C x = N::load(gate[i]);
+            // where exp(-x) overflows, torch's x / (1 + inf): zero (with -fno-signed-zeros, of either sign), not a
+            // tiny x / (1 + exp(88))
+            const C denom = -x > genq::ExpHighest<C>::value ? C(INFINITY) : C(1) + genq::exp_finite(-x);
+            const C silu = N::round(x / denom);
+            orow[i] = N::store(silu * N::load(up[i]));
+        }
+    }
+}
+
 }  // namespace
 
 #define GENQ_FUSED_OPS(SUFFIX, T)                                                                              \
@@ -131,6 +159,11 @@ void rope(T* x, int64_t x_stride, int64_t heads, int64_t head_dim, const T* cos,
                                        int threads) {                                                          \
         rope<T>(static_cast<T*>(x), x_stride, heads, head_dim, static_cast<const T*>(cos),                    \
                 static_cast<const T*>(sin), cs_stride, rows, threads);                                        \
+    }                                                                                                          \
+    extern "C" void genq_silu_mul_##SUFFIX(const void* gate_up, int64_t gu_stride, void* out, int64_t out_stride, \
+                                           int64_t rows, int64_t cols, int threads) {                         \
+        silu_mul<T>(static_cast<const T*>(gate_up), gu_stride, static_cast<T*>(out), out_stride, rows, cols,  \
+                    threads);                                                                                  \
     }
 
 GENQ_FUSED_OPS(f32, float)

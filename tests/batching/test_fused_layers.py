@@ -93,6 +93,29 @@ def test_the_passes_compute_transformers_ops(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_mul_holds_torch_values_over_the_whole_range(dtype):
+    """The C++ pass's exp is a polynomial with a clamp: far out, where exp(-x) overflows, SiLU is zero as torch's
+    x / (1 + inf) is (the zero's sign may differ: the passes are built with -fno-signed-zeros); at inf and NaN it gives
+    what torch gives. (At -inf torch's NaN is not promised: a gate of -inf is a model already broken.)"""
+    ops = kernel_ops(dtype)
+    gate = torch.cat([torch.linspace(-120, 120, 4801), torch.tensor([-1e30, -1e4, 1e4, 1e30])]).to(dtype)
+    gate = torch.cat([gate, torch.tensor([float("inf"), float("nan")], dtype=dtype)])
+    up = torch.randn(gate.shape[0], generator=torch.Generator().manual_seed(0)).to(dtype)
+    rows = 3  # a row stride wider than its two halves, as a slice of a wider product
+    gate_up = torch.cat([gate.expand(rows, -1), up.expand(rows, -1), torch.zeros(rows, 5, dtype=dtype)], 1)
+    got = ops.silu_mul(gate_up[:, : 2 * gate.shape[0]])
+    expected = (F.silu(gate) * up).expand(rows, -1)
+    tol = {torch.float64: 1e-13, torch.float32: 1e-6, torch.bfloat16: 0.0}[
+        dtype
+    ]  # bfloat16: rounds to torch's
+    torch.testing.assert_close(got, expected, rtol=tol, atol=1e-30, equal_nan=True)
+    far = (gate < 0) & (
+        F.silu(gate) == 0
+    )  # where exp(-x) overflows in this dtype (-1e4 and beyond in float64)
+    assert far.sum() >= 2 and torch.equal(got[:, far].abs(), torch.zeros_like(got[:, far]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("model_type", list(FUSED_TYPES))
 def test_a_fused_model_computes_the_unfused_models_logits(model_type, dtype):
     model = tiny_model(model_type, dtype)
