@@ -105,13 +105,11 @@ def test_silu_mul_holds_torch_values_over_the_whole_range(dtype):
     gate_up = torch.cat([gate.expand(rows, -1), up.expand(rows, -1), torch.zeros(rows, 5, dtype=dtype)], 1)
     got = ops.silu_mul(gate_up[:, : 2 * gate.shape[0]])
     expected = (F.silu(gate) * up).expand(rows, -1)
-    tol = {torch.float64: 1e-13, torch.float32: 1e-6, torch.bfloat16: 0.0}[
-        dtype
-    ]  # bfloat16: rounds to torch's
+    # bfloat16: rounds to torch's values
+    tol = {torch.float64: 1e-13, torch.float32: 1e-6, torch.bfloat16: 0.0}[dtype]
     torch.testing.assert_close(got, expected, rtol=tol, atol=1e-30, equal_nan=True)
-    far = (gate < 0) & (
-        F.silu(gate) == 0
-    )  # where exp(-x) overflows in this dtype (-1e4 and beyond in float64)
+    # where exp(-x) overflows in this dtype (-1e4 and beyond in float64)
+    far = (gate < 0) & (F.silu(gate) == 0)
     assert far.sum() >= 2 and torch.equal(got[:, far].abs(), torch.zeros_like(got[:, far]))
 
 
