@@ -179,17 +179,33 @@ def test_a_job_followed_from_its_middle_and_waited_for(slow_progress):
     assert r.status_code == 422 and "Last-Event-ID" in r.json()["error"]["message"]
 
 
+STREAM_DEADLINE_S = 300  # one stream, alone 45 s for all 1,000 together: a stream still open then has stalled
+
+
 async def _stream_completion(port: int, key: str, body: bytes) -> tuple[int, str]:
-    """One streamed /v1/completions call over a raw connection: (status, the text of its chunks)."""
+    """One streamed /v1/completions call over a raw connection: (status, the text of its chunks), or (-1, what
+    arrived) where the stream is still open after STREAM_DEADLINE_S (a stall reported as one, not as the test's
+    timeout, whose killed sockets then warn in whatever test the worker runs next)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Authorization: Bearer {key}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-        + body
-    )
-    await writer.drain()
-    raw = await reader.read()
-    writer.close()
+    received = bytearray()
+
+    async def read_all() -> None:
+        while chunk := await reader.read(65536):
+            received.extend(chunk)
+
+    try:
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {key}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        await asyncio.wait_for(read_all(), STREAM_DEADLINE_S)
+    except asyncio.TimeoutError:
+        return -1, f"<stalled after {len(received)} bytes, ending {bytes(received[-300:])!r}>"
+    finally:
+        writer.close()
+    raw = bytes(received)
     head, _, payload = raw.partition(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
     if b"chunked" in head.lower():  # undo the chunked transfer coding
@@ -221,7 +237,8 @@ def test_a_thousand_concurrent_streams_all_finish(slow_progress, offline_engine)
 
     results = asyncio.run(all_at_once())
     statuses = [status for status, _ in results]
-    assert statuses.count(200) == 1000, {s: statuses.count(s) for s in set(statuses)}
+    stalled = [text for status, text in results if status == -1]
+    assert statuses.count(200) == 1000, ({s: statuses.count(s) for s in set(statuses)}, stalled[:3])
     assert all(text == want.text for _, text in results)
 
 
