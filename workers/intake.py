@@ -18,10 +18,11 @@ so no Celery task thread holds a message, and each job is one task in Flower, en
   reach the engine, where they take the slots of long ones): one LMPOP, no wait, every `QUEUE_WATCH_INTERVAL` and
   never right after a take, so a message goes to an idle worker first (Redis serves a worker blocked in BLMPOP at
   the push itself, and one between two pulls is back within that time). A worker with free slots whose pull
-  found nothing for a second says so in Redis (`<queue>:hungry`: its free slots, for three seconds); a worker
-  beyond its base takes that word (GETDEL: one worker answers it) and hands back as many held jobs beyond its
-  base that made no token for a second (waiting or swapped out in its engine), the least urgent and latest
-  created first; the idle worker's waiting pull takes them at once, and they resume there from their tokens;
+  found nothing for a second says so in Redis (`<queue>:hungry`: its free slots and its name, for three
+  seconds); another worker beyond its base takes that word (GETDEL: one worker answers it) and hands back as
+  many held jobs beyond its base that made no token for a second (waiting or swapped out in its engine), the
+  least urgent and latest created first; the idle worker's waiting pull takes them at once, and they resume
+  there from their tokens;
 - **full**: every `QUEUE_WATCH_INTERVAL` (and at once when a job leaves the book), one LMPOP looks for a message
   in the lists of the priorities it would still take (workers/admission.py: those more urgent than a held job
   that may be handed back, or than the jobs at their hand-back bound). Taking one, the worker hands its least
@@ -156,6 +157,10 @@ class Intake:
                 log.warning("intake: Redis unavailable (%s)", exc.__class__.__name__)
                 time.sleep(1.0)
                 continue
+            except Exception:  # never the intake's end: a worker that stopped taking jobs would idle for good
+                log.exception("intake: a pass failed; trying again in a second")
+                time.sleep(1.0)
+                continue
             if not taken and wait is None:  # full, and nothing more urgent waits: look again in a while
                 with self._wake:
                     if not self._closing:
@@ -218,14 +223,15 @@ class Intake:
         jobs beyond their base (for three pulls' time; the latest word stands)."""
         with self._wake:
             free = self.slots - len(self._book)
-        if free > 0 and self.consuming:
-            self._redis.set(self._hungry_key, free, px=int(3000 * PULL_WAIT))
+        if free > 0 and self.consuming:  # the word names its worker, which never answers it itself
+            self._redis.set(self._hungry_key, f"{free} {self._worker_id}", px=int(3000 * PULL_WAIT))
 
     def _rebalance(self) -> None:
         """At most once every PULL_WAIT while holding beyond its base: if an idle worker said it has free slots,
         hand back as many held jobs beyond the base that are not running (no token for IDLE_AFTER seconds), the
         least urgent and latest created first. Their messages go to the head of their lists, where the idle
-        worker's waiting pull takes them."""
+        worker's waiting pull takes them. Its own word (said while it had room, before a take put it beyond
+        its base) it drops: answering it would hand jobs back to itself, each a second claim for nothing."""
         now = time.monotonic()
         if now < self._next_rebalance:
             return
@@ -233,8 +239,13 @@ class Intake:
         with self._wake:
             if len(self._book) <= self.base_capacity:
                 return
-        asked = self._redis.getdel(self._hungry_key)
-        if not asked:
+        word = self._redis.getdel(self._hungry_key)
+        if not word:
+            return
+        asked, _, worker = word.decode(errors="replace").partition(" ")  # an older worker's: the count alone
+        if (
+            worker == self._worker_id or not asked.isdigit()
+        ):  # its own word (stale: said before a take), or none
             return
         since = time.time() - IDLE_AFTER
         with self._wake:

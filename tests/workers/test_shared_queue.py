@@ -94,6 +94,41 @@ def test_two_idle_workers_share_one_push_of_many_jobs(settings, new_key, session
     ]
 
 
+def test_a_worker_does_not_answer_its_own_word(settings, new_key, sessions, redis_client, tmp_path):
+    """A worker's word that it has free slots names it, and the worker never answers it itself. It says so when
+    a pull finds nothing; if messages come within the word's three seconds (the reconciler sending again what
+    a Redis failover lost) and take it beyond its base, answering its own word would hand those jobs back to
+    itself, each then claimed a second time for nothing. A word naming another worker it answers."""
+    with api(settings, new_key, tmp_path / "a.log", "preemptive", max_num_seqs=2, reserve=None) as stack:
+        with worker(stack.settings, tmp_path / "a.log") as a:
+            ids = [stack.submit(**LONG, max_tokens=TOKENS) for _ in range(6)]
+            deadline = time.monotonic() + 60
+            while set(holders(sessions, ids).values()) != {a.pid}:
+                assert time.monotonic() < deadline, holders(sessions, ids)
+                time.sleep(0.1)
+
+            def handbacks() -> list[int]:  # per job, its handed_back events (`handbacks` counts preemptions)
+                with sessions() as s:
+                    rows = [jobs.get_job(s, uuid.UUID(i)) for i in ids]
+                return [sum(e["kind"] == "handed_back" for e in row.events or ()) for row in rows]
+
+            with sessions() as s:
+                own = jobs.get_job(s, uuid.UUID(ids[0])).worker_id.split("#")[0]  # a lease: <worker>#<claim>
+            hungry = f"{stack.settings.redis_key_prefix}{QUEUE}:hungry"
+            deadline = time.monotonic() + 3  # three looks for a word (one every PULL_WAIT)
+            while time.monotonic() < deadline:
+                redis_client.set(hungry, f"2 {own}", px=3000)
+                time.sleep(0.2)
+            assert handbacks() == [0] * 6, "the worker answered its own word"
+            redis_client.set(hungry, "2 another-worker", px=3000)
+            deadline = time.monotonic() + 15
+            while sum(handbacks()) < 2:
+                assert time.monotonic() < deadline, "the worker did not answer another's word"
+                time.sleep(0.1)
+            for job_id in ids:
+                stack.client.post(f"/jobs/{job_id}/cancel", headers=stack.headers)
+
+
 def offline_params():
     from batching import SamplingParams
 
