@@ -33,6 +33,7 @@ TASK = "generate"
 DEFAULT_PRIORITY = 5  # 0 is the most urgent, 9 the least
 PRIORITIES = range(10)
 SEP = ":"
+SEND_POOL_WAIT_SECONDS = 60.0  # a send waits this long for one of the sender's connections (all busy)
 MODEL_SEP = "."  # `generate.<model name>`: another model's queue
 
 
@@ -345,12 +346,14 @@ def list_name(prefix: str, queue: str, priority: int) -> str:
     return f"{prefix}{queue}{SEP}{priority}" if priority else f"{prefix}{queue}"
 
 
-def bounded_redis(url: str, *, timeout: float, max_connections: int = 64) -> redis.Redis:
+def bounded_redis(
+    url: str, *, timeout: float, max_connections: int = 64, pool_timeout: float | None = None
+) -> redis.Redis:
     """A Redis client whose callers share at most `max_connections` connections, waiting for one when all are
-    busy. redis-py's default pool opens one per concurrent caller and keeps it: 1,000 calls arriving at once
-    on a gevent API process opened 1,000 connections, each costing more CPU (its handshake, the client's
-    driver-info lookup) than the command it ran."""
-    return redis_client(url, timeout=timeout, max_connections=max_connections)
+    busy (up to `pool_timeout` seconds; None: `timeout`). redis-py's default pool opens one per concurrent
+    caller and keeps it: 1,000 calls arriving at once on a gevent API process opened 1,000 connections, each
+    costing more CPU (its handshake, the client's driver-info lookup) than the command it ran."""
+    return redis_client(url, timeout=timeout, max_connections=max_connections, pool_timeout=pool_timeout)
 
 
 class BulkSender:
@@ -363,7 +366,11 @@ class BulkSender:
 
     def __init__(self, app: Celery, settings: StoreSettings, pipeline_size: int = 2000):
         self.settings, self.pipeline_size = settings, pipeline_size
-        self.redis = bounded_redis(settings.redis_url, timeout=5)
+        # A busy pool is the process's own back-pressure, not Redis failing: under gevent a connection is held
+        # from a command's send until its greenlet's next turn at the CPU, and with 1,000 requests in one
+        # process (two busy cores) a turn took over 5 s: 121 of 1,000 sends gave up waiting for a connection
+        # and their jobs waited for the reconciler. Redis down fails at the connect, within `timeout`.
+        self.redis = bounded_redis(settings.redis_url, timeout=5, pool_timeout=SEND_POOL_WAIT_SECONDS)
         template = app.amqp.as_task_v2("", TASK, args=["-"], kwargs={}, ignore_result=None)
         self._embed = json.dumps(template.body[2])
         # the message as JSON once, with a {slot} where each message differs (json.dumps of the whole

@@ -97,21 +97,23 @@ def redis_client(
     timeout: float | None = None,
     connect_timeout: float | None = None,
     max_connections: int | None = None,
+    pool_timeout: float | None = None,
 ) -> redis.Redis:
     """A redis-py client for REDIS_URL: `timeout` seconds for each reply and, unless `connect_timeout` says
     otherwise, to connect (None: no limit); with `max_connections`, callers share at most that many
-    connections and wait (up to `timeout`) for one."""
+    connections and wait for one up to `pool_timeout` seconds (None: `timeout`)."""
     options: dict[str, Any] = {
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout if connect_timeout is None else connect_timeout,
         **DRIVER_OPTIONS,
     }
+    wait = timeout if pool_timeout is None else pool_timeout
     service = sentinel_service(url)
     if service is None:
         if max_connections is None:
             return redis.Redis.from_url(url, **options)
         pool = redis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=timeout, **options
+            url, max_connections=max_connections, timeout=wait, **options
         )
         return redis.Redis(connection_pool=pool)
     sentinels = Sentinel(
@@ -131,7 +133,7 @@ def redis_client(
         service.service,
         connection_pool_class=SentinelBlockingConnectionPool,
         max_connections=max_connections,
-        timeout=timeout,
+        timeout=wait,
         **master,
     )
 
