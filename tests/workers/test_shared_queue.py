@@ -15,6 +15,7 @@ from tests.workers.test_within_class import LONG, api, worker
 TOKENS = (
     2000  # long enough that the first worker still holds jobs when the second starts (the context: 2,048)
 )
+PREFIX = 64  # tokens B's jobs make before the first test compares them and cancels every job
 
 
 def holders(sessions, ids: list[str]) -> dict[str, int | None]:
@@ -29,8 +30,10 @@ def test_a_worker_that_starts_idle_gets_jobs_another_holds_beyond_its_slots(
 ):
     """Worker A (2 slots, holding up to 6) takes 6 long jobs while worker B's intake is paused. B resumes: within
     seconds it runs 2 of them, handed back by A (its jobs beyond slots + 2 that were waiting in its engine), while
-    A runs the others; every job ends once, with the tokens of a run alone. Without the hand-back B would idle
-    until A had run all 6: A claimed all 6 before B resumed, so every job B runs is one A handed back (its log)."""
+    A runs the others; each job's tokens are a run alone's, B's from their first. Without the hand-back B would
+    idle until A had run all 6: A claimed all 6 before B resumed, so every job B runs is one A handed back (its
+    log). The jobs are cancelled once B's have made PREFIX tokens (run to their end, the test took 3.5 minutes on
+    a 2-core machine; what it checks is settled by then)."""
     with api(settings, new_key, tmp_path / "a.log", "preemptive", max_num_seqs=2, reserve=None) as stack:
         assert stack.settings.worker_capacity(2) == 6 and stack.settings.worker_base_capacity(2) == 4
         with worker(stack.settings, tmp_path / "b.log") as b:
@@ -48,21 +51,29 @@ def test_a_worker_that_starts_idle_gets_jobs_another_holds_beyond_its_slots(
                 while b.pid not in holders(sessions, ids).values():
                     assert time.monotonic() < deadline, "worker B got none of A's waiting jobs"
                     time.sleep(0.1)
-                done = {i: stack.wait(i, timeout=300) for i in ids}
-                by = holders(sessions, ids)
+                time.sleep(2)  # a second word from B, were it to ask for more (it has two slots)
+                ran_by_b = {i for i, pid in holders(sessions, ids).items() if pid == b.pid}
+                done = {
+                    i: stack.wait(i, until=lambda j: len(j["output"]["token_ids"]) >= PREFIX, timeout=120)
+                    for i in ran_by_b
+                }
+                for job_id in ids:
+                    stack.client.post(f"/jobs/{job_id}/cancel", headers=stack.headers)
+                rows = {i: stack.job(i) for i in ids}
     # the jobs B ran are jobs A handed back for it (not jobs A left, nor ran: A had claimed all 6 first)
     handed = re.findall(r"handed back for a worker with free slots: (.*)", (tmp_path / "a.log").read_text())
     moved = {m for line in handed for m in re.findall(r"[0-9a-f]{8}-[0-9a-f-]{27}", line)}
-    ran_by_b = {i for i, pid in by.items() if pid == b.pid}
-    assert ran_by_b <= moved, (by, handed)
+    assert ran_by_b <= moved, (ran_by_b, handed)
     for i in ran_by_b:  # and its record says why
         reasons = [e.get("reason") for e in done[i]["events"] if e["kind"] == "handed_back"]
         assert "rebalanced" in reasons, done[i]["events"]
-    assert all(job["status"] == "succeeded" for job in done.values()), done
-    assert list(by.values()).count(b.pid) == 2, by  # B's two free slots
-    [alone] = offline_engine.generate([LONG["prompt"]], offline_params())
-    for job in done.values():
-        assert job["output"]["token_ids"] == alone.token_ids, job["id"]
+    assert len(ran_by_b) == 2, ran_by_b  # B's two free slots
+    [alone] = offline_engine.generate(
+        [LONG["prompt"]], offline_params(max(len(done[i]["output"]["token_ids"]) for i in done))
+    )
+    for job in [*done.values(), *rows.values()]:  # B's from their first token; A's as far as they got
+        made = job["output"]["token_ids"]
+        assert made == alone.token_ids[: len(made)], job["id"]
 
 
 def test_two_idle_workers_share_one_push_of_many_jobs(settings, new_key, sessions, redis_client, tmp_path):
@@ -129,7 +140,7 @@ def test_a_worker_does_not_answer_its_own_word(settings, new_key, sessions, redi
                 stack.client.post(f"/jobs/{job_id}/cancel", headers=stack.headers)
 
 
-def offline_params():
+def offline_params(max_tokens: int = TOKENS):
     from batching import SamplingParams
 
-    return SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
