@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -263,3 +264,21 @@ def test_clients_from_one_sentinel_url_carry_on_after_the_master_dies(sentinel_s
         assert message.payload == {"job": 1}
         message.ack()
         queue.close()
+
+
+def test_a_bounded_clients_callers_wait_for_a_connection_up_to_its_pool_timeout(settings):
+    """All connections busy: a caller waits for one up to `pool_timeout` (the API's sender: a busy pool is its
+    own back-pressure, not Redis failing), and up to the reply's `timeout` when none is given."""
+    quick = redis_client(settings.redis_url, timeout=0.3, max_connections=1)
+    patient = redis_client(settings.redis_url, timeout=0.3, max_connections=1, pool_timeout=5.0)
+    for client in (quick, patient):
+        held = client.connection_pool.get_connection()  # the pool's only connection, busy for 1 s
+        threading.Timer(1.0, client.connection_pool.release, args=(held,)).start()
+        started = time.monotonic()
+        if client is quick:
+            with pytest.raises(redis.ConnectionError, match="No connection available"):
+                client.ping()
+            assert time.monotonic() - started < 0.9
+        else:
+            assert client.ping() and 0.9 < time.monotonic() - started < 5.0
+        time.sleep(1.1)  # the connection is back before the next client's turn
