@@ -10,7 +10,7 @@ import uuid
 
 from contract.dispatch import QUEUE
 from jobstore import jobs
-from tests.workers.test_within_class import LONG, api, worker
+from tests.workers.test_within_class import LONG, api, worker, workers
 
 TOKENS = (
     2000  # long enough that the first worker still holds jobs when the second starts (the context: 2,048)
@@ -82,7 +82,7 @@ def test_two_idle_workers_share_one_push_of_many_jobs(settings, new_key, session
     handed back or run twice. A pull asking for all it may hold took all 6: the other worker idled until it said
     so and got 2 of them back."""
     with api(settings, new_key, tmp_path / "a.log", "preemptive", max_num_seqs=2, reserve=None) as stack:
-        with worker(stack.settings, tmp_path / "a.log") as a, worker(stack.settings, tmp_path / "b.log") as b:
+        with workers(stack.settings, tmp_path / "a.log", tmp_path / "b.log") as (a, b):
             time.sleep(1.5)  # both waiting in their pulls
             r = stack.client.post(
                 "/jobs/bulk", json={"jobs": [{**LONG, "max_tokens": TOKENS}] * 6}, headers=stack.headers

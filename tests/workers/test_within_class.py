@@ -37,30 +37,43 @@ def finished(job: dict) -> datetime:
 def worker(settings: Settings, log: Path, metrics_port: int = 0) -> Iterator[subprocess.Popen]:
     """A worker for `settings`, ready; stopped with a warm shutdown (SIGTERM: held jobs handed back). It serves
     its metrics on `metrics_port` (0: none)."""
-    name = f"wc-{uuid.uuid4().hex[:6]}"
-    start = log.stat().st_size if log.exists() else 0
-    with log.open("a") as out:
-        process = subprocess.Popen(
-            worker_command(f"{name}@%h", 2),
-            cwd=ROOT,
-            env={**settings_env(settings), "WORKER_METRICS_PORT": str(metrics_port)},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + 180
-        while " ready." not in log.read_text()[start:]:
-            assert process.poll() is None, f"worker exited:\n{log.read_text()[-5000:]}"
-            assert time.monotonic() < deadline, f"worker not ready:\n{log.read_text()[-5000:]}"
-            time.sleep(0.2)
+    with workers(settings, log, metrics_port=metrics_port) as (process,):
         yield process
+
+
+@contextmanager
+def workers(settings: Settings, *logs: Path, metrics_port: int = 0) -> Iterator[list[subprocess.Popen]]:
+    """A worker for `settings` per log, started side by side and all ready (a start is mostly CPU: loading
+    torch and the model, 15-30 s each on a busy 2-core machine); stopped side by side the same way."""
+    started = []
+    try:
+        for log in logs:
+            offset = log.stat().st_size if log.exists() else 0
+            with log.open("a") as out:
+                process = subprocess.Popen(
+                    worker_command(f"wc-{uuid.uuid4().hex[:6]}@%h", 2),
+                    cwd=ROOT,
+                    env={**settings_env(settings), "WORKER_METRICS_PORT": str(metrics_port)},
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            started.append((process, log, offset))
+        deadline = time.monotonic() + 180
+        for process, log, offset in started:
+            while " ready." not in log.read_text()[offset:]:
+                assert process.poll() is None, f"worker exited:\n{log.read_text()[-5000:]}"
+                assert time.monotonic() < deadline, f"worker not ready:\n{log.read_text()[-5000:]}"
+                time.sleep(0.2)
+        yield [process for process, _, _ in started]
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        for process, _, _ in started:
+            process.send_signal(signal.SIGTERM)
+        for process, _, _ in started:
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 @contextmanager
