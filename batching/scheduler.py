@@ -406,7 +406,7 @@ class Scheduler:
         """The next chunk of a prefill in progress; returns the budget it took."""
         bm = self.block_manager
         self._make_room(
-            seq, fill, lambda: bm.max_tokens_allocatable(seq) < self._chunk(seq, self._budget(fill))
+            seq, fill, lambda: bm.max_tokens_allocatable(seq) < self._room_needed(seq, self._budget(fill))
         )
         n = self._next_chunk(seq, fill)
         if n == 0:
@@ -424,6 +424,15 @@ class Scheduler:
         bm.allocate(seq, n)
         fill.out.add(seq, n)
         return self._chunk_cost(seq, n, budget)
+
+    def _room_needed(self, seq: Sequence, budget: int) -> int:
+        """The slots a running prefill's next chunk takes: its tokens within `budget`, or two where a single token
+        would leave a state model's last prompt token alone (`_prompt_end` takes both). Less room makes the chunk
+        none, and the prefill would yield its own place though a less urgent sequence held the slot it lacked."""
+        n = self._chunk(seq, budget)
+        if self.stateful and n == 1 and seq.num_computed_tokens + 1 == seq.num_prompt_tokens - 1:
+            return 2
+        return n
 
     def _next_chunk(self, seq: Sequence, fill: _Fill) -> int:
         """The tokens of a running prefill's next chunk, within the budget and the blocks free now."""

@@ -245,6 +245,45 @@ TestSchedulerMachine.settings = settings(
 )
 
 
+def test_a_state_models_last_two_prompt_tokens_preempt_a_less_urgent_decode():
+    """Found by the machine above (a CI run, shrunk): a state model's priority-0 prefill at 12 of 14 tokens, one
+    block free, a priority-1 decode already in the step. Its next chunk must take both last tokens (one alone
+    would run the state layers' single-token path); the room check counted one, found it, made no room, and
+    the chunk came out empty, so the prefill yielded its own place (its 12 tokens dropped for recomputation)
+    while the less urgent decode kept the block: "preempted for nothing more urgent". The room check now
+    counts the two, and the decode yields."""
+    state = SchedulerMachine()
+    state.configure(
+        block_size=1,
+        device=19,
+        host=0,
+        max_num_seqs=2,
+        budget=2,
+        mode="swap",
+        chunked=True,
+        stateful=True,
+        policy="fcfs",
+        seconds_per_token=0.02,
+    )
+    state.add(deadline=None, max_tokens=1, predicted=None, priority=0, prompt=1, shared=0)
+    state.step()
+    state.add(deadline=None, max_tokens=1, predicted=None, priority=0, prompt=1, shared=0)
+    state.add(deadline=None, max_tokens=1, predicted=None, priority=0, prompt=1, shared=0)
+    state.step()
+    state.add(deadline=None, max_tokens=1, predicted=None, priority=0, prompt=8, shared=8)
+    state.step()
+    state.step()
+    state.step()
+    state.step()
+    state.add(deadline=None, max_tokens=1, predicted=None, priority=0, prompt=1, shared=0)
+    state.add(deadline=None, max_tokens=6, predicted=None, priority=1, prompt=1, shared=0)
+    state.step()
+    state.step()
+    state.add(deadline=None, max_tokens=1, predicted=None, priority=0, prompt=14, shared=8)
+    state.teardown()  # steps to the end, each checked as the machine checks it
+    assert state.requests["r6"].num_preemptions == 0 and state.requests["r5"].num_preemptions == 1
+
+
 def run_fake_step(sched: Scheduler):
     """Schedule one step and play the runner: KV computed, a token sampled where a chunk completes."""
     out = sched.schedule()
