@@ -25,6 +25,16 @@ def holders(sessions, ids: list[str]) -> dict[str, int | None]:
     return {i: int(r.worker_id.split(":")[1]) if r.worker_id else None for i, r in rows.items()}
 
 
+def six_held_by(stack, sessions, worker) -> list[str]:
+    """Six long jobs sent, once `worker` (the only one taking jobs) holds them all: their ids."""
+    ids = [stack.submit(**LONG, max_tokens=TOKENS) for _ in range(6)]
+    deadline = time.monotonic() + 60
+    while set(holders(sessions, ids).values()) != {worker.pid}:
+        assert time.monotonic() < deadline, holders(sessions, ids)
+        time.sleep(0.1)
+    return ids
+
+
 def test_a_worker_that_starts_idle_gets_jobs_another_holds_beyond_its_slots(
     settings, new_key, sessions, redis_client, tmp_path, offline_engine
 ):
@@ -41,11 +51,7 @@ def test_a_worker_that_starts_idle_gets_jobs_another_holds_beyond_its_slots(
                 QUEUE, reply=True, timeout=5
             )  # B alone on this stack's queue
             with worker(stack.settings, tmp_path / "a.log") as a:
-                ids = [stack.submit(**LONG, max_tokens=TOKENS) for _ in range(6)]
-                deadline = time.monotonic() + 60
-                while set(holders(sessions, ids).values()) != {a.pid}:
-                    assert time.monotonic() < deadline, holders(sessions, ids)
-                    time.sleep(0.1)
+                ids = six_held_by(stack, sessions, a)
                 stack.celery.control.add_consumer(QUEUE, reply=True, timeout=5)  # B takes jobs again
                 deadline = time.monotonic() + 15
                 while b.pid not in holders(sessions, ids).values():
@@ -68,9 +74,8 @@ def test_a_worker_that_starts_idle_gets_jobs_another_holds_beyond_its_slots(
         reasons = [e.get("reason") for e in done[i]["events"] if e["kind"] == "handed_back"]
         assert "rebalanced" in reasons, done[i]["events"]
     assert len(ran_by_b) == 2, ran_by_b  # B's two free slots
-    [alone] = offline_engine.generate(
-        [LONG["prompt"]], offline_params(max(len(done[i]["output"]["token_ids"]) for i in done))
-    )
+    longest = max(len(job["output"]["token_ids"]) for job in [*done.values(), *rows.values()])
+    [alone] = offline_engine.generate([LONG["prompt"]], offline_params(longest))
     for job in [*done.values(), *rows.values()]:  # B's from their first token; A's as far as they got
         made = job["output"]["token_ids"]
         assert made == alone.token_ids[: len(made)], job["id"]
@@ -112,11 +117,7 @@ def test_a_worker_does_not_answer_its_own_word(settings, new_key, sessions, redi
     itself, each then claimed a second time for nothing. A word naming another worker it answers."""
     with api(settings, new_key, tmp_path / "a.log", "preemptive", max_num_seqs=2, reserve=None) as stack:
         with worker(stack.settings, tmp_path / "a.log") as a:
-            ids = [stack.submit(**LONG, max_tokens=TOKENS) for _ in range(6)]
-            deadline = time.monotonic() + 60
-            while set(holders(sessions, ids).values()) != {a.pid}:
-                assert time.monotonic() < deadline, holders(sessions, ids)
-                time.sleep(0.1)
+            ids = six_held_by(stack, sessions, a)
 
             def handbacks() -> list[int]:  # per job, its handed_back events (`handbacks` counts preemptions)
                 with sessions() as s:
