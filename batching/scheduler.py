@@ -430,9 +430,8 @@ class Scheduler:
         would leave a state model's last prompt token alone (`_prompt_end` takes both). Less room makes the chunk
         none, and the prefill would yield its own place though a less urgent sequence held the slot it lacked."""
         n = self._chunk(seq, budget)
-        if self.stateful and n == 1 and seq.num_computed_tokens + 1 == seq.num_prompt_tokens - 1:
-            return 2
-        return n
+        # _prompt_end's own rule, given room for it: one token more where it would take two
+        return max(n, self._prompt_end(seq, seq.num_computed_tokens, n, room=n + 1))
 
     def _next_chunk(self, seq: Sequence, fill: _Fill) -> int:
         """The tokens of a running prefill's next chunk, within the budget and the blocks free now."""

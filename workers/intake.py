@@ -243,9 +243,8 @@ class Intake:
         if not word:
             return
         asked, _, worker = word.decode(errors="replace").partition(" ")  # an older worker's: the count alone
-        if (
-            worker == self._worker_id or not asked.isdigit()
-        ):  # its own word (stale: said before a take), or none
+        # its own word (stale: said before a take put it beyond its base), or no count
+        if worker == self._worker_id or not asked.isdigit():
             return
         since = time.time() - IDLE_AFTER
         with self._wake:
