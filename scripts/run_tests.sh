@@ -7,7 +7,8 @@
 #    the phase. One torch thread keeps a test's offline engine from spinning against the workers' (two OpenMP
 #    threads on a busy 2-core machine ran 9x slower than one); the workers default to cores - 1 threads.
 # Each session has its own database and Redis prefix (tests/conftest.py). GENQ_TEST_WORKERS: sessions a phase.
-# Each phase prints its 15 slowest tests (CI must stay under 30 minutes on a 2-core machine).
+# Each phase prints its 15 slowest tests (CI must stay under 30 minutes on a 2-core machine) and writes every
+# test's time to test-results/<phase>.xml (JUnit XML: what a CI page shows, and what to read when cutting time).
 # Exit status: non-zero if either phase failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,8 +16,9 @@ PYTEST=${PYTEST:-.venv/bin/pytest}
 WORKERS=${GENQ_TEST_WORKERS:-2}
 export OMP_NUM_THREADS=1
 status=0
+mkdir -p test-results
 echo "=== the engine's tests (tests/batching) ==="
-"$PYTEST" -q --durations=15 -n "$WORKERS" --dist load tests/batching "$@" || status=1
+"$PYTEST" -q --durations=15 -n "$WORKERS" --dist load --junitxml=test-results/engine.xml tests/batching "$@" || status=1
 echo "=== the service tests (everything else) ==="
-"$PYTEST" -q --durations=15 -n "$WORKERS" --dist loadfile tests --ignore=tests/batching "$@" || status=1
+"$PYTEST" -q --durations=15 -n "$WORKERS" --dist loadfile --junitxml=test-results/service.xml tests --ignore=tests/batching "$@" || status=1
 exit $status
