@@ -237,8 +237,17 @@ def test_two_models_on_two_workers(settings, sessions, new_key, tmp_path, small_
 
         # --- mixed models and priorities, an urgent job of each under a backlog of both
         prompt = "Once upon a time there"
+        # `small` decodes several times faster than tiny-llama: its backlog jobs are longer, so that on a fast
+        # machine some still wait in Redis when its urgent job comes (at 200 tokens its two slots had run all
+        # four before the ten submissions were through)
         backlog = [
-            dict(prompt=f"{prompt} {i}", max_tokens=200, temperature=0.0, priority=5, model=m)
+            dict(
+                prompt=f"{prompt} {i}",
+                max_tokens=800 if m == SMALL else 200,
+                temperature=0.0,
+                priority=5,
+                model=m,
+            )
             for i in range(4)
             for m in ("tiny-llama", SMALL)
         ]
