@@ -118,11 +118,13 @@ class KVCache:
                 pool = torch.zeros(shape, dtype=storage, device=device)
                 host_shape = (num_host_blocks, *shape[:BLOCK_DIM], *shape[BLOCK_DIM + 1 :])
                 self.device_pools.append(pool)
-                self.host_pools.append(torch.zeros(host_shape, dtype=storage, pin_memory=pin))
+                # empty: a host block is read only after a swap-out wrote it, and on the CPU zeroing the pool
+                # is most of an engine's start (1 GiB at the default width: seconds on a loaded machine)
+                self.host_pools.append(torch.empty(host_shape, dtype=storage, pin_memory=pin))
                 if self.quantized:
                     scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
                     scale_pools.append(scales)
-                    scale_host_pools.append(torch.zeros(host_shape[:-1], dtype=SCALE_DTYPE, pin_memory=pin))
+                    scale_host_pools.append(torch.empty(host_shape[:-1], dtype=SCALE_DTYPE, pin_memory=pin))
                 for i, layer in enumerate(members):
                     for j, name in enumerate(which):
                         by_slot = pool[i, j].view(geometry.num_kv_heads, slots, dim)
