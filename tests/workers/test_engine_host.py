@@ -41,10 +41,12 @@ def start(settings, **options) -> Submitter:
     return Submitter(EngineHost(EngineConfig(**settings.engine_options()), **options).start())
 
 
-@pytest.fixture(params=[None, True], ids=["default", "async"])
+@pytest.fixture(scope="module", params=[None, True], ids=["default", "async"])
 def host(settings, request):
     """The host on its engine's defaults (on the CPU: one step at a time), and with async scheduling (the
-    CUDA default: outputs a step later, tokens in flight dropped on a cancel) run on the CPU."""
+    CUDA default: outputs a step later, tokens in flight dropped on a cancel) run on the CPU. One of each for
+    the module's tests that leave it as they found it (their request ids are their own): an engine process
+    takes seconds to start, most of these tests' time when each had its own."""
     submitter = start(settings.replace(async_scheduling=request.param))
     yield submitter
     submitter.host.stop()
