@@ -27,7 +27,7 @@ run: install services
 	$(VENV)/bin/honcho run $(VENV)/bin/alembic upgrade head
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/honcho start
 
-# The engine's tests, then the service tests, each phase as two pytest-xdist sessions (scripts/run_tests.sh).
+# The service tests, and beside them (niced) the engine's tests, each as two pytest-xdist sessions (scripts/run_tests.sh).
 test: install services
 	PYTEST=$(VENV)/bin/pytest bash scripts/run_tests.sh
 
