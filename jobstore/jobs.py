@@ -360,7 +360,9 @@ def save_progress(
 
 def finish_jobs(db: Session | Connection, outputs: Sequence[Output]) -> set[tuple[uuid.UUID, str]]:
     """running → succeeded with the full output (the rows' tokens + the new ones), in one statement;
-    returns the (job id, worker_id) pairs whose lease held."""
+    returns the (job id, worker_id) pairs whose lease held, and those this same claim had already finished:
+    a write retried after its connection broke may have been committed before the answer was lost (the
+    database cut mid-commit), and is then this worker's success, not a job taken from it."""
     if not outputs:
         return set()
     params = _output_params(outputs)
@@ -369,7 +371,16 @@ def finish_jobs(db: Session | Connection, outputs: Sequence[Output]) -> set[tupl
         prompt_counts=[o.prompt_tokens for o in outputs],
         logprobs=[None if o.logprobs is None else json.dumps(o.logprobs) for o in outputs],
     )
-    return set(map(tuple, db.execute(_FINISH, params)))
+    ours = set(map(tuple, db.execute(_FINISH, params)))
+    others = {(o.job_id, o.worker_id) for o in outputs} - ours
+    if others:  # rare: another worker's now, cancelled, or finished by this claim's earlier try
+        finished = db.execute(
+            select(JOBS.c.id, JOBS.c.worker_id).where(
+                JOBS.c.id.in_([job_id for job_id, _ in others]), JOBS.c.status == JobStatus.SUCCEEDED
+            )
+        )
+        ours |= others & set(map(tuple, finished))
+    return ours
 
 
 def finish_job(

@@ -103,6 +103,36 @@ def test_a_stale_attempt_of_the_same_worker_is_told_apart_by_its_lease(sessions,
         assert jobs.get_job(s, job_id).output_token_ids == [7]
 
 
+def test_a_finish_retried_after_its_commit_landed_is_still_the_workers_and_changes_nothing(
+    sessions, tenant_id
+):
+    # the database went away mid-commit: the first finish was stored but its answer lost, and the worker writes
+    # it again. That claim's result is its own success (not "no longer this worker's"); the row stays as the
+    # first write left it. A job another claim finished, or one cancelled, is still not this claim's.
+    mine, taken, cancelled = (create(sessions, tenant_id) for _ in range(3))
+    with sessions.begin() as s:
+        jobs.claim_jobs(s, [(mine, "w1#a"), (taken, "w1#b"), (cancelled, "w1#c")], LEASE)
+        s.execute(sql("UPDATE jobs SET status = 'queued', worker_id = NULL WHERE id = :id"), {"id": taken})
+        jobs.claim_job(s, taken, "w2#a", LEASE)
+        assert jobs.finish_jobs(s, [progress(taken, "w2#a", [4], "4")]) == {(taken, "w2#a")}
+        jobs.cancel_job(s, cancelled, tenant_id)
+    write = [
+        progress(mine, "w1#a", [1, 2], "12"),
+        progress(taken, "w1#b", [5], "5"),
+        progress(cancelled, "w1#c", [6], "6"),
+    ]
+    with sessions.begin() as s:
+        assert jobs.finish_jobs(s, write) == {(mine, "w1#a")}
+        first = jobs.get_job(s, mine)
+    with sessions.begin() as s:
+        assert jobs.finish_jobs(s, write) == {(mine, "w1#a")}  # the retry
+        again = jobs.get_job(s, mine)
+    assert (again.status, again.output_token_ids, again.output_text) == (JobStatus.SUCCEEDED, [1, 2], "12")
+    assert again.finished_at == first.finished_at and again.updated_at == first.updated_at
+    with sessions.begin() as s:
+        assert jobs.get_job(s, taken).output_token_ids == [4]
+
+
 def test_progress_of_many_jobs_appends_in_one_idempotent_statement(sessions, tenant_id):
     ids = [create(sessions, tenant_id) for _ in range(3)]
     with sessions.begin() as s:
@@ -133,7 +163,8 @@ def test_progress_of_many_jobs_appends_in_one_idempotent_statement(sessions, ten
     ]  # a shorter output replaces the tail
     with sessions.begin() as s:
         assert jobs.finish_jobs(s, final) == {(i, "w1") for i in ids[:2]}
-        assert jobs.finish_jobs(s, final) == set()  # finished is final
+        # finished is final: written again (a retry) it is still this claim's, and the row stays as it was
+        assert jobs.finish_jobs(s, final) == {(i, "w1") for i in ids[:2]}
     with sessions.begin() as s:
         rows = [jobs.get_job(s, job_id) for job_id in ids[:2]]
         assert [
