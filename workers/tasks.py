@@ -40,6 +40,7 @@ from workers.job_tasks import JobTasks
 from workers.startup import check_services
 
 log = logging.getLogger(__name__)
+ENGINE_STATS_WAIT_SECONDS = 2.0  # how long `inspect engine_stats` waits for the engine's counters
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 _lock = threading.Lock()
 _host: EngineHost | None = None
@@ -215,7 +216,9 @@ def engine_report() -> dict:
     if _host is None:
         return {}
     try:
-        stats = _host.stats()
+        # within a control reply's usual 5 s: right after an engine process dies, before the host has seen it,
+        # a stats request waits on a pipe nobody reads
+        stats = _host.stats(timeout=ENGINE_STATS_WAIT_SECONDS)
     except TimeoutError:  # a new engine process is being built
         stats = {"engine": "starting"}
     stats.update(engine_pid=_host.pid, engine_restarts=len(_host.losses), **_host.info)

@@ -143,7 +143,10 @@ def test_a_worker_killed_between_taking_messages_and_claiming_their_jobs(
     jobs_ = bodies(5, 0, max_tokens=48)
     # the intake paused while they are sent, so that its next take takes all of them (its claim then hangs)
     control = make_celery(st)
-    control.control.cancel_consumer(QUEUE, reply=True, destination=[doomed.node])
+    paused = control.control.cancel_consumer(
+        QUEUE, reply=True, destination=[doomed.node], timeout=10, limit=1
+    )
+    assert paused, "the worker did not confirm its intake's pause"
     submitted_at = time.time()
     ids = submit(client, headers, jobs_)
     control.control.add_consumer(QUEUE, reply=True, destination=[doomed.node])

@@ -121,7 +121,10 @@ def test_flower_shows_each_job_as_one_task_ended_as_the_job_ended(settings, sess
         stack.celery.control.enable_events(reply=True, destination=[stack.node])
         succeeded = [stack.submit(prompt=f"job {i}", max_tokens=4) for i in range(4)]
         # a job whose row is made invalid behind the API's back while the intake is paused: it fails
-        stack.celery.control.cancel_consumer(QUEUE, reply=True, destination=[stack.node])
+        paused = stack.celery.control.cancel_consumer(
+            QUEUE, reply=True, destination=[stack.node], timeout=10, limit=1
+        )
+        assert paused, "the worker did not confirm its intake's pause"
         failed = stack.submit(prompt="broken", max_tokens=4)
         with sessions.begin() as s:
             s.execute(sql("UPDATE jobs SET temperature = 'NaN' WHERE id = :id"), {"id": uuid.UUID(failed)})

@@ -98,7 +98,11 @@ def test_job_events_are_one_per_step_and_resume_after_the_last_event_id(slow_pro
     stack, url = slow_progress
     want = steps(offline_engine, PROMPT, 600)
     before = streamed_deltas(url)
-    stack.celery.control.cancel_consumer("generate", reply=True, destination=[stack.node])
+    # confirmed before the job is sent (on a busy machine the reply can take more than the default second)
+    paused = stack.celery.control.cancel_consumer(
+        "generate", reply=True, destination=[stack.node], timeout=10, limit=1
+    )
+    assert paused, "the worker did not confirm its intake's pause"
     try:  # the job waits in Redis until the stream is open: it is followed from its first token
         job = requests.post(
             f"{url}/jobs", json={"prompt": PROMPT, "max_tokens": 600, "temperature": 0}, headers=stack.headers
