@@ -219,8 +219,9 @@ def engine_report() -> dict:
         # within a control reply's usual 5 s: right after an engine process dies, before the host has seen it,
         # a stats request waits on a pipe nobody reads
         stats = _host.stats(timeout=ENGINE_STATS_WAIT_SECONDS)
-    except TimeoutError:  # a new engine process is being built
-        stats = {"engine": "starting"}
+    except TimeoutError as exc:  # a new engine process is being built, or no answer in time (a step longer
+        # than the wait, or a process that died before its host saw it)
+        stats = {"engine": str(exc) or "not answering"}
     stats.update(engine_pid=_host.pid, engine_restarts=len(_host.losses), **_host.info)
     if _intake is not None:
         stats.update(worker_held_jobs=len(_book), worker_capacity=_intake.capacity)
