@@ -383,11 +383,6 @@ def test_two_models_on_two_workers(settings, sessions, new_key, tmp_path, small_
         assert generated_tokens(small_settings.worker_metrics_port, SMALL) > 0
 
         # --- `small`'s only worker killed mid-run: tiny-llama's jobs go on, small's wait, then finish
-        smalls = [
-            submit(prompt=f"small {i}", max_tokens=1000, temperature=0.0, model=SMALL) for i in range(8)
-        ]
-        wait_for(lambda: any(job(i)["status"] == "running" for i in smalls), 60, "a small job running")
-
         def tiny_round(tag: str) -> dict[str, dict]:
             """4 tiny-llama jobs of 60 tokens, submitted together, once they have all ended."""
             ids = [submit(prompt=f"tiny {i}", max_tokens=60, temperature=0.0) for i in range(4)]
@@ -396,8 +391,18 @@ def test_two_models_on_two_workers(settings, sessions, new_key, tmp_path, small_
                 for i in ids
             }
 
-        before = tiny_round("before the kill")  # both models' workers running, small's busy
-        interrupted = [i for i in smalls if job(i)["status"] == "running"]  # held by small's worker
+        before = tiny_round("before the kill")  # both models' workers alive
+        smalls = [
+            submit(prompt=f"small {i}", max_tokens=1000, temperature=0.0, model=SMALL) for i in range(8)
+        ]
+
+        def decoding() -> list[str]:
+            """small's jobs its worker holds that have saved tokens: mid-generation."""
+            return [i for i in smalls if (j := job(i))["status"] == "running" and j["output"]["token_ids"]]
+
+        # killed as soon as a job has saved tokens: each of small's jobs runs ~1000 short steps, so waiting on
+        # anything else first (a round of the other model, say) can let them all end before the kill
+        interrupted = wait_for(decoding, 60, "a small job with saved tokens")
         small.kill9()
         killed_at = time.monotonic()
         left = [i for i in smalls if job(i)["status"] not in FINISHED]  # the kill's: they wait for a worker
