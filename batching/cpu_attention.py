@@ -125,6 +125,14 @@ class PagedAttentionKernel:
         }
 
         self._write_rows = _function(library, "genq_write_rows", WRITE_ROWS_ARGTYPES)
+        self._prefill_tiles = library.genq_prefill_tiles
+        self._prefill_tiles.argtypes, self._prefill_tiles.restype = [ctypes.c_int], ctypes.c_int
+
+    def prefill_tiles(self, wanted: bool | None = None) -> bool:
+        """Whether bfloat16 prefill runs its products on AMX tiles (CPUs with amx_bf16, where Linux grants the
+        tiles): `wanted` turns them on or off for the process (tests and benches compare both paths); returns
+        what runs now."""
+        return bool(self._prefill_tiles(-1 if wanted is None else int(wanted)))
 
     def write_rows(self, cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
         """cache[:, slot_mapping[t]] = rows[:, t]: a step's new keys or values of one layer into their slots.

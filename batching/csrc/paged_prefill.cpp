@@ -27,10 +27,15 @@
 // bfloat16 before p . v, as torch's CPU SDPA rounds them), float64 in float64. int8
 // pools (the *_i8 kernels) come with k_scales and v_scales, [num_kv_heads, num_blocks, block_size]
 // in bfloat16: their keys and values are packed dequantized (row x its scale, exact in float32).
+#include <limits>
 #include <vector>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include "attention_common.h"
@@ -130,6 +135,179 @@ inline void value_pairs(const uint32_t *p, int64_t p_stride, const uint32_t *val
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// exp_nonpositive (attention_common.h) on 16 lanes: the same reduction and polynomial, written out for AVX-512
+inline __m512 exp_nonpositive16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(ExpConstants<float>::lowest));
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.4426950408889634f), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606820309417232e-06f),
+                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x));
+    __m512 p = _mm512_set1_ps(1.0f);
+    for (int k = ExpConstants<float>::degree; k >= 1; k--)
+        p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(static_cast<float>(kInverse[k])), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// One row's softmax numerators in place over its visible keys [lo, hi) (scores scaled first by `scale`), the
+// sink, if any, one more logit; returns their sum. Four vectors a step with four accumulators each for the max
+// and the sum: the compiler's loops kept one of each, a chain of dependent adds (the sum's through the stack)
+// that took ~40% of a bfloat16 prefill on AMX tiles.
+inline float softmax_row16(float *sr, int64_t lo, int64_t hi, float scale, const float *sink) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const auto mask = [&](int64_t t) {
+        const int64_t left = hi - t;
+        return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    };
+    const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __m512 m[4] = {lowest, lowest, lowest, lowest};
+    int64_t t = lo;
+    for (; t + 64 <= hi; t += 64)
+        for (int v = 0; v < 4; v++) {
+            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sr + t + 16 * v), vscale);
+            _mm512_storeu_ps(sr + t + 16 * v, x);
+            m[v] = _mm512_max_ps(m[v], x);
+        }
+    for (; t < hi; t += 16) {
+        const __mmask16 k = mask(t);
+        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sr + t), vscale);
+        _mm512_mask_storeu_ps(sr + t, k, x);
+        m[0] = _mm512_mask_max_ps(m[0], k, m[0], x);
+    }
+    float max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3])));
+    if (sink) max = std::max(max, *sink);
+    const __m512 vmax = _mm512_set1_ps(max);
+    __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (t = lo; t + 64 <= hi; t += 64)
+        for (int v = 0; v < 4; v++) {
+            const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sr + t + 16 * v), vmax));
+            _mm512_storeu_ps(sr + t + 16 * v, e);
+            sum[v] = _mm512_add_ps(sum[v], e);
+        }
+    for (; t < hi; t += 16) {
+        const __mmask16 k = mask(t);
+        const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sr + t), vmax));
+        _mm512_mask_storeu_ps(sr + t, k, e);
+        sum[0] = _mm512_mask_add_ps(sum[0], k, sum[0], e);
+    }
+    const float total = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(sum[0], sum[1]), _mm512_add_ps(sum[2], sum[3])));
+    return total + (sink ? exp_nonpositive(*sink - max) : 0.0f);
+}
+#endif
+
+#if defined(__AMX_BF16__)
+// AMX (Sapphire Rapids and later): the bfloat16 pair products above as tile products, 16 rows x 16 columns of
+// float32 from 16 x 32 bfloat16 operands in one instruction. The pair layouts are the tiles' own: a group's keys,
+// [D/2][16] words, are the B operand of the scores (16 pair rows of 16 keys for each 32 dimensions), and the
+// values' pair rows, D words apart, the B operand of p . v (16 pair rows = 32 keys, 16 output dimensions).
+// Tiles: 0-3 accumulate (four key groups, or four blocks of 16 output dimensions), 4 holds the A operand (16
+// rows of queries or of weights), 5 and 6 take turns holding B. Sums in float32, in another order than the
+// AVX-512 pair products; values agree to rounding (the tests bound it).
+struct TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// Linux lends a process the tiles' 8 KiB of register state only once it asks (arch_prctl XCOMP_PERM for
+// XTILEDATA); where the kernel refuses, the AVX-512 pair products run instead.
+inline bool amx_permitted() {
+    static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                          18 /* XFEATURE_XTILEDATA */) == 0;
+    return permitted;
+}
+#endif
+
+// the tile products on or off (genq_prefill_tiles: tests and benches compare the two paths in one process)
+bool tiles_wanted = true;
+
+inline bool use_tiles() {
+#if defined(__AMX_BF16__)
+    return tiles_wanted && amx_permitted();
+#else
+    return false;
+#endif
+}
+
+#if defined(__AMX_BF16__)
+
+// Every tile 16 rows of 64 bytes; loaded by each thread before its tile products (the configuration is a
+// thread's register state), released after them.
+inline void configure_tiles() {
+    TileConfig config;
+    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+}
+
+// tile J += tile 4 x B, B loaded from `b`: tiles 5 and 6 alternate so that one loads while the other multiplies
+// (GCC's tile intrinsics take their tile numbers as literals: one function each)
+template <int J> inline void tile_multiply_into(const void *b, int64_t b_stride);
+template <> inline void tile_multiply_into<0>(const void *b, int64_t b_stride) {
+    _tile_loadd(5, b, b_stride);
+    _tile_dpbf16ps(0, 4, 5);
+}
+template <> inline void tile_multiply_into<1>(const void *b, int64_t b_stride) {
+    _tile_loadd(6, b, b_stride);
+    _tile_dpbf16ps(1, 4, 6);
+}
+template <> inline void tile_multiply_into<2>(const void *b, int64_t b_stride) {
+    _tile_loadd(5, b, b_stride);
+    _tile_dpbf16ps(2, 4, 5);
+}
+template <> inline void tile_multiply_into<3>(const void *b, int64_t b_stride) {
+    _tile_loadd(6, b, b_stride);
+    _tile_dpbf16ps(3, 4, 6);
+}
+
+// scores[r][u * 16 + l] = q_r . key l of group u for 16 rows r and J <= 4 groups u (not yet scaled)
+// q: 16 rows of D/2 pair words; keys: J groups of [D/2][16] words, D * 16 words apart (a float32 group's room);
+// scores: row stride in floats
+template <int J, int D>
+inline void score_tiles(const uint32_t *q, const uint32_t *keys, float *scores, int64_t stride) {
+    _tile_zero(0);
+    if constexpr (J > 1) _tile_zero(1);
+    if constexpr (J > 2) _tile_zero(2);
+    if constexpr (J > 3) _tile_zero(3);
+    for (int k = 0; k < D / 32; k++) {  // 32 dimensions (16 pair rows) a step
+        _tile_loadd(4, q + 16 * k, D * 2);
+        const uint32_t *b = keys + 16 * 16 * k;
+        tile_multiply_into<0>(b, 64);
+        if constexpr (J > 1) tile_multiply_into<1>(b + D * 16, 64);
+        if constexpr (J > 2) tile_multiply_into<2>(b + 2 * D * 16, 64);
+        if constexpr (J > 3) tile_multiply_into<3>(b + 3 * D * 16, 64);
+    }
+    _tile_stored(0, scores, stride * 4);
+    if constexpr (J > 1) _tile_stored(1, scores + 16, stride * 4);
+    if constexpr (J > 2) _tile_stored(2, scores + 32, stride * 4);
+    if constexpr (J > 3) _tile_stored(3, scores + 48, stride * 4);
+}
+
+// acc[r][d0 .. d0 + 64) += sum over key pairs P in [from, from + 16 * steps) of p[r][P] . values' pair row P,
+// for 16 rows r: p rows p_stride words apart; pair row P at values + P * D words
+template <int D>
+inline void value_tiles(const uint32_t *p, int64_t p_stride, const uint32_t *values, int64_t from, int64_t steps,
+                        float *acc, int d0) {
+    float *c = acc + d0;
+    _tile_loadd(0, c, D * 4);
+    _tile_loadd(1, c + 16, D * 4);
+    _tile_loadd(2, c + 32, D * 4);
+    _tile_loadd(3, c + 48, D * 4);
+    for (int64_t s = 0; s < steps; s++) {
+        const int64_t P = from + 16 * s;
+        _tile_loadd(4, p + P, p_stride * 4);
+        const uint32_t *b = values + P * D + d0;
+        tile_multiply_into<0>(b, D * 4);
+        tile_multiply_into<1>(b + 16, D * 4);
+        tile_multiply_into<2>(b + 32, D * 4);
+        tile_multiply_into<3>(b + 48, D * 4);
+    }
+    _tile_stored(0, c, D * 4);
+    _tile_stored(1, c + 16, D * 4);
+    _tile_stored(2, c + 32, D * 4);
+    _tile_stored(3, c + 48, D * 4);
+}
+#endif
+
 // scores[i][0..group) = (q_i . keys_t[:, l]) * scale for R rows; keys_t: [D][group]
 template <int R, typename A>
 inline void score_rows(const A *q, int64_t D, const A *keys_t, A *scores, int64_t stride, A scale) {
@@ -193,18 +371,23 @@ void attend_tile(const T *q, int64_t q_sn, int64_t q_sh, const PackedHead<A> &pa
     constexpr int64_t L = Vector<A>::lanes, K = Vector<A>::group;
     const int64_t D = FixedD > 0 ? FixedD : head_dim;
     const int64_t M = nq * rep;
+    constexpr bool kPairs = FixedD > 0 && pairs_for<T, KV>();
+    const bool amx = kPairs && use_tiles();
+    const int64_t Mp = amx ? (M + 15) / 16 * 16 : M;  // rows the tiles compute: 16 at a time, zeros past M
     const int64_t kmin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
     const int64_t kmax = first_pos + nq;  // one past the last query's position
     const int64_t kbase = kmin / K * K;   // the first group's first key: column 0 of the scores
     const int64_t stride = kmax - kbase + K;  // room for the last group's unused columns
     w.q.resize(M * D);
-    w.scores.resize(M * stride);
-    w.acc.assign(M * D, A(0));
+    w.scores.resize(Mp * stride);
+    w.acc.assign(Mp * D, A(0));
     w.denom_inv.resize(M);
     w.lo.resize(M);
     w.hi.resize(M);
-    constexpr bool kPairs = FixedD > 0 && pairs_for<T, KV>();
-    if constexpr (kPairs) w.q_pairs.resize(M * D / 2);
+    if constexpr (kPairs) {
+        w.q_pairs.resize(Mp * D / 2);
+        std::fill(w.q_pairs.begin() + M * D / 2, w.q_pairs.end(), 0u);
+    }
     for (int64_t j = 0; j < nq; j++)
         for (int64_t h = 0; h < rep; h++) {
             const int64_t r = j * rep + h, pos = first_pos + j;
@@ -218,8 +401,26 @@ void attend_tile(const T *q, int64_t q_sn, int64_t q_sh, const PackedHead<A> &pa
         }
 
     // 1. scores, a group of keys at a time (columns outside a row's visible keys are never read)
+#if defined(__AMX_BF16__)
+    if constexpr (kPairs) if (amx) {
+        configure_tiles();
+        const int64_t u0 = kbase / K, u1 = (kmax + K - 1) / K;  // the groups [u0, u1)
+        for (int64_t r = 0; r < Mp; r += 16)
+            for (int64_t u = u0; u < u1; u += 4) {
+                const uint32_t *keys = reinterpret_cast<const uint32_t *>(packed.keys_t + (u - packed.first_group) * D * K);
+                const uint32_t *qp = w.q_pairs.data() + r * D / 2;
+                float *block = w.scores.data() + r * stride + (u * K - kbase);
+                switch (std::min<int64_t>(4, u1 - u)) {
+                    case 4: score_tiles<4, FixedD>(qp, keys, block, stride); break;
+                    case 3: score_tiles<3, FixedD>(qp, keys, block, stride); break;
+                    case 2: score_tiles<2, FixedD>(qp, keys, block, stride); break;
+                    default: score_tiles<1, FixedD>(qp, keys, block, stride);
+                }
+            }
+    }
+#endif
 #if defined(__AVX512BF16__)
-    if constexpr (kPairs) {
+    if constexpr (kPairs) if (!amx) {
         static_assert(K == 16, "a group is one vector of float32 scores");
         for (int64_t u = kbase / K; u * K < kmax; u++) {
             const uint32_t *keys = reinterpret_cast<const uint32_t *>(packed.keys_t + (u - packed.first_group) * D * K);
@@ -247,6 +448,15 @@ void attend_tile(const T *q, int64_t q_sn, int64_t q_sh, const PackedHead<A> &pa
         A *sr = w.scores.data() + r * stride - kbase;  // indexed by position
         const int64_t lo = w.lo[r], hi = w.hi[r];
         const A *sink = sinks ? sinks + r % rep : nullptr;
+#if defined(__AVX512BF16__)
+        if constexpr (kPairs)
+            if (softcap <= 0) {  // step 3's pair products mask the hidden keys: no zeros to write
+                w.denom_inv[r] = 1.0f / softmax_row16(sr, lo, hi, amx ? scale : 1.0f, sink);
+                continue;
+            }
+#endif
+        if (amx)  // the tiles' scores are not scaled yet
+            for (int64_t t = lo; t < hi; t++) sr[t] *= scale;
         if (softcap > 0)
             for (int64_t t = lo; t < hi; t++) sr[t] = std::tanh(sr[t] / softcap) * softcap;
         A m = sink ? *sink : sr[lo];
@@ -272,7 +482,8 @@ void attend_tile(const T *q, int64_t q_sn, int64_t q_sh, const PackedHead<A> &pa
         // for bfloat16 before its p . v product; the denominator is the unrounded sum, as there), and the
         // values packed in pairs of keys; a hidden key weighs 0
         const int64_t p_first = kmin / 2, p_count = (kmax + 1) / 2 - p_first;
-        w.p_pairs.resize(M * p_count);
+        w.p_pairs.resize(Mp * p_count);
+        std::fill(w.p_pairs.begin() + M * p_count, w.p_pairs.end(), 0u);  // the tiles' rows past M weigh 0
         for (int64_t r = 0; r < M; r++) {
             const float *sr = w.scores.data() + r * stride - kbase;
             const int64_t lo = w.lo[r], hi = w.hi[r];
@@ -290,7 +501,27 @@ void attend_tile(const T *q, int64_t q_sn, int64_t q_sh, const PackedHead<A> &pa
                 _mm512_mask_storeu_epi32(words + P, static_cast<__mmask16>((1u << count) - 1), packed);
             }
         }
-        const uint32_t *values = reinterpret_cast<const uint32_t *>(packed.values) - packed.first_group * K * D;
+        // pair row P at values + P * D (a group's 8 pair rows fill half its room: see the packing)
+        const uint32_t *values = reinterpret_cast<const uint32_t *>(packed.values) - packed.first_group * K / 2 * D;
+#if defined(__AMX_BF16__)
+        if (amx) {
+            for (int64_t r = 0; r < Mp; r += 16) {
+                int64_t a = kmax, b = kmin;  // the keys any of these rows sees
+                for (int64_t i = r; i < std::min(r + 16, M); i++) a = std::min(a, w.lo[i]), b = std::max(b, w.hi[i]);
+                const int64_t from = a / 2, to = (b + 1) / 2, steps = (to - from) / 16;
+                const uint32_t *pr = w.p_pairs.data() + r * p_count - p_first;
+                float *acc = w.acc.data() + r * D;
+                for (int d0 = 0; d0 < FixedD; d0 += 64)
+                    value_tiles<FixedD>(pr, p_count, values, from, steps, acc, d0);
+                if (from + 16 * steps < to)  // the last pairs, fewer than a tile's 16
+                    for (int64_t i = 0; i < std::min<int64_t>(16, M - r); i++)
+                        value_pairs<1, FixedD>(pr + i * p_count, p_count, values, K / 2 * D, from + 16 * steps, to,
+                                               acc + i * D);
+            }
+            _tile_release();
+        }
+#endif
+        if (!amx)
         for (int64_t r = 0; r < M; r += kValueRows) {
             const int64_t rows_here = std::min<int64_t>(kValueRows, M - r);
             int64_t a = kmax, b = kmin;  // the keys any of these rows sees
@@ -298,10 +529,10 @@ void attend_tile(const T *q, int64_t q_sn, int64_t q_sh, const PackedHead<A> &pa
             const uint32_t *pr = w.p_pairs.data() + r * p_count - p_first;
             float *acc = w.acc.data() + r * D;
             if (rows_here == kValueRows)
-                value_pairs<kValueRows, FixedD>(pr, p_count, values, K * D, a / 2, (b + 1) / 2, acc);
+                value_pairs<kValueRows, FixedD>(pr, p_count, values, K / 2 * D, a / 2, (b + 1) / 2, acc);
             else
                 for (int64_t i = 0; i < rows_here; i++)
-                    value_pairs<1, FixedD>(pr + i * p_count, p_count, values, K * D, a / 2, (b + 1) / 2, acc + i * D);
+                    value_pairs<1, FixedD>(pr + i * p_count, p_count, values, K / 2 * D, a / 2, (b + 1) / 2, acc + i * D);
         }
     }
 #endif
@@ -414,7 +645,9 @@ void paged_prefill(const T *q, int64_t q_sn, int64_t q_sh, const KV *k_pool, con
             const int64_t g = (item - pack_at[i]) / groups[i], u = (item - pack_at[i]) % groups[i];
             const int64_t *table = tables + i * width;
             A *dst = keys_t + key_at[i] + (g * groups[i] + u) * D * K;
-            A *wide = kWiden ? values + value_at[i] + (g * groups[i] + u) * K * D : nullptr;
+            // a group's widened values: K rows of D; as bfloat16 pairs, 8 pair rows of D words, the groups'
+            // pair rows back to back (half the room: the tiles read 16 pair rows across two groups)
+            A *wide = kWiden ? values + value_at[i] + g * groups[i] * K * D + u * (pairs ? K / 2 : K) * D : nullptr;
             for (int64_t l = 0; l < K; l++) {
                 const int64_t pos = (first[i] + u) * K + l;
                 if (pos >= ctx_lens[i]) {  // past the context: zeros (pairs: a weight of 0 meets a value of 0)
@@ -495,6 +728,13 @@ void paged_prefill(const T *q, int64_t q_sn, int64_t q_sh, const KV *k_pool, con
                              head_dim, block_size, num_blocks, scale, softcap, sinks, window,        \
                              num_threads);                                                           \
     }
+
+// Whether bfloat16 prefill runs on AMX tiles: `wanted` 0 or 1 sets it, -1 leaves it; returns what runs now
+// (0 where the CPU or the build has no AMX, or Linux refused the tiles).
+extern "C" int genq_prefill_tiles(int wanted) {
+    if (wanted >= 0) tiles_wanted = wanted != 0;
+    return use_tiles() ? 1 : 0;
+}
 
 GENQ_EXPORT(genq_paged_prefill_f32, float, float, float)
 GENQ_EXPORT(genq_paged_prefill_f64, double, double, double)

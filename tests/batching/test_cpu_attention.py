@@ -248,6 +248,51 @@ def test_the_build_is_cached_by_source(tmp_path, monkeypatch):
         cpu_attention.load.cache_clear()
 
 
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as info:
+        return next((set(line.split(":")[1].split()) for line in info if line.startswith("flags")), set())
+
+
+def test_bfloat16_prefill_runs_on_amx_tiles_where_the_cpu_has_them(kernel):
+    assert kernel.prefill_tiles() == ("amx_bf16" in cpu_flags())
+    assert kernel.prefill_tiles(False) is False
+    assert kernel.prefill_tiles(True) == ("amx_bf16" in cpu_flags())
+
+
+@pytest.mark.parametrize("tiles", [True, False])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (6, 1)])  # 16 rows a tile: GQA leaves a remainder
+@pytest.mark.parametrize("variant", [{}, {"window": 37}, {"sinks": True}])
+def test_bfloat16_prefill_on_tiles_and_on_pair_products(
+    kernel, tiles, head_dim, num_heads, num_kv_heads, variant
+):
+    """bfloat16 prefill with its products on AMX tiles (where the CPU has them) and on AVX-512 pair products:
+    each within a bfloat16 ulp of the reference, over chunks whose keys end at any offset of a tile's 32."""
+    chunks_at = [(5, 5), (130, 130), (33, 300), (64, 64), (1, 47), (77, 200)]
+    ctx_lens = [ctx for _, ctx in chunks_at]
+    _, k_pool, v_pool, tables, _ = random_case(
+        torch.bfloat16, 16, num_heads, num_kv_heads, ctx_lens, head_dim
+    )
+    starts = torch.tensor([0] + [n for n, _ in chunks_at], dtype=torch.long).cumsum(0)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(int(starts[-1]), num_heads, head_dim, generator=gen).to(torch.bfloat16)
+    sinks = torch.randn(num_heads, dtype=torch.float32) if variant.get("sinks") else None
+    window = variant.get("window")
+    chunks = cpu_attention.PrefillTables(
+        starts, torch.tensor(ctx_lens, dtype=torch.long), tables.flatten(), tables.shape[1]
+    )
+    out = torch.full_like(q, float("nan"))
+    kernel.prefill_tiles(tiles)
+    try:
+        kernel.prefill(q, k_pool.flatten(2), v_pool.flatten(2), chunks, out, 0.3, None, sinks, window)
+    finally:
+        kernel.prefill_tiles(True)
+    expected = reference_prefill(
+        q.float(), k_pool.float(), v_pool.float(), tables, starts, chunks.ctx_lens, 0.3, None, sinks, window
+    ).to(torch.bfloat16)
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize(
     "head_dim", [32, 64]
 )  # 64: the AVX-512 paths where the CPU has them; 32: the plain loops
