@@ -136,16 +136,19 @@ inline void value_pairs(const uint32_t *p, int64_t p_stride, const uint32_t *val
 #endif
 
 #if defined(__AVX512BF16__)
-// exp_nonpositive (attention_common.h) on 16 lanes: the same reduction and polynomial, written out for AVX-512
+// exp_nonpositive (attention_common.h) on 16 lanes: the same reduction and Taylor polynomial, written out for
+// AVX-512, the polynomial by Horner's rule on its coefficients 1/k! (one FMA a degree, where the scalar form
+// takes a product and an FMA: the same value to float32 rounding)
 inline __m512 exp_nonpositive16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(ExpConstants<float>::lowest));
     const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.4426950408889634f), _mm512_set1_ps(0.5f)),
                                           _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606820309417232e-06f),
                                       _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x));
-    __m512 p = _mm512_set1_ps(1.0f);
-    for (int k = ExpConstants<float>::degree; k >= 1; k--)
-        p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(static_cast<float>(kInverse[k])), _mm512_set1_ps(1.0f));
+    static_assert(ExpConstants<float>::degree == 7, "the coefficients below");
+    constexpr float kCoefficients[] = {1.0f, 1.0f, 1 / 2.0f, 1 / 6.0f, 1 / 24.0f, 1 / 120.0f, 1 / 720.0f, 1 / 5040.0f};
+    __m512 p = _mm512_set1_ps(kCoefficients[7]);
+    for (int k = 6; k >= 0; k--) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kCoefficients[k]));
     return _mm512_scalef_ps(p, n);
 }
 
