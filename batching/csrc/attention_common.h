@@ -81,7 +81,8 @@ inline __m512 exp_nonpositive16(__m512 x) {
 // sink, if any, one more logit; returns their sum. Four vectors a step with four accumulators each for the max
 // and the sum: the compiler's loops kept one of each, a chain of dependent adds (the sum's through the stack)
 // that took ~40% of a bfloat16 prefill on AMX tiles. Both kernels' float32 softmax without soft-capping.
-inline float softmax_row16(float *sr, int64_t lo, int64_t hi, float scale, const float *sink) {
+// The first half: the row's scores [lo, hi) scaled in place; returns their max, and the sink's if there is one.
+inline float scale_and_max16(float *sr, int64_t lo, int64_t hi, float scale, const float *sink) {
     const __m512 vscale = _mm512_set1_ps(scale);
     const auto mask = [&](int64_t t) {
         const int64_t left = hi - t;
@@ -102,9 +103,18 @@ inline float softmax_row16(float *sr, int64_t lo, int64_t hi, float scale, const
         _mm512_mask_storeu_ps(sr + t, k, x);
         m[0] = _mm512_mask_max_ps(m[0], k, m[0], x);
     }
-    float max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3])));
-    if (sink) max = std::max(max, *sink);
+    const float max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3])));
+    return sink ? std::max(max, *sink) : max;
+}
+
+inline float softmax_row16(float *sr, int64_t lo, int64_t hi, float scale, const float *sink) {
+    const auto mask = [&](int64_t t) {
+        const int64_t left = hi - t;
+        return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    };
+    const float max = scale_and_max16(sr, lo, hi, scale, sink);
     const __m512 vmax = _mm512_set1_ps(max);
+    int64_t t;
     __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (t = lo; t + 64 <= hi; t += 64)
         for (int v = 0; v < 4; v++) {

@@ -140,6 +140,38 @@ inline void value_pairs(const uint32_t *p, int64_t p_stride, const uint32_t *val
 #endif
 
 
+#if defined(__AVX512BF16__)
+// the visible keys among the 16 from key t: bit k for key t + k in [lo, hi)
+inline __mmask16 visible16(int64_t t, int64_t lo, int64_t hi) {
+    const int64_t from = std::clamp<int64_t>(lo - t, 0, 16), to = std::clamp<int64_t>(hi - t, 0, 16);
+    return static_cast<__mmask16>(((1u << to) - 1) & ~((1u << from) - 1));
+}
+
+// The pair products' softmax for one row: its scores [lo, hi) scaled and their max as softmax_row16 takes them,
+// then the numerators straight into bfloat16 pair words (rounded to nearest even; a hidden key 0) for the pairs
+// [p_begin, p_end), 32 keys a step, never stored as float32 (one pass over the row less than the softmax and
+// the pairs apart); returns the unrounded sum, the sink's numerator included.
+inline float softmax_pairs16(float *sr, int64_t lo, int64_t hi, float scale, const float *sink, uint32_t *words,
+                             int64_t p_begin, int64_t p_end) {
+    const float max = scale_and_max16(sr, lo, hi, scale, sink);
+    const __m512 vmax = _mm512_set1_ps(max);
+    __m512 sum_low = _mm512_setzero_ps(), sum_high = _mm512_setzero_ps();
+    for (int64_t P = p_begin; P < p_end; P += 16) {
+        const int64_t t = 2 * P, count = std::min<int64_t>(16, p_end - P);
+        const __mmask16 k_low = visible16(t, lo, hi), k_high = visible16(t + 16, lo, hi);
+        const __m512 low = _mm512_maskz_mov_ps(
+            k_low, exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k_low, sr + t), vmax)));
+        const __m512 high = _mm512_maskz_mov_ps(
+            k_high, exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k_high, sr + t + 16), vmax)));
+        sum_low = _mm512_add_ps(sum_low, low);
+        sum_high = _mm512_add_ps(sum_high, high);
+        _mm512_mask_storeu_epi32(words + P, static_cast<__mmask16>((1u << count) - 1),
+                                 (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(sum_low, sum_high)) + (sink ? exp_nonpositive(*sink - max) : 0.0f);
+}
+#endif
+
 #if defined(__AMX_BF16__)
 // AMX (Sapphire Rapids and later): the bfloat16 pair products above as tile products, 16 rows x 16 columns of
 // float32 from 16 x 32 bfloat16 operands in one instruction. The pair layouts are the tiles' own: a group's keys,
@@ -400,11 +432,29 @@ void attend_tile(const T *q, int64_t q_sn, int64_t q_sh, const PackedHead<A> &pa
         }
     }
 
+    // the pair products' weights: p rounded to bfloat16, two keys to a word (as torch's CPU flash attention rounds p
+    // for bfloat16 before its p . v product; the denominator is the unrounded sum, as there); a hidden key weighs 0
+    const int64_t p_first = kmin / 2, p_count = (kmax + 1) / 2 - p_first;
+    if constexpr (kPairs) {
+        w.p_pairs.resize(Mp * p_count);
+        std::fill(w.p_pairs.begin() + M * p_count, w.p_pairs.end(), 0u);  // the tiles' rows past M weigh 0
+    }
+    const bool pairs_done = kPairs && softcap <= 0;  // by step 2's softmax
+
     // 2. softmax per row over its visible keys; a sink is one more logit that takes mass but has no value
     for (int64_t r = 0; r < M; r++) {
         A *sr = w.scores.data() + r * stride - kbase;  // indexed by position
         const int64_t lo = w.lo[r], hi = w.hi[r];
         const A *sink = sinks ? sinks + r % rep : nullptr;
+#if defined(__AVX512BF16__)
+        if constexpr (kPairs)
+            if (pairs_done) {
+                w.denom_inv[r] = 1.0f / softmax_pairs16(sr, lo, hi, amx ? scale : 1.0f, sink,
+                                                        w.p_pairs.data() + r * p_count - p_first, p_first,
+                                                        p_first + p_count);
+                continue;
+            }
+#endif
 #if defined(__AVX512F__)
         if constexpr (std::is_same<A, float>::value)
             if (softcap <= 0) {
@@ -441,29 +491,20 @@ void attend_tile(const T *q, int64_t q_sn, int64_t q_sh, const PackedHead<A> &pa
     // 3. out_r = sum_t p[r][t] v_t / sum
 #if defined(__AVX512BF16__)
     if constexpr (kPairs) {
-        // bfloat16 pairs: p rounded to bfloat16, two keys to a word (as torch's CPU flash attention rounds p
-        // for bfloat16 before its p . v product; the denominator is the unrounded sum, as there), and the
-        // values packed in pairs of keys; a hidden key weighs 0
-        const int64_t p_first = kmin / 2, p_count = (kmax + 1) / 2 - p_first;
-        w.p_pairs.resize(Mp * p_count);
-        std::fill(w.p_pairs.begin() + M * p_count, w.p_pairs.end(), 0u);  // the tiles' rows past M weigh 0
-        for (int64_t r = 0; r < M; r++) {
-            const float *sr = w.scores.data() + r * stride - kbase;
-            const int64_t lo = w.lo[r], hi = w.hi[r];
-            uint32_t *words = w.p_pairs.data() + r * p_count - p_first;
-            // 32 keys a step: the visible ones loaded (the rest 0), rounded to nearest even, 16 words stored
-            const auto visible = [&](int64_t t) {  // bit k: key t + k is visible
-                const int64_t from = std::clamp<int64_t>(lo - t, 0, 16), to = std::clamp<int64_t>(hi - t, 0, 16);
-                return static_cast<__mmask16>(((1u << to) - 1) & ~((1u << from) - 1));
-            };
-            for (int64_t P = p_first; P < p_first + p_count; P += 16) {
-                const int64_t t = 2 * P, count = std::min<int64_t>(16, p_first + p_count - P);
-                const __m512 low = _mm512_maskz_loadu_ps(visible(t), sr + t);
-                const __m512 high = _mm512_maskz_loadu_ps(visible(t + 16), sr + t + 16);
-                const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(high, low);
-                _mm512_mask_storeu_epi32(words + P, static_cast<__mmask16>((1u << count) - 1), packed);
+        if (!pairs_done)  // the weights into pair words (soft-capped rows: the plain softmax above)
+            for (int64_t r = 0; r < M; r++) {
+                const float *sr = w.scores.data() + r * stride - kbase;
+                const int64_t lo = w.lo[r], hi = w.hi[r];
+                uint32_t *words = w.p_pairs.data() + r * p_count - p_first;
+                // 32 keys a step: the visible ones loaded (the rest 0), rounded to nearest even, 16 words stored
+                for (int64_t P = p_first; P < p_first + p_count; P += 16) {
+                    const int64_t t = 2 * P, count = std::min<int64_t>(16, p_first + p_count - P);
+                    const __m512 low = _mm512_maskz_loadu_ps(visible16(t, lo, hi), sr + t);
+                    const __m512 high = _mm512_maskz_loadu_ps(visible16(t + 16, lo, hi), sr + t + 16);
+                    const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(high, low);
+                    _mm512_mask_storeu_epi32(words + P, static_cast<__mmask16>((1u << count) - 1), packed);
+                }
             }
-        }
         // pair row P at values + P * D (a group's 8 pair rows fill half its room: see the packing)
         const uint32_t *values = reinterpret_cast<const uint32_t *>(packed.values) - packed.first_group * K / 2 * D;
 #if defined(__AMX_BF16__)
