@@ -219,22 +219,16 @@ inline void configure_tiles() {
 // tile J += tile 4 x B, B loaded from `b`: tiles 5 and 6 alternate so that one loads while the other multiplies
 // (GCC's tile intrinsics take their tile numbers as literals: one function each)
 template <int J> inline void tile_multiply_into(const void *b, int64_t b_stride);
-template <> inline void tile_multiply_into<0>(const void *b, int64_t b_stride) {
-    _tile_loadd(5, b, b_stride);
-    _tile_dpbf16ps(0, 4, 5);
-}
-template <> inline void tile_multiply_into<1>(const void *b, int64_t b_stride) {
-    _tile_loadd(6, b, b_stride);
-    _tile_dpbf16ps(1, 4, 6);
-}
-template <> inline void tile_multiply_into<2>(const void *b, int64_t b_stride) {
-    _tile_loadd(5, b, b_stride);
-    _tile_dpbf16ps(2, 4, 5);
-}
-template <> inline void tile_multiply_into<3>(const void *b, int64_t b_stride) {
-    _tile_loadd(6, b, b_stride);
-    _tile_dpbf16ps(3, 4, 6);
-}
+#define GENQ_TILE_MULTIPLY_INTO(J, B)                                                     \
+    template <> inline void tile_multiply_into<J>(const void *b, int64_t b_stride) {    \
+        _tile_loadd(B, b, b_stride);                                                     \
+        _tile_dpbf16ps(J, 4, B);                                                         \
+    }
+GENQ_TILE_MULTIPLY_INTO(0, 5)
+GENQ_TILE_MULTIPLY_INTO(1, 6)
+GENQ_TILE_MULTIPLY_INTO(2, 5)
+GENQ_TILE_MULTIPLY_INTO(3, 6)
+#undef GENQ_TILE_MULTIPLY_INTO
 
 // scores[r][u * 16 + l] = q_r . key l of group u for 16 rows r and J <= 4 groups u (not yet scaled)
 // q: 16 rows of D/2 pair words; keys: J groups of [D/2][16] words, D * 16 words apart (a float32 group's room);

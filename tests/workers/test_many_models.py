@@ -237,9 +237,10 @@ def test_two_models_on_two_workers(settings, sessions, new_key, tmp_path, small_
 
         # --- mixed models and priorities, an urgent job of each under a backlog of both
         prompt = "Once upon a time there"
-        # `small` decodes several times faster than tiny-llama: its backlog jobs are longer, so that on a fast
-        # machine some still wait in Redis when its urgent job comes (at 200 tokens its two slots had run all
-        # four before the ten submissions were through)
+        # `small` decodes several times faster than tiny-llama: its backlog is longer and submitted last, right
+        # before the urgent jobs, so that on a fast machine some of it still waits in Redis when its urgent job
+        # comes (four jobs of 200 tokens, submitted among tiny-llama's, had all been taken before the submissions
+        # were through; four of 800 too, on the Intel Xeon of 2026-11-28)
         backlog = [
             dict(
                 prompt=f"{prompt} {i}",
@@ -248,8 +249,8 @@ def test_two_models_on_two_workers(settings, sessions, new_key, tmp_path, small_
                 priority=5,
                 model=m,
             )
-            for i in range(4)
-            for m in ("tiny-llama", SMALL)
+            for m, count in (("tiny-llama", 4), (SMALL, 6))
+            for i in range(count)
         ]
         backlog_ids = [submit(**body) for body in backlog]
         urgent = {
@@ -304,8 +305,9 @@ def test_two_models_on_two_workers(settings, sessions, new_key, tmp_path, small_
             )
             assert [ended[i]["output"]["token_ids"] for i in mine] == expected, name
         # usage is counted with each model's tokenizer: the merges make `small`'s prompts shorter
-        tiny_prompt = ended[backlog_ids[0]]["usage"]["prompt_tokens"]
-        small_prompt = ended[backlog_ids[1]]["usage"]["prompt_tokens"]
+        first_of = {m: next(i for i, b in zip(backlog_ids, backlog) if b["model"] == m) for m in urgent}
+        tiny_prompt = ended[first_of["tiny-llama"]]["usage"]["prompt_tokens"]  # both "... there 0"
+        small_prompt = ended[first_of[SMALL]]["usage"]["prompt_tokens"]
         assert tiny_prompt == len(prompt.encode()) + 3 and small_prompt < tiny_prompt
 
         # --- one Batch API file mixing both models (and a line naming none: the default; one naming a model
