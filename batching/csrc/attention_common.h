@@ -77,17 +77,16 @@ inline __m512 exp_nonpositive16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-// One row's softmax numerators in place over its visible keys [lo, hi) (scores scaled first by `scale`), the
-// sink, if any, one more logit; returns their sum. Four vectors a step with four accumulators each for the max
-// and the sum: the compiler's loops kept one of each, a chain of dependent adds (the sum's through the stack)
-// that took ~40% of a bfloat16 prefill on AMX tiles. Both kernels' float32 softmax without soft-capping.
-// The first half: the row's scores [lo, hi) scaled in place; returns their max, and the sink's if there is one.
+// the keys among the 16 from key t that lie in [lo, hi): bit k for key t + k
+inline __mmask16 visible16(int64_t t, int64_t lo, int64_t hi) {
+    const int64_t from = std::clamp<int64_t>(lo - t, 0, 16), to = std::clamp<int64_t>(hi - t, 0, 16);
+    return static_cast<__mmask16>(((1u << to) - 1) & ~((1u << from) - 1));
+}
+
+// A softmax's first half: the row's scores [lo, hi) scaled in place; returns their max, and the sink's if there
+// is one. Four vectors a step with four accumulators (as softmax_row16's sum).
 inline float scale_and_max16(float *sr, int64_t lo, int64_t hi, float scale, const float *sink) {
     const __m512 vscale = _mm512_set1_ps(scale);
-    const auto mask = [&](int64_t t) {
-        const int64_t left = hi - t;
-        return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    };
     const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     __m512 m[4] = {lowest, lowest, lowest, lowest};
     int64_t t = lo;
@@ -98,7 +97,7 @@ inline float scale_and_max16(float *sr, int64_t lo, int64_t hi, float scale, con
             m[v] = _mm512_max_ps(m[v], x);
         }
     for (; t < hi; t += 16) {
-        const __mmask16 k = mask(t);
+        const __mmask16 k = visible16(t, lo, hi);
         const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sr + t), vscale);
         _mm512_mask_storeu_ps(sr + t, k, x);
         m[0] = _mm512_mask_max_ps(m[0], k, m[0], x);
@@ -107,11 +106,11 @@ inline float scale_and_max16(float *sr, int64_t lo, int64_t hi, float scale, con
     return sink ? std::max(max, *sink) : max;
 }
 
+// One row's softmax numerators in place over its visible keys [lo, hi) (scores scaled first by `scale`), the
+// sink, if any, one more logit; returns their sum. Four vectors a step with four accumulators each for the max
+// and the sum: the compiler's loops kept one of each, a chain of dependent adds (the sum's through the stack)
+// that took ~40% of a bfloat16 prefill on AMX tiles. Both kernels' float32 softmax without soft-capping.
 inline float softmax_row16(float *sr, int64_t lo, int64_t hi, float scale, const float *sink) {
-    const auto mask = [&](int64_t t) {
-        const int64_t left = hi - t;
-        return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    };
     const float max = scale_and_max16(sr, lo, hi, scale, sink);
     const __m512 vmax = _mm512_set1_ps(max);
     int64_t t;
@@ -123,7 +122,7 @@ inline float softmax_row16(float *sr, int64_t lo, int64_t hi, float scale, const
             sum[v] = _mm512_add_ps(sum[v], e);
         }
     for (; t < hi; t += 16) {
-        const __mmask16 k = mask(t);
+        const __mmask16 k = visible16(t, lo, hi);
         const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sr + t), vmax));
         _mm512_mask_storeu_ps(sr + t, k, e);
         sum[0] = _mm512_mask_add_ps(sum[0], k, sum[0], e);

@@ -249,8 +249,8 @@ void attend_one(const T *q, int64_t q_sh, const KV *kh, const KV *vh, const bf16
             for (int64_t t = 0; t < span; t++) {
                 sr[t] = exp_nonpositive(sr[t] - m);
                 sum += sr[t];
-        }
-        denom_inv[r] = A(1) / sum;
+            }
+            denom_inv[r] = A(1) / sum;
         }
         // bfloat16: p rounded to bfloat16 before p . v, as torch's CPU SDPA does (the sum above unrounded, as
         // there): on 32 sequences x 300 tokens the output then equals SDPA's in 86% of elements, against 60%

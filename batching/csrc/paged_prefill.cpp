@@ -139,14 +139,7 @@ inline void value_pairs(const uint32_t *p, int64_t p_stride, const uint32_t *val
 }
 #endif
 
-
 #if defined(__AVX512BF16__)
-// the visible keys among the 16 from key t: bit k for key t + k in [lo, hi)
-inline __mmask16 visible16(int64_t t, int64_t lo, int64_t hi) {
-    const int64_t from = std::clamp<int64_t>(lo - t, 0, 16), to = std::clamp<int64_t>(hi - t, 0, 16);
-    return static_cast<__mmask16>(((1u << to) - 1) & ~((1u << from) - 1));
-}
-
 // The pair products' softmax for one row: its scores [lo, hi) scaled and their max as softmax_row16 takes them,
 // then the numerators straight into bfloat16 pair words (rounded to nearest even; a hidden key 0) for the pairs
 // [p_begin, p_end), 32 keys a step, never stored as float32 (one pass over the row less than the softmax and
@@ -450,15 +443,13 @@ void attend_tile(const T *q, int64_t q_sn, int64_t q_sh, const PackedHead<A> &pa
             }
 #endif
 #if defined(__AVX512F__)
-        if constexpr (std::is_same<A, float>::value)
+        if constexpr (std::is_same<A, float>::value && !kPairs)  // (the pair paths took their softmax above)
             if (softcap <= 0) {
-                w.denom_inv[r] = 1.0f / softmax_row16(sr, lo, hi, amx ? scale : 1.0f, sink);
-                if constexpr (!kPairs) {  // step 3's pair products mask the hidden keys; the others need zeros
-                    if constexpr (std::is_same<T, bf16>::value)  // rounded as the pair product rounds them
-                        for (int64_t t = lo; t < hi; t++) sr[t] = widen(narrow<bf16>(sr[t]));
-                    std::fill(sr + kmin, sr + lo, A(0));
-                    std::fill(sr + hi, sr + kmax, A(0));
-                }
+                w.denom_inv[r] = 1.0f / softmax_row16(sr, lo, hi, 1.0f, sink);
+                if constexpr (std::is_same<T, bf16>::value)  // rounded as the pair product rounds them
+                    for (int64_t t = lo; t < hi; t++) sr[t] = widen(narrow<bf16>(sr[t]));
+                std::fill(sr + kmin, sr + lo, A(0));  // hidden keys weigh nothing in step 3's row blocks
+                std::fill(sr + hi, sr + kmax, A(0));
                 continue;
             }
 #endif
